@@ -1,0 +1,78 @@
+"""Process-wide settings with embedded defaults.
+
+Every value can be overridden by an environment variable (listed per field). Paths are
+absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
+(timeout 300 s, envd port 49983) and ``shared/DESIGN.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
+ENVD_PORT = 49983
+#: envd version we report; the E2B SDK gates features on it (e2b/envd/versions.py).
+ENVD_VERSION = "0.6.4"
+#: Fixed in-sandbox addressing: every sandbox sees the same guest IP and gateway.
+GUEST_IP = "169.254.0.21"
+GUEST_GATEWAY = "169.254.0.22"
+GUEST_PREFIXLEN = 30
+
+
+def _env_path(name: str, default: str) -> Path:
+    return Path(os.environ.get(name, default)).expanduser().resolve()
+
+
+@dataclass
+class Settings:
+    """Server settings.
+
+    Attributes:
+        data_dir: root of all state (``FORKYARD_DATA_DIR``, default ``/var/lib/forkyard``).
+        host/port: API bind address (``FORKYARD_HOST`` 127.0.0.1, ``FORKYARD_PORT`` 3000).
+        runsc: path or name of the runsc binary (``FORKYARD_RUNSC``).
+        envd_binary: static envd binary injected into sandboxes (``FORKYARD_ENVD``,
+            default ``<repo>/envd/bin/envd``).
+        default_vcpu / default_memory_mb: per-sandbox limits (2 vCPU, 512 MiB — E2B defaults).
+        domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
+    """
+
+    data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
+    host: str = field(default_factory=lambda: os.environ.get("FORKYARD_HOST", "127.0.0.1"))
+    port: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_PORT", "3000")))
+    runsc: str = field(default_factory=lambda: os.environ.get("FORKYARD_RUNSC", "runsc"))
+    envd_binary: Path = field(
+        default_factory=lambda: _env_path(
+            "FORKYARD_ENVD", str(Path(__file__).resolve().parent.parent / "envd" / "bin" / "envd")
+        )
+    )
+    default_vcpu: int = 2
+    default_memory_mb: int = 512
+    domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
+
+    @property
+    def db_path(self) -> Path:
+        """SQLite state database."""
+        return self.data_dir / "state.db"
+
+    @property
+    def templates_dir(self) -> Path:
+        """``<data>/templates/<name>/rootfs`` holds each built template's read-only rootfs."""
+        return self.data_dir / "templates"
+
+    @property
+    def sandboxes_dir(self) -> Path:
+        """Per-sandbox working directories (OCI bundle, logs)."""
+        return self.data_dir / "sandboxes"
+
+    @property
+    def runsc_root(self) -> Path:
+        """runsc ``--root`` state directory, private to forkyard."""
+        return self.data_dir / "runsc"
+
+    @property
+    def api_key_file(self) -> Path:
+        """0600 file holding the generated API key."""
+        return self.data_dir / "api_key"

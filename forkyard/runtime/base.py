@@ -1,0 +1,79 @@
+"""Runtime driver interface: how the orchestrator starts and stops sandboxes.
+
+A driver owns the isolation boundary (gVisor now; QEMU/Firecracker later). It never
+touches the database or the network slots: the orchestrator allocates a network slot,
+passes its netns path in :class:`SandboxSpec`, and records state. Commands and files go
+through envd (started by the driver as the sandbox's init process), never through the
+driver.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class RuntimeError_(Exception):
+    """A runtime operation failed; ``str(exc)`` carries the runtime's own message."""
+
+
+@dataclass
+class SandboxSpec:
+    """What a driver needs to start one sandbox.
+
+    Attributes:
+        sandbox_id: forkyard sandbox id (also the runtime container id).
+        rootfs: template rootfs directory, shared read-only by all its sandboxes;
+            writes land in a per-sandbox writable layer that the driver owns.
+        netns_path: path of the network namespace the sandbox must run in
+            (e.g. ``/var/run/netns/fy-3-s``).
+        vcpus: CPU limit in cores.
+        memory_mb: memory limit in MiB.
+        hostname: hostname seen inside the sandbox.
+        workdir: per-sandbox directory for the bundle, logs and writable state.
+        env: environment for envd itself (PATH etc.); user env goes through envd ``/init``.
+    """
+
+    sandbox_id: str
+    rootfs: Path
+    netns_path: str
+    vcpus: int
+    memory_mb: int
+    hostname: str
+    workdir: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class RuntimeDriver(abc.ABC):
+    """Abstract sandbox runtime. All methods are coroutines and raise
+    :class:`RuntimeError_` with the runtime's message on failure."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> None:
+        """Start a sandbox running envd as init. Returns once the runtime reports it
+        running (envd readiness is the orchestrator's job). On failure everything it
+        created is removed before raising."""
+
+    @abc.abstractmethod
+    async def destroy(self, sandbox_id: str, workdir: Path | None = None) -> None:
+        """Kill and delete the sandbox and its writable layer. Idempotent: an unknown
+        id is not an error."""
+
+    @abc.abstractmethod
+    async def list_ids(self) -> list[str]:
+        """Ids of every sandbox this driver has on the host (running or stopped)."""
+
+    @abc.abstractmethod
+    async def is_running(self, sandbox_id: str) -> bool:
+        """True when the sandbox exists and its processes are running."""
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
+        """Write memory + filesystem state of the sandbox into ``image_dir``."""
+        raise NotImplementedError(f"{self.name} runtime has no checkpoint")
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+        """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`."""
+        raise NotImplementedError(f"{self.name} runtime has no restore")
