@@ -57,9 +57,14 @@ class Settings:
         """SQLite state database."""
         return self.data_dir / "state.db"
 
+    templates_override: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_TEMPLATES_DIR"))
+
     @property
     def templates_dir(self) -> Path:
-        """``<data>/templates/<name>/rootfs`` holds each built template's read-only rootfs."""
+        """``<templates>/<name>/rootfs`` holds each built template's read-only rootfs;
+        ``<data>/templates`` unless ``FORKYARD_TEMPLATES_DIR`` is set."""
+        if self.templates_override:
+            return Path(self.templates_override).expanduser().resolve()
         return self.data_dir / "templates"
 
     @property

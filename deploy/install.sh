@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Installs everything forkyard needs on a Debian 12 host (idempotent, quick when done):
+#   runsc (gVisor 20240729 from Debian trixie, pinned to that one package — see
+#   shared/DESIGN.md §2), debootstrap, iproute2, iptables; the Python package with test
+#   extras; the static envd binary (envd/bin/envd).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+[ "$(id -u)" = 0 ] || { echo "forkyard needs root (netns, iptables, runsc): run with sudo" >&2; exit 1; }
+
+need_pkgs=()
+runsc_ok() { command -v runsc >/dev/null && runsc --version 2>/dev/null | grep -q 20240729; }
+runsc_ok || need_pkgs+=(runsc)
+for p in debootstrap iproute2 iptables; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
+if [ ${#need_pkgs[@]} -gt 0 ]; then
+  if [[ " ${need_pkgs[*]} " == *" runsc "* ]] && [ ! -f /etc/apt/sources.list.d/forkyard-trixie.sources ]; then
+    say "adding a trixie apt source pinned to the runsc package only"
+    # Reuse the mirror this machine is already configured with.
+    uri=$(awk '/^URIs:/{print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
+    [ -n "$uri" ] || uri=$(awk '/^deb /{print $2; exit}' /etc/apt/sources.list)
+    cat > /etc/apt/sources.list.d/forkyard-trixie.sources <<EOS
+Types: deb
+URIs: $uri
+Suites: trixie
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOS
+    cat > /etc/apt/preferences.d/forkyard-trixie <<EOS
+Package: *
+Pin: release n=trixie
+Pin-Priority: 1
+
+Package: runsc
+Pin: release n=trixie
+Pin-Priority: 990
+EOS
+  fi
+  say "apt-get install ${need_pkgs[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}"
+fi
+runsc_ok || { echo "runsc 20240729 did not install; see shared/DESIGN.md §2" >&2; exit 1; }
+
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import forkyard, e2b, pytest' 2>/dev/null || [ pyproject.toml -nt .pip-stamp ]; then
+  say "pip install -e .[test]"
+  "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
+  touch .pip-stamp
+fi
+
+say "building envd"
+make -s -C envd
+echo "ok: runsc $(runsc --version | head -1 | awk '{print $3}'), envd at envd/bin/envd"

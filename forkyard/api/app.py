@@ -1,0 +1,79 @@
+"""ASGI application factory: REST routes + sandbox proxy + lifecycle wiring."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from forkyard.api import schemas
+from forkyard.api.auth import load_or_create_key
+from forkyard.api.proxy import SandboxProxy
+from forkyard.api.routes_misc import router as misc_router
+from forkyard.api.routes_sandboxes import router as sandboxes_router
+from forkyard.config import Settings
+from forkyard.orchestrator.errors import OrchestratorError
+from forkyard.orchestrator.manager import Orchestrator
+from forkyard.orchestrator.store import Store
+
+log = logging.getLogger("forkyard.api")
+
+
+def build_orchestrator(settings: Settings) -> Orchestrator:
+    """Wire the gVisor driver, network slots and SQLite store for ``settings``."""
+    from forkyard.network.slots import NetworkManager
+    from forkyard.runtime.gvisor.driver import GVisorDriver
+
+    return Orchestrator(settings, GVisorDriver(settings), NetworkManager(settings), Store(settings.db_path))
+
+
+def create_app(settings: Settings | None = None, orchestrator: Orchestrator | None = None):
+    """Build the ASGI app. Returns the proxy-wrapped app; the FastAPI instance is at
+    ``.app`` (for tests). The orchestrator starts/stops with the app lifespan."""
+    settings = settings or Settings()
+    orch = orchestrator or build_orchestrator(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await orch.start()
+        try:
+            yield
+        finally:
+            await orch.stop()
+            await proxy.client.aclose()
+
+    api = FastAPI(
+        title="forkyard",
+        summary="E2B-compatible API for forkable gVisor sandboxes",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    api.state.settings = settings
+    api.state.orchestrator = orch
+    api.state.api_key = load_or_create_key(settings.api_key_file)
+
+    @api.exception_handler(OrchestratorError)
+    async def _orch_error(request: Request, exc: OrchestratorError):
+        return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
+
+    @api.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException):
+        return JSONResponse(schemas.error(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        return JSONResponse(schemas.error(400, "; ".join(parts) or "invalid request"), status_code=400)
+
+    api.include_router(misc_router)
+    api.include_router(sandboxes_router)
+    proxy = SandboxProxy(api, orch.target)
+    proxy.fastapi = api
+    return proxy

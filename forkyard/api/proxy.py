@@ -1,0 +1,179 @@
+"""Sandbox traffic proxy (ASGI middleware in front of the REST app).
+
+Routing (E2B's two forms, see shared/DESIGN.md §3):
+* headers ``E2b-Sandbox-Id`` + ``E2b-Sandbox-Port`` (SDK with ``E2B_SANDBOX_URL``);
+* host ``PORT-SANDBOXID.DOMAIN`` (e.g. ``49983-abc….localhost:3000``).
+
+HTTP requests and responses are streamed in both directions (HTTP/1.1 chunked bodies,
+so Connect server-streaming works over plain ``http://``); WebSocket upgrades are
+relayed frame by frame. Unknown sandbox → 404 JSON; connection failure → 502 JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+
+import httpx
+import websockets
+
+from forkyard.orchestrator.errors import NotFound
+
+log = logging.getLogger("forkyard.proxy")
+
+_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
+#: Hop-by-hop headers (RFC 9110 §7.6.1) plus routing headers we consume.
+_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+    "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+}
+_WS_SKIP = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                   "sec-websocket-accept", "sec-websocket-protocol"}
+
+
+def route_of(scope) -> tuple[str, int] | None:
+    """``(sandbox_id, port)`` a request is addressed to, or None for the REST API.
+
+    Raises:
+        ValueError: routing header present but the port is not a number in 1 … 65535.
+    """
+    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+    sid = headers.get("e2b-sandbox-id")
+    if sid:
+        raw = headers.get("e2b-sandbox-port", "49983")
+        if not raw.isdigit() or not 0 < int(raw) < 65536:
+            raise ValueError(f"invalid E2b-Sandbox-Port {raw!r}")
+        return sid.strip(), int(raw)
+    m = _HOST_RE.match(headers.get("host", ""))
+    if m and 0 < int(m.group(1)) < 65536:
+        return m.group(2), int(m.group(1))
+    return None
+
+
+async def _send_json(send, status: int, message: str) -> None:
+    body = json.dumps({"code": status, "message": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class SandboxProxy:
+    """ASGI middleware: requests carrying a sandbox route go to the sandbox, the rest
+    to ``app``. ``resolve(sandbox_id, port) -> (host, port)`` raises NotFound."""
+
+    def __init__(self, app, resolve):
+        self.app = app
+        self.resolve = resolve
+        self.client = httpx.AsyncClient(
+            trust_env=False,
+            timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
+        )
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        try:
+            route = route_of(scope)
+        except ValueError as e:
+            if scope["type"] == "http":
+                return await _send_json(send, 400, str(e))
+            return await send({"type": "websocket.close", "code": 1008})
+        if route is None:
+            return await self.app(scope, receive, send)
+        sid, port = route
+        try:
+            host, hport = self.resolve(sid, port)
+        except NotFound as e:
+            if scope["type"] == "http":
+                return await _send_json(send, 404, str(e))
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] == "http":
+            await self._http(scope, receive, send, host, hport, sid)
+        else:
+            await self._ws(scope, receive, send, host, hport)
+
+    async def _http(self, scope, receive, send, host, port, sid):
+        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _HOP]
+        qs = scope.get("query_string", b"")
+        url = f"http://{host}:{port}{scope.get('raw_path', scope['path'].encode()).decode('latin-1').split('?')[0]}"
+        if qs:
+            url += "?" + qs.decode("latin-1")
+
+        async def body():
+            while True:
+                msg = await receive()
+                if msg["type"] == "http.disconnect":
+                    return
+                chunk = msg.get("body", b"")
+                if chunk:
+                    yield chunk
+                if not msg.get("more_body"):
+                    return
+
+        req = self.client.build_request(scope["method"], url, headers=headers, content=body())
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.HTTPError as e:
+            return await _send_json(send, 502, f"sandbox {sid} port {port} is not reachable: {e!r}")
+        try:
+            out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                           for k, v in resp.headers.multi_items() if k.lower() not in _HOP]
+            if "content-length" in resp.headers:  # raw bytes are relayed, so it stays exact
+                out_headers.append((b"content-length", resp.headers["content-length"].encode()))
+            await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+            async for chunk in resp.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except (httpx.HTTPError, OSError) as e:
+            log.info("stream from sandbox %s ended early: %r", sid, e)
+        finally:
+            await resp.aclose()
+
+    async def _ws(self, scope, receive, send, host, port):
+        path = scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?")[0]
+        qs = scope.get("query_string", b"").decode("latin-1")
+        url = f"ws://{host}:{port}{path}" + (f"?{qs}" if qs else "")
+        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                if k.decode("latin-1").lower() not in _WS_SKIP]
+        msg = await receive()
+        if msg["type"] != "websocket.connect":
+            return
+        try:
+            upstream = await websockets.connect(url, additional_headers=hdrs, subprotocols=scope.get("subprotocols") or None,
+                                                open_timeout=5, max_size=None)
+        except Exception as e:  # noqa: BLE001 — any failure to reach the sandbox
+            log.info("websocket to %s failed: %r", url, e)
+            return await send({"type": "websocket.close", "code": 1011})
+        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+        async def client_to_up():
+            while True:
+                m = await receive()
+                if m["type"] == "websocket.disconnect":
+                    await upstream.close()
+                    return
+                if m.get("bytes") is not None:
+                    await upstream.send(m["bytes"])
+                elif m.get("text") is not None:
+                    await upstream.send(m["text"])
+
+        async def up_to_client():
+            try:
+                async for m in upstream:
+                    if isinstance(m, bytes):
+                        await send({"type": "websocket.send", "bytes": m})
+                    else:
+                        await send({"type": "websocket.send", "text": m})
+            finally:
+                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+        tasks = [asyncio.create_task(client_to_up()), asyncio.create_task(up_to_client())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await upstream.close()

@@ -1,0 +1,169 @@
+"""E2B sandbox REST routes (paths, fields and codes from E2B's OpenAPI spec)."""
+
+from __future__ import annotations
+
+import base64
+import time
+import urllib.parse
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from forkyard.api import schemas
+from forkyard.api.auth import require_key
+from forkyard.orchestrator.errors import BadRequest
+from forkyard.orchestrator.manager import Orchestrator
+
+router = APIRouter(dependencies=[Depends(require_key)])
+
+
+def _orch(request: Request) -> Orchestrator:
+    return request.app.state.orchestrator
+
+
+def _parse_metadata(raw: str | None) -> dict[str, str]:
+    """``metadata`` query: URL-encoded ``k=v&…`` whose keys/values are themselves
+    URL-quoted by the SDK."""
+    if not raw:
+        return {}
+    try:
+        pairs = urllib.parse.parse_qsl(raw, keep_blank_values=True, strict_parsing=True)
+    except ValueError as e:
+        raise BadRequest(f"invalid metadata filter {raw!r}: {e}") from e
+    return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
+
+
+def _filter(orch: Orchestrator, metadata: str | None, states: set[str], template: str | None):
+    want = _parse_metadata(metadata)
+    out = []
+    for rec in orch.list():
+        state = "paused" if rec.state == "paused" else "running"
+        if state not in states:
+            continue
+        if template and rec.template_id != template.split(":", 1)[0]:
+            continue
+        if any(rec.metadata.get(k) != v for k, v in want.items()):
+            continue
+        out.append(rec)
+    return out
+
+
+async def _create(request: Request, body: schemas.NewSandbox, secure_default: bool) -> JSONResponse:
+    orch = _orch(request)
+    rec = await orch.create(
+        template_id=body.template_id,
+        timeout_s=body.timeout,
+        metadata=body.metadata,
+        env_vars=body.env_vars,
+        auto_pause=True if body.auto_pause is None else body.auto_pause,
+        secure=secure_default if body.secure is None else body.secure,
+    )
+    return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+
+
+@router.post("/sandboxes", status_code=201)
+async def create_sandbox(request: Request, body: schemas.NewSandbox):
+    """Create a sandbox (E2B v1: ``secure`` opt-in)."""
+    return await _create(request, body, secure_default=False)
+
+
+@router.post("/v2/sandboxes", status_code=201)
+async def create_sandbox_v2(request: Request, body: schemas.NewSandbox):
+    """Create a sandbox (E2B v2: envd access is always secured)."""
+    return await _create(request, body, secure_default=True)
+
+
+@router.get("/sandboxes")
+async def list_sandboxes(request: Request, metadata: str | None = None):
+    """Running sandboxes (E2B v1 list)."""
+    return [schemas.sandbox_listed(r) for r in _filter(_orch(request), metadata, {"running"}, None)]
+
+
+@router.get("/v2/sandboxes")
+async def list_sandboxes_v2(
+    request: Request,
+    response: Response,
+    metadata: str | None = None,
+    state: str | None = None,
+    template: str | None = None,
+    order: str | None = Query(default=None, pattern="^(asc|desc)$"),
+    next_token: str | None = Query(default=None, alias="nextToken"),
+    limit: int = Query(default=100, ge=1, le=100),
+):
+    """Sandboxes filtered by ``state`` (comma list of running/paused; default both),
+    ``metadata`` and ``template``; paginated by ``limit`` and the opaque
+    ``nextToken`` (answered in the ``x-next-token`` header)."""
+    states = set((state or "running,paused").split(","))
+    if not states <= {"running", "paused"}:
+        raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
+    recs = _filter(_orch(request), metadata, states, template)
+    recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
+    start = 0
+    if next_token:
+        try:
+            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+        except Exception as e:  # noqa: BLE001 — any decoding failure is the client's
+            raise BadRequest("invalid nextToken") from e
+    page = recs[start : start + limit]
+    if start + limit < len(recs):
+        response.headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    return [schemas.sandbox_listed(r) for r in page]
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get_sandbox(request: Request, sandbox_id: str):
+    """One sandbox's details."""
+    return schemas.sandbox_detail(_orch(request).get(sandbox_id))
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill_sandbox(request: Request, sandbox_id: str):
+    """Kill a sandbox (204; 404 when unknown)."""
+    await _orch(request).kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(request: Request, sandbox_id: str, body: schemas.TimeoutBody):
+    """Set the sandbox to expire ``timeout`` seconds from now."""
+    _orch(request).set_timeout(sandbox_id, body.timeout)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(request: Request, sandbox_id: str, body: schemas.RefreshBody | None = None):
+    """Keep the sandbox alive for at least ``duration`` more seconds."""
+    _orch(request).refresh(sandbox_id, body.duration if body else None)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
+    """Connect to a running sandbox, extending its timeout (never shortening)."""
+    orch = _orch(request)
+    rec = orch.get(sandbox_id)
+    timeout = body.timeout if body else 300
+    if rec.end_at < time.time() + timeout:
+        rec = orch.set_timeout(sandbox_id, timeout)
+    return JSONResponse(schemas.sandbox_created(rec), status_code=200)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(request: Request, sandbox_id: str):
+    """Current CPU / memory / disk usage as a one-element ``SandboxMetric`` list."""
+    m = await _orch(request).metrics(sandbox_id)
+    now = time.time()
+    return [
+        {
+            "timestamp": schemas._iso(now),
+            "timestampUnix": int(now),
+            "cpuCount": m.get("cpu_count", 0),
+            "cpuUsedPct": m.get("cpu_used_pct", 0.0),
+            "memUsed": m.get("mem_used", 0),
+            "memTotal": m.get("mem_total", 0),
+            "memCache": m.get("mem_cache", 0),
+            "diskUsed": m.get("disk_used", 0),
+            "diskTotal": m.get("disk_total", 0),
+        }
+    ]

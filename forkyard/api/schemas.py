@@ -1,0 +1,96 @@
+"""Request/response bodies of the E2B REST API (field names from E2B's OpenAPI spec as
+shipped in the ``e2b`` SDK's generated models: ``NewSandbox``, ``Sandbox``,
+``SandboxDetail``, ``ListedSandbox``, ``SandboxMetric``, ``Error``)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from forkyard.config import ENVD_VERSION
+from forkyard.orchestrator.store import SandboxRecord
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+
+
+class NewSandbox(_Strict):
+    """``POST /sandboxes`` and ``POST /v2/sandboxes`` body. ``timeout`` in seconds."""
+
+    template_id: str = Field(alias="templateID", min_length=1, max_length=128)
+    timeout: int | None = Field(default=None, ge=0, le=86400)
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+    secure: bool | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+
+
+class TimeoutBody(_Strict):
+    """``POST /sandboxes/{id}/timeout``: ``timeout`` seconds from now."""
+
+    timeout: int = Field(ge=0, le=86400)
+
+
+class RefreshBody(_Strict):
+    """``POST /sandboxes/{id}/refreshes``: extend by ``duration`` seconds (≤ 3600)."""
+
+    duration: int | None = Field(default=None, ge=0, le=3600)
+
+
+class ConnectBody(_Strict):
+    """``POST /sandboxes/{id}/connect``: new ``timeout`` in seconds."""
+
+    timeout: int = Field(default=300, ge=0, le=86400)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def sandbox_created(rec: SandboxRecord) -> dict:
+    """``Sandbox`` body returned by create/connect (201/200)."""
+    d = {
+        "templateID": rec.template_id,
+        "sandboxID": rec.id,
+        "clientID": rec.client_id,
+        "envdVersion": ENVD_VERSION,
+        "alias": rec.template_id,
+    }
+    if rec.envd_access_token:
+        d["envdAccessToken"] = rec.envd_access_token
+    return d
+
+
+def sandbox_listed(rec: SandboxRecord) -> dict:
+    """``ListedSandbox`` body (list endpoints)."""
+    return {
+        "templateID": rec.template_id,
+        "alias": rec.template_id,
+        "sandboxID": rec.id,
+        "clientID": rec.client_id,
+        "startedAt": _iso(rec.started_at),
+        "endAt": _iso(rec.end_at),
+        "cpuCount": rec.vcpus,
+        "memoryMB": rec.memory_mb,
+        "diskSizeMB": 0,
+        "state": "paused" if rec.state == "paused" else "running",
+        "envdVersion": ENVD_VERSION,
+        "metadata": rec.metadata,
+    }
+
+
+def sandbox_detail(rec: SandboxRecord) -> dict:
+    """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
+    d = sandbox_listed(rec)
+    d["lifecycle"] = {"autoPause": rec.auto_pause, "onTimeout": "pause" if rec.auto_pause else "kill"}
+    if rec.envd_access_token:
+        d["envdAccessToken"] = rec.envd_access_token
+    return d
+
+
+def error(code: int, message: str) -> dict:
+    """E2B ``Error`` body."""
+    return {"code": code, "message": message}

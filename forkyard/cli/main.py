@@ -1,0 +1,85 @@
+"""``forkyard`` console script."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from forkyard.config import Settings
+
+app = typer.Typer(help="forkyard: forkable gVisor sandboxes behind an E2B-compatible API.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+console = Console(stderr=True)
+
+
+def _fail(msg: str, code: int = 1):
+    console.print(f"[red]error:[/red] {msg}")
+    raise typer.Exit(code)
+
+
+def _preflight(settings: Settings) -> None:
+    if shutil.which(settings.runsc) is None and not Path(settings.runsc).exists():
+        _fail(f"runsc not found ({settings.runsc!r}); run deploy/install.sh or set FORKYARD_RUNSC")
+    if not settings.envd_binary.exists():
+        _fail(f"envd binary missing at {settings.envd_binary}; build it with `make -C envd` "
+              "or run deploy/install.sh, or set FORKYARD_ENVD")
+
+
+@app.command()
+def serve(
+    host: str = typer.Option(None, help="Bind address (default 127.0.0.1, FORKYARD_HOST)."),
+    port: int = typer.Option(None, help="Bind port (default 3000, FORKYARD_PORT)."),
+    data_dir: Path = typer.Option(None, help="State directory (default /var/lib/forkyard)."),
+    build_base: bool = typer.Option(True, help="Build the default `base` template if missing."),
+    log_level: str = typer.Option("info", help="Log level."),
+):
+    """Start the API server (REST + sandbox proxy) on HOST:PORT."""
+    import uvicorn
+
+    from forkyard.api.app import create_app
+    from forkyard.templates import registry
+
+    settings = Settings()
+    if host:
+        settings.host = host
+    if port:
+        settings.port = port
+    if data_dir:
+        settings.data_dir = data_dir.resolve()
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _preflight(settings)
+    if build_base and registry.resolve(settings, "base") is None:
+        from forkyard.templates.base import build_base as build
+
+        console.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
+        try:
+            build(settings, progress=lambda line: console.print(f"  [dim]{line}[/dim]", highlight=False))
+        except Exception as e:  # noqa: BLE001 — report and exit, no traceback
+            _fail(f"building template `base` failed: {e}")
+    application = create_app(settings)
+    key_src = "FORKYARD_API_KEY" if _env_key() else str(settings.api_key_file)
+    url = f"http://{settings.host}:{settings.port}"
+    console.print(f"[green]forkyard API[/green] {url}   (API key: {key_src})")
+    console.print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=$(cat {settings.api_key_file})")
+    uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
+                timeout_graceful_shutdown=5)
+
+
+def _env_key() -> bool:
+    import os
+
+    return bool(os.environ.get("FORKYARD_API_KEY"))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    """Console entry point."""
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

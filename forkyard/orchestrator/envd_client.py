@@ -1,0 +1,75 @@
+"""Host-side calls to a sandbox's envd over its slot's outer address.
+
+Protocol source: E2B envd's plain HTTP endpoints ``GET /health`` (204 when ready) and
+``POST /init`` (JSON ``envVars``, ``accessToken``, ``defaultUser``, ``timestamp``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime, timezone
+
+import httpx
+
+from forkyard.config import ENVD_PORT
+
+
+def envd_url(outer_ip: str) -> str:
+    """Base URL of envd for a slot's outer address."""
+    return f"http://{outer_ip}:{ENVD_PORT}"
+
+
+async def wait_healthy(client: httpx.AsyncClient, outer_ip: str, timeout_s: float) -> None:
+    """Poll ``/health`` every 10 ms until it answers 2xx.
+
+    Raises:
+        TimeoutError: envd did not answer within ``timeout_s`` seconds; the message
+            carries the last connection error.
+    """
+    deadline = time.monotonic() + timeout_s
+    last: Exception | str = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            r = await client.get(f"{envd_url(outer_ip)}/health", timeout=1.0)
+            if r.status_code < 300:
+                return
+            last = f"HTTP {r.status_code}"
+        except httpx.HTTPError as e:
+            last = e
+        await asyncio.sleep(0.01)
+    raise TimeoutError(f"envd did not become healthy in {timeout_s:.0f} s: {last!r}")
+
+
+async def init(
+    client: httpx.AsyncClient,
+    outer_ip: str,
+    env_vars: dict[str, str],
+    access_token: str | None,
+) -> None:
+    """Send ``POST /init`` with the sandbox's env vars and access token.
+
+    Raises:
+        httpx.HTTPError: connection failure or non-2xx answer.
+    """
+    body: dict = {
+        "envVars": env_vars,
+        "defaultUser": "user",
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+    }
+    if access_token:
+        body["accessToken"] = access_token
+    r = await client.post(f"{envd_url(outer_ip)}/init", json=body, timeout=5.0)
+    r.raise_for_status()
+
+
+async def get_json(client: httpx.AsyncClient, outer_ip: str, path: str, access_token: str | None):
+    """GET ``path`` from envd and return the decoded JSON body.
+
+    Raises:
+        httpx.HTTPError: connection failure or non-2xx answer.
+    """
+    headers = {"X-Access-Token": access_token} if access_token else {}
+    r = await client.get(f"{envd_url(outer_ip)}{path}", headers=headers, timeout=5.0)
+    r.raise_for_status()
+    return r.json()

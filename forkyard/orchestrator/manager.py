@@ -1,0 +1,323 @@
+"""Sandbox lifecycle: create, kill, timeouts, restart reconciliation.
+
+Data flows orchestrator → runtime driver / network slots / store, never back. Every
+state transition is written to the :class:`~forkyard.orchestrator.store.Store` before
+the operation that follows it, so a crash leaves rows that :meth:`Orchestrator.start`
+can reconcile (re-adopt what still runs, clean up the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+import string
+import time
+
+import httpx
+
+from forkyard.config import Settings
+from forkyard.network.base import Slot
+from forkyard.orchestrator import envd_client
+from forkyard.orchestrator.errors import BadRequest, CreateFailed, NotFound
+from forkyard.orchestrator.store import SandboxRecord, Store
+from forkyard.runtime.base import RuntimeDriver, SandboxSpec
+from forkyard.templates import registry
+
+log = logging.getLogger("forkyard.orchestrator")
+
+_ID_ALPHABET = string.ascii_lowercase + string.digits
+#: E2B limits: timeout 0 < t ≤ 24 h for Pro plans; default 300 s (E2B API spec).
+DEFAULT_TIMEOUT_S = 300
+MAX_TIMEOUT_S = 24 * 3600
+MAX_SLOTS = 16384
+ENVD_READY_TIMEOUT_S = 20.0
+
+
+def new_sandbox_id() -> str:
+    """A 20-character lower-case alphanumeric id, the shape E2B uses."""
+    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
+
+
+class Orchestrator:
+    """Owns every sandbox on this node.
+
+    Args:
+        settings: node settings (paths, limits).
+        driver: runtime driver (gVisor).
+        network: slot manager with ``setup_host()``, ``allocate(i) -> Slot``,
+            ``release(i)``, ``existing_indexes()`` (blocking calls, run in threads).
+        store: SQLite store.
+    """
+
+    def __init__(self, settings: Settings, driver: RuntimeDriver, network, store: Store):
+        self.settings = settings
+        self.driver = driver
+        self.network = network
+        self.store = store
+        self._slots: dict[str, Slot] = {}
+        self._slot_lock = asyncio.Lock()
+        self._ttl_task: asyncio.Task | None = None
+        self._http = httpx.AsyncClient(trust_env=False)
+
+    # ---- startup / shutdown -------------------------------------------------------
+    async def start(self) -> None:
+        """Prepare the host, reconcile persisted sandboxes with what runs, start the
+        TTL loop. Sandboxes that still run with a healthy envd are re-adopted; every
+        other row, runtime container, netns and workdir that has no live owner is
+        removed."""
+        await asyncio.to_thread(self.network.setup_host)
+        await self._reconcile()
+        self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+
+    async def stop(self) -> None:
+        """Stop background work. Running sandboxes are left running for re-adoption."""
+        if self._ttl_task:
+            self._ttl_task.cancel()
+            try:
+                await self._ttl_task
+            except asyncio.CancelledError:
+                pass
+        await self._http.aclose()
+
+    async def _reconcile(self) -> None:
+        live_ids = set(await self.driver.list_ids())
+        keep: set[str] = set()
+        for rec in self.store.all():
+            ok = False
+            if rec.state == "running" and rec.id in live_ids and rec.slot is not None:
+                slot = await asyncio.to_thread(self.network.allocate, rec.slot)
+                try:
+                    ok = await self.driver.is_running(rec.id)
+                    if ok:
+                        await envd_client.wait_healthy(self._http, slot.outer_ip, 3.0)
+                except Exception as e:  # noqa: BLE001 — any failure means not adoptable
+                    log.warning("sandbox %s not adoptable: %s", rec.id, e)
+                    ok = False
+                if ok:
+                    self._slots[rec.id] = slot
+                    keep.add(rec.id)
+                    log.info("re-adopted sandbox %s", rec.id)
+            if not ok:
+                log.info("cleaning up sandbox %s (state %s)", rec.id, rec.state)
+                await self._teardown(rec.id, rec.slot)
+                self.store.delete(rec.id)
+        for rid in live_ids - keep:
+            log.info("removing orphan runtime sandbox %s", rid)
+            await self.driver.destroy(rid, self.settings.sandboxes_dir / rid)
+        used = {s.index for s in self._slots.values()}
+        for idx in await asyncio.to_thread(self.network.existing_indexes):
+            if idx not in used:
+                await asyncio.to_thread(self.network.release, idx)
+        if self.settings.sandboxes_dir.is_dir():
+            for d in self.settings.sandboxes_dir.iterdir():
+                if d.name not in keep:
+                    shutil.rmtree(d, ignore_errors=True)
+
+    # ---- queries ------------------------------------------------------------------
+    def get(self, sandbox_id: str) -> SandboxRecord:
+        """The live sandbox ``sandbox_id``.
+
+        Raises:
+            NotFound: unknown id or killed sandbox.
+        """
+        rec = self.store.get(sandbox_id)
+        if rec is None or rec.state in ("creating", "killing"):
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        return rec
+
+    def list(self) -> list[SandboxRecord]:
+        """Every sandbox visible to clients (running or paused), oldest first."""
+        return [r for r in self.store.all() if r.state not in ("creating", "killing")]
+
+    def target(self, sandbox_id: str, port: int) -> tuple[str, int]:
+        """``(host, port)`` the proxy connects to for ``port`` inside the sandbox.
+
+        Raises:
+            NotFound: unknown or not running sandbox.
+        """
+        slot = self._slots.get(sandbox_id)
+        if slot is None:
+            raise NotFound(f"sandbox {sandbox_id!r} not found or not running")
+        return slot.outer_ip, port
+
+    # ---- create / kill ------------------------------------------------------------
+    async def _alloc_slot(self, sandbox_id: str) -> Slot:
+        async with self._slot_lock:
+            used = {r.slot for r in self.store.all() if r.slot is not None}
+            for idx in range(MAX_SLOTS):
+                if idx not in used:
+                    break
+            else:
+                raise CreateFailed("no free network slot on this node")
+            rec = self.store.get(sandbox_id)
+            rec.slot = idx
+            self.store.put(rec)
+        return await asyncio.to_thread(self.network.allocate, idx)
+
+    async def create(
+        self,
+        template_id: str,
+        timeout_s: int | None = None,
+        metadata: dict[str, str] | None = None,
+        env_vars: dict[str, str] | None = None,
+        auto_pause: bool = False,
+        secure: bool = False,
+        vcpus: int | None = None,
+        memory_mb: int | None = None,
+    ) -> SandboxRecord:
+        """Create and start a sandbox from ``template_id`` and wait for envd.
+
+        Args:
+            timeout_s: seconds until expiry (1 … 86400; default 300).
+            auto_pause: pause instead of kill at expiry (lifecycle work; kill for now).
+            secure: generate an envd access token that clients must send.
+
+        Raises:
+            NotFound: unknown template.
+            BadRequest: out-of-range timeout.
+            CreateFailed: runtime or envd failure; everything half-made is removed.
+        """
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise BadRequest(f"timeout must be between 1 and {MAX_TIMEOUT_S} seconds")
+        tmpl = registry.resolve(self.settings, template_id)
+        if tmpl is None:
+            raise NotFound(f"template {template_id!r} not found")
+        now = time.time()
+        rec = SandboxRecord(
+            id=new_sandbox_id(),
+            template_id=tmpl.template_id,
+            state="creating",
+            slot=None,
+            vcpus=vcpus or self.settings.default_vcpu,
+            memory_mb=memory_mb or self.settings.default_memory_mb,
+            started_at=now,
+            end_at=now + timeout_s,
+            auto_pause=auto_pause,
+            metadata=dict(metadata or {}),
+            env_vars=dict(env_vars or {}),
+            envd_access_token=secrets.token_urlsafe(24) if secure else None,
+        )
+        self.store.put(rec)
+        try:
+            slot = await self._alloc_slot(rec.id)
+            workdir = self.settings.sandboxes_dir / rec.id
+            workdir.mkdir(parents=True, exist_ok=True)
+            spec = SandboxSpec(
+                sandbox_id=rec.id,
+                rootfs=tmpl.rootfs,
+                netns_path=slot.netns_path,
+                vcpus=rec.vcpus,
+                memory_mb=rec.memory_mb,
+                hostname="e2b.local",
+                workdir=workdir,
+            )
+            await self.driver.create(spec)
+            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token)
+        except BaseException as e:
+            log.warning("create of %s failed: %s", rec.id, e)
+            rec = self.store.get(rec.id) or rec
+            await asyncio.shield(self._teardown(rec.id, rec.slot))
+            self.store.delete(rec.id)
+            if isinstance(e, (CreateFailed, asyncio.CancelledError)):
+                raise
+            raise CreateFailed(f"creating sandbox from {template_id!r} failed: {e}") from e
+        self._slots[rec.id] = slot
+        rec.state = "running"
+        rec.started_at = time.time()
+        rec.end_at = rec.started_at + timeout_s
+        self.store.put(rec)
+        return rec
+
+    async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
+        """Destroy runtime state, network slot and workdir; never raises."""
+        self._slots.pop(sandbox_id, None)
+        try:
+            await self.driver.destroy(sandbox_id, self.settings.sandboxes_dir / sandbox_id)
+        except Exception as e:  # noqa: BLE001
+            log.error("destroy of %s failed: %s", sandbox_id, e)
+        if slot_index is not None:
+            try:
+                await asyncio.to_thread(self.network.release, slot_index)
+            except Exception as e:  # noqa: BLE001
+                log.error("release of slot %s failed: %s", slot_index, e)
+        shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
+
+    async def kill(self, sandbox_id: str) -> None:
+        """Kill the sandbox and free everything it held.
+
+        Raises:
+            NotFound: unknown or already killed sandbox.
+        """
+        rec = self.get(sandbox_id)
+        rec.state = "killing"
+        self.store.put(rec)
+        await self._teardown(rec.id, rec.slot)
+        self.store.delete(rec.id)
+
+    async def kill_all(self) -> None:
+        """Kill every sandbox (tests, ``forkyard serve --kill-on-exit``)."""
+        for rec in self.list():
+            await self.kill(rec.id)
+
+    # ---- timeouts -----------------------------------------------------------------
+    def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
+        """Set expiry to now + ``timeout_s`` (E2B semantics: may shorten or extend).
+
+        Raises:
+            NotFound, BadRequest (timeout outside 0 … 86400 s).
+        """
+        if not 0 <= timeout_s <= MAX_TIMEOUT_S:
+            raise BadRequest(f"timeout must be between 0 and {MAX_TIMEOUT_S} seconds")
+        rec = self.get(sandbox_id)
+        rec.end_at = time.time() + timeout_s
+        self.store.put(rec)
+        return rec
+
+    def refresh(self, sandbox_id: str, duration_s: int | None) -> SandboxRecord:
+        """Extend expiry to at least now + ``duration_s`` (default 300 s; E2B
+        ``/refreshes`` never shortens).
+
+        Raises:
+            NotFound, BadRequest (duration outside 0 … 3600 s, E2B's limit).
+        """
+        duration_s = DEFAULT_TIMEOUT_S if duration_s is None else duration_s
+        if not 0 <= duration_s <= 3600:
+            raise BadRequest("duration must be between 0 and 3600 seconds")
+        rec = self.get(sandbox_id)
+        rec.end_at = max(rec.end_at, time.time() + duration_s)
+        self.store.put(rec)
+        return rec
+
+    async def _ttl_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.time()
+            for rec in self.list():
+                if rec.state == "running" and rec.end_at <= now:
+                    log.info("sandbox %s expired; killing", rec.id)
+                    try:
+                        await self.kill(rec.id)
+                    except NotFound:
+                        pass
+                    except Exception as e:  # noqa: BLE001 — keep the loop alive
+                        log.error("expiry of %s failed: %s", rec.id, e)
+
+    # ---- metrics ------------------------------------------------------------------
+    async def metrics(self, sandbox_id: str) -> dict:
+        """envd's ``/metrics`` JSON for a running sandbox plus a UNIX ``timestamp``.
+
+        Raises:
+            NotFound: unknown sandbox.
+            CreateFailed: envd did not answer (500).
+        """
+        rec = self.get(sandbox_id)
+        host, _ = self.target(sandbox_id, 0)
+        try:
+            return await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
+        except httpx.HTTPError as e:
+            raise CreateFailed(f"envd of sandbox {sandbox_id} did not answer /metrics: {e}") from e
+

@@ -1,0 +1,113 @@
+"""SQLite persistence for sandboxes.
+
+One row per sandbox, written on every state transition (``synchronous=FULL``, WAL) so a
+restarted server knows every sandbox. Timestamps are UNIX seconds (float, UTC).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id TEXT PRIMARY KEY,
+    template_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    slot INTEGER,
+    vcpus INTEGER NOT NULL,
+    memory_mb INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    end_at REAL NOT NULL,
+    auto_pause INTEGER NOT NULL,
+    metadata TEXT NOT NULL,
+    env_vars TEXT NOT NULL,
+    envd_access_token TEXT,
+    client_id TEXT NOT NULL DEFAULT 'forkyard'
+);
+CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
+"""
+
+#: Lifecycle states (shared/DESIGN.md §4). Only ``running``/``paused`` are shown by the API.
+STATES = ("creating", "running", "paused", "snapshotting", "forking", "killing")
+
+
+@dataclass
+class SandboxRecord:
+    """Persisted sandbox. ``started_at``/``end_at`` are UNIX seconds; ``slot`` is the
+    network slot index (None while not allocated)."""
+
+    id: str
+    template_id: str
+    state: str
+    slot: int | None
+    vcpus: int
+    memory_mb: int
+    started_at: float
+    end_at: float
+    auto_pause: bool
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    envd_access_token: str | None = None
+    client_id: str = "forkyard"
+
+
+class Store:
+    """Thread-safe SQLite store of :class:`SandboxRecord` rows.
+
+    Raises :class:`sqlite3.Error` on I/O failure; callers treat it as a 500.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        """Close the database connection."""
+        with self._lock:
+            self._db.close()
+
+    @staticmethod
+    def _row(row: sqlite3.Row) -> SandboxRecord:
+        d = dict(row)
+        d["auto_pause"] = bool(d["auto_pause"])
+        d["metadata"] = json.loads(d["metadata"])
+        d["env_vars"] = json.loads(d["env_vars"])
+        return SandboxRecord(**d)
+
+    def put(self, rec: SandboxRecord) -> None:
+        """Insert or replace the whole row."""
+        d = asdict(rec)
+        d["auto_pause"] = int(rec.auto_pause)
+        d["metadata"] = json.dumps(rec.metadata)
+        d["env_vars"] = json.dumps(rec.env_vars)
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        with self._lock:
+            self._db.execute(f"INSERT OR REPLACE INTO sandboxes ({cols}) VALUES ({marks})", d)
+
+    def get(self, sandbox_id: str) -> SandboxRecord | None:
+        """Row for ``sandbox_id`` or None."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+        return self._row(row) if row else None
+
+    def all(self) -> list[SandboxRecord]:
+        """Every row, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM sandboxes ORDER BY started_at").fetchall()
+        return [self._row(r) for r in rows]
+
+    def delete(self, sandbox_id: str) -> None:
+        """Remove the row (no error when absent)."""
+        with self._lock:
+            self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))

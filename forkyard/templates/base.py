@@ -1,0 +1,373 @@
+"""The ``base`` template: a Debian bookworm rootfs shared read-only by sandboxes.
+
+Layout under ``<settings.templates_dir>/base``::
+
+    rootfs/            the finished root filesystem (read-only bind mount of itself)
+    .complete          completion marker, written last
+    .rootfs.partial/   build in progress (removed and rebuilt if a build was interrupted)
+    .lock              flock held while building
+
+Sandboxes never write into ``rootfs``: the runtime gives each sandbox its own writable
+layer (gVisor ``--overlay2``), and the directory is additionally made read-only on the
+host with a read-only bind mount onto itself, so even a runtime bug cannot modify it.
+The bind mount does not survive a host reboot; :func:`build_base` (and
+:func:`protect_rootfs`) re-establish it whenever called.
+
+Run ``python -m forkyard.templates.base`` to build it from the command line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+from forkyard.config import Settings
+
+TEMPLATE_NAME = "base"
+SUITE = "bookworm"
+#: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
+PACKAGES = [
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "git",
+    "curl",
+    "wget",
+    "ca-certificates",
+    "sudo",
+    "procps",
+    "bash",
+    "iproute2",
+    "netbase",
+    "less",
+    "unzip",
+]
+USER_NAME = "user"
+USER_UID = 1000
+DEFAULT_HOSTNAME = "forkyard"
+SOURCES_FILE = Path("/etc/apt/sources.list.d/debian.sources")
+SOURCES_LIST = Path("/etc/apt/sources.list")
+
+Progress = Callable[[str], None]
+
+
+class TemplateBuildError(Exception):
+    """Building a template failed; the message carries the failing tool's output tail."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def debian_mirrors(
+    sources: Path = SOURCES_FILE, sources_list: Path = SOURCES_LIST
+) -> tuple[str, str | None]:
+    """Return ``(main_mirror, security_mirror_or_None)`` from the host's apt config.
+
+    Reads the deb822 ``URIs:`` lines of ``debian.sources`` (falls back to one-line
+    ``sources.list``). The mirror whose suites include ``bookworm`` is the main one; the
+    one with ``bookworm-security`` the security one.
+
+    Raises:
+        TemplateBuildError: no Debian mirror is configured on the host.
+    """
+    main: str | None = None
+    security: str | None = None
+    if sources.exists():
+        for stanza in re.split(r"\n\s*\n", sources.read_text()):
+            fields: dict[str, str] = {}
+            for line in stanza.splitlines():
+                if line.startswith("#") or ":" not in line:
+                    continue
+                key, _, value = line.partition(":")
+                fields[key.strip().lower()] = value.strip()
+            uris = fields.get("uris", "").split()
+            suites = fields.get("suites", "").split()
+            types = fields.get("types", "deb").split()
+            if not uris or "deb" not in types:
+                continue
+            if any(s.endswith("-security") for s in suites):
+                security = security or uris[0]
+            elif SUITE in suites and main is None:
+                main = uris[0]
+    if main is None and sources_list.exists():
+        for line in sources_list.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[0] == "deb":
+                uri_idx = 2 if parts[1].startswith("[") else 1
+                uri, suite = parts[uri_idx], parts[uri_idx + 1]
+                if suite.endswith("-security"):
+                    security = security or uri
+                elif suite == SUITE and main is None:
+                    main = uri
+    if main is None:
+        raise TemplateBuildError(f"no Debian {SUITE} mirror found in {sources} or {sources_list}")
+    return main, security
+
+
+def host_nameservers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[str]:
+    """Nameservers from the host's resolv.conf that a sandbox can reach through NAT.
+
+    Loopback resolvers (``127.*``, ``::1``, e.g. systemd-resolved's stub) are not reachable
+    from a sandbox; in that case the upstream list of systemd-resolved is used instead.
+    Returns an empty list if nothing usable is found.
+    """
+    candidates = [resolv_conf, Path("/run/systemd/resolve/resolv.conf")]
+    for path in candidates:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        servers = []
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver":
+                ns = parts[1]
+                if ns.startswith("127.") or ns == "::1" or ":" in ns:
+                    continue  # loopback unreachable; IPv6 not routed to sandboxes
+                servers.append(ns)
+        if servers:
+            return servers
+    return []
+
+
+def _mountinfo_entry(path: Path) -> list[str] | None:
+    """The /proc/self/mountinfo fields of the mount whose mount point is ``path``."""
+    target = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[4].encode().decode("unicode_escape")
+            if mnt == target:
+                found = fields  # last one wins (top of the stack)
+    return found
+
+
+def is_protected(rootfs: Path) -> bool:
+    """True when ``rootfs`` is a read-only mount point (the protection is in place)."""
+    entry = _mountinfo_entry(rootfs)
+    return entry is not None and "ro" in entry[5].split(",")
+
+
+def protect_rootfs(rootfs: Path) -> None:
+    """Make ``rootfs`` read-only on the host with a read-only bind mount onto itself.
+
+    Idempotent. Raises:
+        TemplateBuildError: the bind mount failed.
+    """
+    if is_protected(rootfs):
+        return
+    if _mountinfo_entry(rootfs) is None:
+        _run_quiet(["mount", "--bind", str(rootfs), str(rootfs)])
+    _run_quiet(["mount", "-o", "remount,bind,ro", str(rootfs), str(rootfs)])
+
+
+def unprotect_rootfs(rootfs: Path) -> None:
+    """Remove every mount stacked on ``rootfs`` (used before rebuilding or deleting)."""
+    while _mountinfo_entry(rootfs) is not None:
+        _run_quiet(["umount", str(rootfs)])
+
+
+def _run_quiet(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise TemplateBuildError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+
+
+def _run_streamed(argv: list[str], progress: Progress, env: dict[str, str] | None = None) -> None:
+    """Run ``argv``, passing each output line to ``progress``; raise with the tail on error."""
+    tail: list[str] = []
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        tail = (tail + [line])[-30:]
+        progress(line)
+    rc = proc.wait()
+    if rc != 0:
+        raise TemplateBuildError(f"{' '.join(argv[:3])}… exited {rc}:\n" + "\n".join(tail))
+
+
+def _chroot(root: Path, script: str, progress: Progress) -> None:
+    env = {
+        "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "DEBIAN_FRONTEND": "noninteractive",
+        "LANG": "C.UTF-8",
+        "HOME": "/root",
+    }
+    _run_streamed(["chroot", str(root), "/bin/sh", "-euc", script], progress, env=env)
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        path.unlink()
+    path.write_text(text)
+    path.chmod(mode)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _configure(root: Path, mirror: str, security: str | None, progress: Progress) -> None:
+    """Post-debootstrap configuration of the rootfs at ``root``."""
+    lines = [f"deb {mirror} {SUITE} main", f"deb {mirror} {SUITE}-updates main"]
+    if security:
+        lines.append(f"deb {security} {SUITE}-security main")
+    _write(root / "etc/apt/sources.list", "\n".join(lines) + "\n")
+
+    servers = host_nameservers()
+    if not servers:
+        progress("warning: no usable nameserver in the host's resolv.conf; DNS will not work")
+    _write(root / "etc/resolv.conf", "".join(f"nameserver {s}\n" for s in servers))
+    _write(root / "etc/hostname", DEFAULT_HOSTNAME + "\n")
+    _write(root / "etc/hosts", hosts_file(DEFAULT_HOSTNAME))
+    _write(root / "etc/default/locale", "LANG=C.UTF-8\n")
+
+    _chroot(
+        root,
+        f"""
+        if ! id -u {USER_NAME} >/dev/null 2>&1; then
+            useradd --create-home --home-dir /home/{USER_NAME} --uid {USER_UID} \
+                    --user-group --shell /bin/bash {USER_NAME}
+        fi
+        apt-get clean
+        rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt/* /var/log/dpkg.log
+        """,
+        progress,
+    )
+    _write(root / f"etc/sudoers.d/{USER_NAME}", f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440)
+    # Debian marks the system Python as externally managed (PEP 668); E2B users expect a
+    # plain `pip install` to work, as in E2B's own base image.
+    for marker in (root / "usr/lib").glob("python3*/EXTERNALLY-MANAGED"):
+        marker.unlink()
+    # Mount point for the injected envd binary (bind-mounted read-only by the runtime).
+    envd = root / "usr/local/bin/envd"
+    envd.parent.mkdir(parents=True, exist_ok=True)
+    if not envd.exists():
+        envd.touch(mode=0o755)
+
+
+def hosts_file(hostname: str) -> str:
+    """``/etc/hosts`` content mapping ``hostname`` to loopback (so ``sudo`` resolves it)."""
+    return (
+        "127.0.0.1\tlocalhost\n"
+        f"127.0.1.1\t{hostname}\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+        "ff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n"
+    )
+
+
+def template_rootfs(settings: Settings, name: str = TEMPLATE_NAME) -> Path:
+    """Path of template ``name``'s rootfs (it may not be built yet)."""
+    return settings.templates_dir / name / "rootfs"
+
+
+def is_built(settings: Settings) -> bool:
+    """True when the ``base`` rootfs has been completely built."""
+    base = settings.templates_dir / TEMPLATE_NAME
+    return (base / ".complete").exists() and (base / "rootfs").is_dir()
+
+
+def build_base(settings: Settings, progress: Progress = print, force: bool = False) -> Path:
+    """Build (once) and return the ``base`` template rootfs directory.
+
+    Cached: returns at once when the completion marker exists (re-establishing the
+    host-side read-only protection). Otherwise any half-built leftovers are removed and
+    the rootfs is rebuilt with debootstrap (``minbase`` + :data:`PACKAGES`) from the
+    host's configured Debian mirror, then configured (user ``user`` uid 1000 with
+    passwordless sudo, resolv.conf from the host's nameservers, hostname files). A
+    file lock serialises concurrent builders. Takes about a minute on a fresh host.
+
+    Args:
+        settings: where to build (``settings.templates_dir / "base"``).
+        progress: called with each output line (debootstrap, chroot steps).
+        force: rebuild even if a complete build exists.
+
+    Returns:
+        Path of the rootfs directory (read-only bind mount).
+
+    Raises:
+        TemplateBuildError: debootstrap or a configuration step failed (message includes
+            the tail of its output), or no Debian mirror is configured.
+    """
+    base = settings.templates_dir / TEMPLATE_NAME
+    rootfs = base / "rootfs"
+    partial = base / ".rootfs.partial"
+    marker = base / ".complete"
+    base.mkdir(parents=True, exist_ok=True)
+    with open(base / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force and marker.exists():
+            marker.unlink()
+        if marker.exists() and rootfs.is_dir():
+            protect_rootfs(rootfs)
+            return rootfs
+
+        started = time.monotonic()
+        for leftover in (rootfs, partial):
+            unprotect_rootfs(leftover)
+            if leftover.exists():
+                progress(f"removing incomplete build {leftover}")
+                shutil.rmtree(leftover)
+        marker.unlink(missing_ok=True)
+
+        mirror, security = debian_mirrors()
+        progress(f"debootstrap {SUITE} (minbase + {len(PACKAGES)} packages) into {partial}")
+        _run_streamed(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=" + ",".join(PACKAGES),
+                SUITE,
+                str(partial),
+                mirror,
+            ],
+            progress,
+        )
+        progress("configuring rootfs")
+        _configure(partial, mirror, security, progress)
+        partial.rename(rootfs)
+        protect_rootfs(rootfs)
+        marker.write_text(f"built {time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.monotonic() - started:.1f}s\n")
+        progress(f"base template ready at {rootfs} ({time.monotonic() - started:.1f} s)")
+        return rootfs
+
+
+def remove_base(settings: Settings) -> None:
+    """Delete the ``base`` template (unmounting its protection first). Idempotent."""
+    base = settings.templates_dir / TEMPLATE_NAME
+    for path in (base / "rootfs", base / ".rootfs.partial"):
+        unprotect_rootfs(path)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """CLI: ``python -m forkyard.templates.base [--force]``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    force = "--force" in args
+    try:
+        path = build_base(Settings(), progress=lambda line: print(line, flush=True), force=force)
+    except TemplateBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

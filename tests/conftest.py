@@ -1,0 +1,139 @@
+"""Shared fixtures: a real forkyard server process with real gVisor sandboxes.
+
+Data lives under ``$FORKYARD_TEST_DATA_DIR`` (default ``/var/lib/forkyard-test``): the
+``base`` template is built there once and cached across runs; the server gets its own
+state directory below it, wiped per session.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from forkyard.config import Settings
+
+TEST_ROOT = Path(os.environ.get("FORKYARD_TEST_DATA_DIR", "/var/lib/forkyard-test"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def host_leftovers() -> dict[str, list[str]]:
+    """forkyard netns, runsc sandbox processes and veths present on the host now."""
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    ns = [l.split()[0] for l in ns if l.strip().startswith("fy")]
+    procs = subprocess.run(["pgrep", "-af", "runsc-sandbox"], capture_output=True, text=True).stdout.split("\n")
+    procs = [p for p in procs if p.strip()]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n")
+    veths = [l.split(":")[1].strip().split("@")[0] for l in links if l.count(":") > 1 and l.split(":")[1].strip().startswith("fyv")]
+    return {"netns": ns, "runsc": procs, "veth": veths}
+
+
+@pytest.fixture(scope="session")
+def base_template() -> Path:
+    """Build (once, cached) the ``base`` template under the test data root."""
+    from forkyard.templates.base import build_base
+
+    settings = Settings(data_dir=TEST_ROOT)
+    return build_base(settings, progress=lambda line: None)
+
+
+class ServerProc:
+    """A ``forkyard serve`` subprocess on a free loopback port."""
+
+    def __init__(self, data_dir: Path, templates_dir: Path):
+        self.data_dir = data_dir
+        self.templates_dir = templates_dir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = "e2b_" + secrets.token_hex(20)
+        self.proc: subprocess.Popen | None = None
+        self.log = data_dir.parent / "server.log"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(FORKYARD_DATA_DIR=str(self.data_dir), FORKYARD_TEMPLATES_DIR=str(self.templates_dir),
+                   FORKYARD_API_KEY=self.api_key, FORKYARD_PORT=str(self.port))
+        return env
+
+    def start(self) -> None:
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base", "--log-level", "info"],
+            env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not start in 60 s; see {self.log}")
+
+    def stop(self, sig_kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if sig_kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            self.proc.wait(timeout=30)
+        self.proc = None
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60)
+
+    def kill_all(self) -> None:
+        with self.api() as c:
+            for s in c.get("/v2/sandboxes").json():
+                c.delete(f"/sandboxes/{s['sandboxID']}")
+
+
+@pytest.fixture(scope="session")
+def server(base_template) -> ServerProc:
+    """Session-wide server; sets ``E2B_API_URL``/``E2B_SANDBOX_URL``/``E2B_API_KEY`` so
+    the real e2b SDK talks to it. At the end every sandbox is killed and the host is
+    asserted clean."""
+    data = TEST_ROOT / "server"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    srv = ServerProc(data, TEST_ROOT / "templates")
+    srv.start()
+    os.environ.update(E2B_API_URL=srv.url, E2B_SANDBOX_URL=srv.url, E2B_API_KEY=srv.api_key)
+    os.environ.pop("E2B_DEBUG", None)
+    yield srv
+    try:
+        if srv.proc and srv.proc.poll() is None:
+            srv.kill_all()
+    finally:
+        srv.stop()
+    # The server leaves nothing behind once its sandboxes are killed.
+    assert host_leftovers() == {"netns": [], "runsc": [], "veth": []}
+
+
+@pytest.fixture
+def sandbox(server):
+    """A fresh sandbox from ``base`` through the real e2b SDK, killed afterwards."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create("base", timeout=120)
+    yield sbx
+    try:
+        sbx.kill()
+    except Exception:
+        pass

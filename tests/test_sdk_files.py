@@ -1,0 +1,68 @@
+"""Filesystem calls and large transfers through the official e2b SDK."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+from e2b import FileType, NotFoundException
+
+
+def test_write_read_list_exists_info(sandbox):
+    sandbox.files.write("/home/user/a.txt", "hello")
+    assert sandbox.files.read("/home/user/a.txt") == "hello"
+    assert sandbox.files.exists("/home/user/a.txt")
+    assert not sandbox.files.exists("/home/user/nope")
+    info = sandbox.files.get_info("/home/user/a.txt")
+    assert info.size == 5 and info.type == FileType.FILE and info.name == "a.txt"
+    names = {e.name for e in sandbox.files.list("/home/user")}
+    assert "a.txt" in names
+    # Written as the default user.
+    assert sandbox.commands.run("stat -c %U /home/user/a.txt").stdout.strip() == "user"
+
+
+def test_make_dir_rename_remove(sandbox):
+    assert sandbox.files.make_dir("/home/user/d/e") is True
+    assert sandbox.files.make_dir("/home/user/d/e") is False
+    sandbox.files.write("/home/user/d/e/f", b"\x00\x01")
+    sandbox.files.rename("/home/user/d/e/f", "/home/user/d/g")
+    assert sandbox.files.read("/home/user/d/g", format="bytes") == b"\x00\x01"
+    sandbox.files.remove("/home/user/d")
+    assert not sandbox.files.exists("/home/user/d")
+    with pytest.raises(NotFoundException):
+        sandbox.files.read("/home/user/d/g")
+
+
+def test_watch_dir(sandbox):
+    sandbox.files.make_dir("/home/user/w")
+    handle = sandbox.files.watch_dir("/home/user/w")
+    try:
+        sandbox.files.write("/home/user/w/new.txt", "x")
+        events = []
+        deadline = time.time() + 10
+        while time.time() < deadline and not any(e.name == "new.txt" for e in events):
+            events += handle.get_new_events()
+            time.sleep(0.2)
+        assert any(e.name == "new.txt" for e in events)
+    finally:
+        handle.stop()
+
+
+def test_upload_download_50mb(sandbox):
+    data = os.urandom(50 * 1024 * 1024)
+    sandbox.files.write("/home/user/big.bin", data)
+    r = sandbox.commands.run("sha256sum /home/user/big.bin")
+    assert r.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+    back = sandbox.files.read("/home/user/big.bin", format="bytes")
+    assert hashlib.sha256(back).hexdigest() == hashlib.sha256(data).hexdigest()
+
+
+def test_root_owned_path_denied(sandbox):
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException):
+        sandbox.files.write("/root/x", "no")  # default user is `user`
+    sandbox.files.write("/root/x", "yes", user="root")
+    assert sandbox.files.read("/root/x", user="root") == "yes"
