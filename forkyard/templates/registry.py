@@ -14,7 +14,7 @@ from pathlib import Path
 from forkyard.config import Settings
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-MARKER = ".forkyard-complete"
+MARKER = ".complete"
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class Template:
 
 
 def _marker_ok(tdir: Path) -> bool:
-    return (tdir / MARKER).exists() or (tdir / "rootfs" / MARKER).exists()
+    return (tdir / MARKER).exists()
 
 
 def resolve(settings: Settings, template_id: str) -> Template | None:
