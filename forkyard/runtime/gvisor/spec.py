@@ -1,0 +1,133 @@
+"""OCI runtime spec (``config.json``) for one forkyard sandbox under runsc."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from forkyard.runtime.base import SandboxSpec
+from forkyard.templates.base import hosts_file
+
+#: Where the envd binary appears inside every sandbox.
+ENVD_GUEST_PATH = "/usr/local/bin/envd"
+#: Docker's default set plus SYS_PTRACE (debuggers/strace inside the sandbox). gVisor is
+#: the isolation boundary; these only act on the sentry's emulated kernel. NET_RAW is
+#: left out (runsc strips it anyway unless ``--net-raw``).
+CAPABILITIES = [
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FOWNER",
+    "CAP_FSETID",
+    "CAP_KILL",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_MKNOD",
+    "CAP_AUDIT_WRITE",
+    "CAP_SETFCAP",
+    "CAP_SYS_PTRACE",
+]
+DEFAULT_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+CPU_PERIOD_US = 100_000
+NOFILE = 65536
+
+
+def bundle_dir(workdir: Path) -> Path:
+    """OCI bundle directory of a sandbox (holds ``config.json``)."""
+    return workdir / "bundle"
+
+
+def cgroup_path(sandbox_id: str) -> str:
+    """cgroup path runsc creates for the sandbox (under every v1 controller / v2 root)."""
+    return f"/forkyard/{sandbox_id}"
+
+
+def build_spec(
+    spec: SandboxSpec,
+    init_argv: list[str],
+    envd_binary: Path | None,
+    etc_dir: Path,
+) -> dict:
+    """Return the OCI spec dict for ``spec``.
+
+    Args:
+        spec: the sandbox to start.
+        init_argv: argv of the init process (envd), run as root.
+        envd_binary: host path bind-mounted read-only at :data:`ENVD_GUEST_PATH`, or None
+            to mount nothing there.
+        etc_dir: per-sandbox host directory holding the generated ``hosts`` and
+            ``hostname`` files (bind-mounted over the template's).
+    """
+    env = dict(DEFAULT_ENV)
+    env.update(spec.env)
+    mounts: list[dict] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": "/etc/hosts", "type": "bind", "source": str(etc_dir / "hosts"), "options": ["rbind", "rw"]},
+        {"destination": "/etc/hostname", "type": "bind", "source": str(etc_dir / "hostname"), "options": ["rbind", "ro"]},
+    ]
+    if envd_binary is not None:
+        mounts.append(
+            {"destination": ENVD_GUEST_PATH, "type": "bind", "source": str(envd_binary), "options": ["rbind", "ro"]}
+        )
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(init_argv),
+            "env": [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted", "inheritable")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": NOFILE, "soft": NOFILE}],
+            "noNewPrivileges": False,
+        },
+        "root": {"path": str(spec.rootfs), "readonly": False},
+        "hostname": spec.hostname,
+        "mounts": mounts,
+        "linux": {
+            "namespaces": [
+                {"type": "pid"},
+                {"type": "network", "path": spec.netns_path},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
+            ],
+            "cgroupsPath": cgroup_path(spec.sandbox_id),
+            "resources": {
+                "memory": {"limit": int(spec.memory_mb) * 1024 * 1024},
+                "cpu": {"quota": int(spec.vcpus) * CPU_PERIOD_US, "period": CPU_PERIOD_US},
+            },
+        },
+    }
+
+
+def write_bundle(
+    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None
+) -> Path:
+    """Write ``<workdir>/bundle/config.json`` and the per-sandbox ``/etc`` files.
+
+    Returns:
+        The bundle directory.
+    """
+    bdir = bundle_dir(spec.workdir)
+    etc_dir = bdir / "etc"
+    etc_dir.mkdir(parents=True, exist_ok=True)
+    (etc_dir / "hosts").write_text(hosts_file(spec.hostname))
+    (etc_dir / "hostname").write_text(spec.hostname + "\n")
+    data = build_spec(spec, init_argv, envd_binary, etc_dir)
+    tmp = bdir / "config.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, bdir / "config.json")
+    return bdir
