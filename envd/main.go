@@ -1,7 +1,8 @@
 // Command envd is the in-sandbox agent of forkyard. It runs as PID 1 of every
 // sandbox and speaks E2B's envd protocol: the process.Process and
 // filesystem.Filesystem Connect services plus the plain HTTP endpoints
-// /health, /init, /envs, /metrics and /files, all on one port.
+// /health, /init, /envs, /metrics and /files, all on one port (HTTP/1.1 and
+// h2c).
 package main
 
 import (
@@ -10,24 +11,19 @@ import (
 	"fmt"
 	"log"
 	"net"
-	"net/http"
 	"os"
 	"os/signal"
 	"syscall"
 	"time"
 
-	"forkyard/envd/internal/filesystem"
-	"forkyard/envd/internal/httpapi"
 	"forkyard/envd/internal/identity"
-	"forkyard/envd/internal/process"
 	"forkyard/envd/internal/reaper"
+	"forkyard/envd/internal/server"
 	"forkyard/envd/internal/state"
 )
 
 const (
 	defaultPort = 49983
-	// idleTimeout outlives the proxies' idle timeouts in front of envd.
-	idleTimeout = 640 * time.Second
 	// stopGrace is how long processes get between SIGTERM and SIGKILL when
 	// envd itself is asked to stop.
 	stopGrace = 5 * time.Second
@@ -50,8 +46,8 @@ func main() {
 	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
 	log.SetPrefix("envd: ")
 
-	// Signals: SIGCHLD belongs to the reaper; SIGPIPE and SIGHUP are
-	// observed (not ignored, so children keep default dispositions).
+	// SIGCHLD belongs to the reaper. SIGPIPE and SIGHUP are observed rather
+	// than ignored, so children keep their default dispositions.
 	rp := reaper.New()
 	stop := make(chan os.Signal, 2)
 	signal.Notify(stop, syscall.SIGTERM, syscall.SIGINT)
@@ -68,33 +64,8 @@ func main() {
 		log.Printf("default user %q not found (%v); using root until /init sets one", *defaultUser, err)
 	}
 
-	procs := process.New(st, rp)
-	files := filesystem.New(st)
-	api := httpapi.New(st)
-	api.SetClock = *setClock
-	api.Logf = log.Printf
-
-	mux := http.NewServeMux()
-	api.Register(mux)
-	mux.Handle(procs.Handler())
-	mux.Handle(files.Handler())
-
-	var handler http.Handler = api.WithAuth(mux)
-	handler = withCORS(handler)
-	if *verbose {
-		handler = withLog(handler)
-	}
-
-	protocols := new(http.Protocols)
-	protocols.SetHTTP1(true)
-	protocols.SetUnencryptedHTTP2(true) // h2c with prior knowledge
-	srv := &http.Server{
-		Handler:           handler,
-		Protocols:         protocols,
-		IdleTimeout:       idleTimeout,
-		ReadHeaderTimeout: 30 * time.Second,
-		ErrorLog:          log.Default(),
-	}
+	s := server.New(st, rp, server.Options{SetClock: *setClock, Verbose: *verbose, Logf: log.Printf})
+	srv := s.HTTPServer(log.Default())
 	ln, err := net.Listen("tcp", net.JoinHostPort(*listen, fmt.Sprint(*port)))
 	if err != nil {
 		log.Fatalf("listen: %v", err)
@@ -103,21 +74,17 @@ func main() {
 
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()
-
 	select {
 	case err := <-served:
 		log.Printf("server stopped: %v", err)
 	case sig := <-stop:
 		log.Printf("%v: stopping", sig)
 	}
-	shutdown(srv, procs, files, rp)
-}
 
-// shutdown stops accepting requests, asks every process to terminate,
-// kills what is left after stopGrace and closes the remaining streams.
-func shutdown(srv *http.Server, procs *process.Service, files *filesystem.Service, rp *reaper.Reaper) {
-	files.Close()
-	procs.Shutdown(syscall.SIGTERM)
+	// Graceful stop: no new requests, SIGTERM to every process, SIGKILL to
+	// what is left after stopGrace, then close the remaining streams.
+	s.Filesystem.Close()
+	s.Processes.Shutdown(syscall.SIGTERM)
 	ctx, cancel := context.WithTimeout(context.Background(), stopGrace)
 	defer cancel()
 	done := make(chan struct{})
@@ -125,12 +92,11 @@ func shutdown(srv *http.Server, procs *process.Service, files *filesystem.Servic
 		_ = srv.Shutdown(ctx)
 		close(done)
 	}()
-	deadline := time.Now().Add(stopGrace)
-	for procs.Running() > 0 && time.Now().Before(deadline) {
+	for deadline := time.Now().Add(stopGrace); s.Processes.Running() > 0 && time.Now().Before(deadline); {
 		time.Sleep(20 * time.Millisecond)
 	}
-	if procs.Running() > 0 {
-		procs.Shutdown(syscall.SIGKILL)
+	if s.Processes.Running() > 0 {
+		s.Processes.Shutdown(syscall.SIGKILL)
 		time.Sleep(100 * time.Millisecond)
 	}
 	select {
@@ -139,37 +105,5 @@ func shutdown(srv *http.Server, procs *process.Service, files *filesystem.Servic
 		_ = srv.Close()
 	}
 	rp.Close()
-}
-
-// withCORS answers browser preflights and lets browsers read Connect's
-// headers, as E2B's envd does for the JS SDK.
-func withCORS(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		if r.Header.Get("Origin") == "" {
-			h.ServeHTTP(w, r)
-			return
-		}
-		hd := w.Header()
-		hd.Set("Access-Control-Allow-Origin", "*")
-		hd.Set("Access-Control-Expose-Headers", "Grpc-Status, Grpc-Message, Grpc-Status-Details-Bin, Connect-Protocol-Version, Location, Cache-Control, X-Content-Type-Options, Content-Encoding, Content-Disposition")
-		if r.Method == http.MethodOptions && r.Header.Get("Access-Control-Request-Method") != "" {
-			hd.Set("Access-Control-Allow-Methods", "HEAD, GET, POST, PUT, PATCH, DELETE")
-			if req := r.Header.Get("Access-Control-Request-Headers"); req != "" {
-				hd.Set("Access-Control-Allow-Headers", req)
-			}
-			hd.Set("Access-Control-Max-Age", "7200")
-			w.WriteHeader(http.StatusNoContent)
-			return
-		}
-		h.ServeHTTP(w, r)
-	})
-}
-
-// withLog logs each request after it completes.
-func withLog(h http.Handler) http.Handler {
-	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		start := time.Now()
-		h.ServeHTTP(w, r)
-		log.Printf("%s %s %s %v", r.Proto, r.Method, r.URL.Path, time.Since(start).Round(time.Microsecond))
-	})
+	log.Printf("stopped")
 }

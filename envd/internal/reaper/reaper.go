@@ -17,6 +17,8 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // ErrProcessGone is returned by Signal when the pid is no longer a live,
@@ -40,6 +42,9 @@ func New() *Reaper {
 		kick:    make(chan struct{}, 1),
 		stop:    make(chan struct{}),
 	}
+	// Outside PID 1 (tests, a wrapper init) become the subreaper, so
+	// orphaned grandchildren are re-parented to envd and reaped here too.
+	_ = unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 	sig := make(chan os.Signal, 16)
 	signal.Notify(sig, syscall.SIGCHLD)
 	go func() {
