@@ -93,6 +93,16 @@ class Envd:
         return Sandbox(sandbox_id="local", sandbox_domain=None, envd_version=Version(ENVD_VERSION),
                        envd_access_token=token, traffic_access_token=None, connection_config=config)
 
+    def async_sandbox(self):
+        """An SDK AsyncSandbox talking to this envd directly."""
+        from e2b import AsyncSandbox
+
+        headers = {"E2b-Sandbox-Id": "local", "E2b-Sandbox-Port": str(ConnectionConfig.envd_port)}
+        config = ConnectionConfig(sandbox_url=self.url, api_key="e2b_local", debug=False,
+                                  extra_sandbox_headers=headers)
+        return AsyncSandbox(sandbox_id="local", sandbox_domain=None, envd_version=Version(ENVD_VERSION),
+                            envd_access_token=None, traffic_access_token=None, connection_config=config)
+
     def children(self) -> list[tuple[int, str]]:
         """(pid, state) of processes whose parent is envd."""
         out = []
@@ -369,6 +379,33 @@ def test_upload_download_50mb(sbx, tmp):
     assert h.digest() == hashlib.sha256(data).digest()
     # Generous bounds: this is about streaming, not a benchmark.
     assert up < 30 and down < 30, (up, down)
+
+
+async def test_async_sdk_commands_and_streamed_watch(envd, tmp):
+    """AsyncSandbox: commands, and watch_dir over the WatchDir server stream."""
+    import asyncio
+
+    sbx = envd.async_sandbox()
+    r = await sbx.commands.run("echo async; exit 0")
+    assert r.stdout == "async\n"
+
+    events = []
+    handle = await sbx.files.watch_dir(tmp, on_event=events.append, recursive=True, include_entry=True)
+    try:
+        await sbx.files.write(f"{tmp}/aw.txt", "x")
+        await sbx.files.make_dir(f"{tmp}/d")
+        await asyncio.sleep(0.2)
+        await sbx.files.write(f"{tmp}/d/inner.txt", "y")
+        for _ in range(50):
+            if any(e.name == "d/inner.txt" and e.type == FilesystemEventType.WRITE for e in events):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await handle.stop()
+    created = [e for e in events if e.type == FilesystemEventType.CREATE]
+    assert {"aw.txt", "d", "d/inner.txt"} <= {e.name for e in created}
+    assert all(e.entry is not None for e in created)
+    assert any(e.name == "d/inner.txt" and e.type == FilesystemEventType.WRITE for e in events)
 
 
 # ------------------------------------------------- access token, lifecycle

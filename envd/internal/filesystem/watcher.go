@@ -140,6 +140,7 @@ func (w *watcher) handle(e fsnotify.Event) {
 	}
 }
 
+// Close stops the watch; it is safe to call more than once.
 func (w *watcher) Close() {
 	w.closeOnce.Do(func() {
 		close(w.done)

@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"syscall"
 )
 
 // User is one /etc/passwd entry plus the supplementary groups that list it.
@@ -26,8 +28,8 @@ type User struct {
 var ErrUnknownUser = errors.New("unknown user")
 
 // DB reads users and groups from files below Root ("/" when empty).
-// The files are re-read on every lookup so edits in the sandbox (useradd
-// etc.) are seen immediately; they are small and the read is in process.
+// Edits in the sandbox (useradd etc.) are seen immediately: the parsed
+// files are cached but revalidated against their stat on every lookup.
 type DB struct {
 	Root string
 }
@@ -40,14 +42,41 @@ func (d DB) path(name string) string {
 	return filepath.Join(root, "etc", name)
 }
 
-// forEachLine calls fn with the colon-separated fields of every
-// non-comment line of the named file under /etc. fn returns false to stop.
-func (d DB) forEachLine(name string, fn func(fields []string) bool) error {
-	f, err := os.Open(d.path(name))
+// fileCache keeps parsed passwd/group files, revalidated by a stat per
+// lookup (cheap even under gVisor), so RPCs do not re-read them each time.
+var fileCache = struct {
+	sync.Mutex
+	m map[string]cachedFile
+}{m: map[string]cachedFile{}}
+
+type cachedFile struct {
+	size  int64
+	mtime int64
+	ino   uint64
+	lines [][]string
+}
+
+func readLines(path string) ([][]string, error) {
+	st, err := os.Stat(path)
 	if err != nil {
-		return err
+		return nil, err
+	}
+	var ino uint64
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
+		ino = sys.Ino
+	}
+	fileCache.Lock()
+	c, ok := fileCache.m[path]
+	fileCache.Unlock()
+	if ok && c.size == st.Size() && c.mtime == st.ModTime().UnixNano() && c.ino == ino {
+		return c.lines, nil
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
 	}
 	defer f.Close()
+	var lines [][]string
 	sc := bufio.NewScanner(f)
 	sc.Buffer(make([]byte, 64*1024), 1024*1024)
 	for sc.Scan() {
@@ -55,11 +84,30 @@ func (d DB) forEachLine(name string, fn func(fields []string) bool) error {
 		if line == "" || line[0] == '#' || line[0] == '+' || line[0] == '-' {
 			continue
 		}
-		if !fn(strings.Split(line, ":")) {
+		lines = append(lines, strings.Split(line, ":"))
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	fileCache.Lock()
+	fileCache.m[path] = cachedFile{size: st.Size(), mtime: st.ModTime().UnixNano(), ino: ino, lines: lines}
+	fileCache.Unlock()
+	return lines, nil
+}
+
+// forEachLine calls fn with the colon-separated fields of every
+// non-comment line of the named file under /etc. fn returns false to stop.
+func (d DB) forEachLine(name string, fn func(fields []string) bool) error {
+	lines, err := readLines(d.path(name))
+	if err != nil {
+		return err
+	}
+	for _, f := range lines {
+		if !fn(f) {
 			return nil
 		}
 	}
-	return sc.Err()
+	return nil
 }
 
 func parseID(s string) (uint32, bool) {

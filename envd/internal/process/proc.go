@@ -124,11 +124,11 @@ func executable(p string) error {
 	return nil
 }
 
-// credential returns the SysProcAttr credential for running as u, or nil
-// when no switch is needed. errNotRoot when a switch is needed but envd
-// lacks the privilege.
+// errNotRoot: a user switch is needed but envd lacks the privilege.
 var errNotRoot = errors.New("envd is not running as root and cannot switch user")
 
+// credential returns the SysProcAttr credential for running as u, or nil
+// when no switch is needed.
 func credential(u *identity.User) (*syscall.Credential, error) {
 	if os.Geteuid() != 0 {
 		if uint32(os.Getuid()) == u.UID {
@@ -282,7 +282,10 @@ func spawn(r *reaper.Reaper, s spawnSpec) (*Proc, error) {
 // startError marks failures to exec the command (bad path, not executable).
 type startError struct{ err error }
 
+// Error implements error.
 func (e *startError) Error() string { return "error starting process: " + e.err.Error() }
+
+// Unwrap returns the underlying error.
 func (e *startError) Unwrap() error { return e.err }
 
 // endEvent renders a wait status the way Go's os.ProcessState does, which

@@ -226,6 +226,8 @@ func (s *Service) Start(ctx context.Context, req *connect.Request[rpc.StartReque
 	if err != nil {
 		var se *startError
 		switch {
+		case errors.Is(err, os.ErrPermission):
+			return connect.NewError(connect.CodePermissionDenied, err)
 		case errors.As(err, &se):
 			return connect.NewError(connect.CodeInvalidArgument, err)
 		case errors.Is(err, errNotRoot):

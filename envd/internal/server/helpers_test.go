@@ -56,6 +56,7 @@ func newEnv(t *testing.T, h2c bool) *env {
 	if uid == 0 {
 		passwd = fmt.Sprintf("tester:x:0:0::%s:/bin/sh\nroot:x:0:0:root:/root:/bin/sh\n", home)
 	}
+	passwd += "nobody:x:65534:65534::/nonexistent:/bin/sh\n"
 	group := fmt.Sprintf("testers:x:%d:\n", gid)
 	if err := os.WriteFile(filepath.Join(root, "etc", "passwd"), []byte(passwd), 0o644); err != nil {
 		t.Fatal(err)

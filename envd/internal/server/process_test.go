@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/base64"
+	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -319,5 +321,38 @@ func TestKeepalive(t *testing.T) {
 	}
 	if keepalives == 0 {
 		t.Fatal("no keepalive event")
+	}
+}
+
+func TestPermissionDeniedAndBadRequests(t *testing.T) {
+	e := newEnv(t, false)
+	if os.Geteuid() == 0 {
+		// The test home sits below a 0700 temp dir: nobody cannot enter it.
+		cwd := e.home
+		req := sh("pwd")
+		req.Process.Cwd = &cwd
+		if r := e.run(context.Background(), req, "nobody"); codeOf(r.err) != connect.CodePermissionDenied {
+			t.Fatalf("nobody in a 0700 dir: %v", r.err)
+		}
+		if r := e.run(context.Background(), sh("id -u"), "nobody"); r.stdout.String() != "65534\n" {
+			t.Fatalf("run as nobody: %q %v", r.stdout.String(), r.err)
+		}
+	}
+	// Garbage bodies are rejected, and envd keeps serving.
+	for _, body := range []string{"{not json", "[1,2]", ""} {
+		resp, err := http.Post(e.ts.URL+"/process.Process/List", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode == http.StatusOK && body != "" {
+			t.Fatalf("body %q accepted", body)
+		}
+	}
+	if _, err := e.proc.SendSignal(context.Background(), connect.NewRequest(&rpc.SendSignalRequest{})); codeOf(err) != connect.CodeInvalidArgument {
+		t.Fatalf("empty selector: %v", err)
+	}
+	if _, err := e.proc.List(context.Background(), connect.NewRequest(&rpc.ListRequest{})); err != nil {
+		t.Fatalf("envd not serving after bad requests: %v", err)
 	}
 }

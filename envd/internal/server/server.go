@@ -3,9 +3,14 @@
 package server
 
 import (
+	"context"
+	"fmt"
 	"log"
 	"net/http"
+	"runtime/debug"
 	"time"
+
+	"connectrpc.com/connect"
 
 	"forkyard/envd/internal/filesystem"
 	"forkyard/envd/internal/httpapi"
@@ -45,10 +50,17 @@ func New(st *state.State, rp *reaper.Reaper, opts Options) *Server {
 	s.API.SetClock = opts.SetClock
 	s.API.Logf = opts.Logf
 
+	// A panic in a handler becomes an internal error, never a crash.
+	recov := connect.WithRecover(func(_ context.Context, spec connect.Spec, _ http.Header, p any) error {
+		if opts.Logf != nil {
+			opts.Logf("panic in %s: %v\n%s", spec.Procedure, p, debug.Stack())
+		}
+		return connect.NewError(connect.CodeInternal, fmt.Errorf("internal error in %s", spec.Procedure))
+	})
 	mux := http.NewServeMux()
 	s.API.Register(mux)
-	mux.Handle(s.Processes.Handler())
-	mux.Handle(s.Filesystem.Handler())
+	mux.Handle(s.Processes.Handler(recov))
+	mux.Handle(s.Filesystem.Handler(recov))
 
 	var h http.Handler = s.API.WithAuth(mux)
 	h = withCORS(h)
