@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
             yield
         finally:
             await orch.stop()
-            await proxy.client.aclose()
+            await proxy.aclose()
 
     api = FastAPI(
         title="forkyard",

@@ -66,11 +66,36 @@ class SandboxProxy:
     def __init__(self, app, resolve):
         self.app = app
         self.resolve = resolve
-        self.client = httpx.AsyncClient(
-            trust_env=False,
-            timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=200),
-        )
+        # One connection pool per sandbox: outer addresses are reused by later
+        # sandboxes, so a pooled connection must never outlive its sandbox.
+        self._clients: dict[str, httpx.AsyncClient] = {}
+
+    def _client(self, sid: str) -> httpx.AsyncClient:
+        client = self._clients.get(sid)
+        if client is None:
+            if len(self._clients) >= 64:
+                self._sweep()
+            client = self._clients[sid] = httpx.AsyncClient(
+                trust_env=False,
+                timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            )
+        return client
+
+    def _sweep(self) -> None:
+        """Close the pools of sandboxes that are gone."""
+        for sid in list(self._clients):
+            try:
+                self.resolve(sid, 0)
+            except NotFound:
+                client = self._clients.pop(sid)
+                asyncio.get_running_loop().create_task(client.aclose())
+
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -87,6 +112,9 @@ class SandboxProxy:
         try:
             host, hport = self.resolve(sid, port)
         except NotFound as e:
+            stale = self._clients.pop(sid, None)
+            if stale is not None:
+                await stale.aclose()
             if scope["type"] == "http":
                 return await _send_json(send, 404, str(e))
             return await send({"type": "websocket.close", "code": 1008})
@@ -113,9 +141,10 @@ class SandboxProxy:
                 if not msg.get("more_body"):
                     return
 
-        req = self.client.build_request(scope["method"], url, headers=headers, content=body())
+        client = self._client(sid)
+        req = client.build_request(scope["method"], url, headers=headers, content=body())
         try:
-            resp = await self.client.send(req, stream=True)
+            resp = await client.send(req, stream=True)
         except httpx.HTTPError as e:
             return await _send_json(send, 502, f"sandbox {sid} port {port} is not reachable: {e!r}")
         try:

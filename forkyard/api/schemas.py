@@ -85,7 +85,8 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
 def sandbox_detail(rec: SandboxRecord) -> dict:
     """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
     d = sandbox_listed(rec)
-    d["lifecycle"] = {"autoPause": rec.auto_pause, "onTimeout": "pause" if rec.auto_pause else "kill"}
+    # Expiry kills until pause/resume lands; autoPause is stored for that (issue 3).
+    d["lifecycle"] = {"autoResume": False, "onTimeout": "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
     return d

@@ -17,6 +17,11 @@ app = typer.Typer(help="forkyard: forkable gVisor sandboxes behind an E2B-compat
 console = Console(stderr=True)
 
 
+@app.callback()
+def _root() -> None:
+    """forkyard: forkable gVisor sandboxes behind an E2B-compatible API."""
+
+
 def _fail(msg: str, code: int = 1):
     console.print(f"[red]error:[/red] {msg}")
     raise typer.Exit(code)
@@ -52,6 +57,7 @@ def serve(
     if data_dir:
         settings.data_dir = data_dir.resolve()
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     _preflight(settings)
     if build_base and registry.resolve(settings, "base") is None:
         from forkyard.templates.base import build_base as build

@@ -180,6 +180,24 @@ def _is_nsfs(path: Path) -> bool:
         return False
 
 
+def _netns_in_use(path: str) -> bool:
+    """True when some process runs in the netns bound at ``path``."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            ns = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:
+            continue
+        if ns.st_ino == st.st_ino and ns.st_dev == st.st_dev:
+            return True
+    return False
+
+
 def _sysctl(key: str, value: str) -> None:
     """Write a sysctl of the *calling thread's* netns (``key`` like ``net/ipv4/ip_forward``)."""
     with open(f"/proc/sys/{key}", "w") as f:
@@ -327,18 +345,30 @@ class NetworkManager:
 
     @_off_loop
     def allocate(self, index: int) -> Slot:
-        """Create slot ``index`` and return it; return the existing one if it is complete.
+        """Create slot ``index`` and return it, ready for a sandbox to start in it.
 
-        Any partial leftovers of the slot (an earlier failed or interrupted allocation)
-        are removed first; on failure everything created here is removed before raising.
-        Takes a few tens of milliseconds.
+        Idempotent: a complete slot is returned as it is (a sandbox running in it keeps
+        its network — this is how a restarted server re-adopts sandboxes). runsc moves
+        the guest address and route off ``eth0`` into the sandbox when it starts, so
+        when the slot's sandbox has stopped (nothing runs in the sandbox netns) they are
+        put back here — a slot can be reused (e.g. restore after a stopping checkpoint)
+        by calling ``allocate`` again. Partial leftovers (an earlier failed or
+        interrupted allocation) are removed and the slot rebuilt; on failure everything
+        created here is removed before raising. Takes a few tens of milliseconds
+        (a few ms when the slot exists).
 
         Raises:
             ValueError: index out of range.
             NetworkError: a step failed (the message names it).
         """
         if self.is_complete(index):
-            return self.slot(index)
+            if self._guest_ready(index):
+                return self.slot(index)
+            try:
+                self._repair_guest(index)
+                return self.slot(index)
+            except Exception as exc:  # noqa: BLE001 — fall back to a rebuild
+                log.warning("slot %d: repairing eth0 failed (%s); rebuilding", index, exc)
         self.release(index)
         try:
             self._build(index)
@@ -351,6 +381,41 @@ class NetworkManager:
                 raise
             raise NetworkError(f"allocating slot {index} failed: {exc}") from exc
         return self.slot(index)
+
+    def _guest_ready(self, index: int) -> bool:
+        """True when the sandbox netns is in use by a process (a sandbox runs there; its
+        address lives inside gVisor) or its ``eth0`` carries the guest address."""
+        path = str(NETNS_DIR / SANDBOX_NS.format(index))
+        if _netns_in_use(path):
+            return True
+
+        def check() -> bool:
+            _enter_netns(path)
+            with IPRoute() as ipr:
+                links = ipr.link_lookup(ifname=GUEST_IF)
+                if not links:
+                    return False
+                addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=links[0], family=2)]
+                return GUEST_IP in addrs
+
+        return _in_thread(check)
+
+    def _repair_guest(self, index: int) -> None:
+        """Put the guest address and default route back on the sandbox's ``eth0``."""
+        path = str(NETNS_DIR / SANDBOX_NS.format(index))
+
+        def repair() -> None:
+            _enter_netns(path)
+            with IPRoute() as ipr:
+                eth0 = ipr.link_lookup(ifname=GUEST_IF)[0]
+                addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=eth0, family=2)]
+                if GUEST_IP not in addrs:
+                    ipr.addr("add", index=eth0, address=GUEST_IP, prefixlen=GUEST_PREFIXLEN)
+                ipr.link("set", index=eth0, state="up")
+                if not ipr.get_default_routes(family=2):
+                    ipr.route("add", dst="0.0.0.0/0", gateway=GUEST_GATEWAY, oif=eth0)
+
+        _in_thread(repair)
 
     def _build(self, index: int) -> None:
         host_ip, outer_ip = self.addresses(index)

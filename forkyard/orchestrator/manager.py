@@ -59,7 +59,10 @@ class Orchestrator:
         self._slots: dict[str, Slot] = {}
         self._slot_lock = asyncio.Lock()
         self._ttl_task: asyncio.Task | None = None
-        self._http = httpx.AsyncClient(trust_env=False)
+        # No keep-alive: a slot's outer address is reused by later sandboxes, and a
+        # pooled connection to a dead sandbox would hang or fail the next one.
+        self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
+        self._next_slot = 0
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -107,6 +110,7 @@ class Orchestrator:
             log.info("removing orphan runtime sandbox %s", rid)
             await self.driver.destroy(rid, self.settings.sandboxes_dir / rid)
         used = {s.index for s in self._slots.values()}
+        self._next_slot = (max(used) + 1) % MAX_SLOTS if used else 0
         for idx in await asyncio.to_thread(self.network.existing_indexes):
             if idx not in used:
                 await asyncio.to_thread(self.network.release, idx)
@@ -145,12 +149,16 @@ class Orchestrator:
     # ---- create / kill ------------------------------------------------------------
     async def _alloc_slot(self, sandbox_id: str) -> Slot:
         async with self._slot_lock:
+            # Round-robin, so a just-freed outer address (and any conntrack/ARP state
+            # or pooled client connection tied to it) is not reused at once.
             used = {r.slot for r in self.store.all() if r.slot is not None}
-            for idx in range(MAX_SLOTS):
+            for step in range(MAX_SLOTS):
+                idx = (self._next_slot + step) % MAX_SLOTS
                 if idx not in used:
                     break
             else:
                 raise CreateFailed("no free network slot on this node")
+            self._next_slot = (idx + 1) % MAX_SLOTS
             rec = self.store.get(sandbox_id)
             rec.slot = idx
             self.store.put(rec)

@@ -52,6 +52,17 @@ def _missing(message: str) -> bool:
     return any(s in low for s in _NOT_FOUND)
 
 
+def _summarize(text: str, limit: int = 2000) -> str:
+    """runsc's message without Go stack dumps, at most ``limit`` characters."""
+    text = text.strip()
+    cut = text.find("\ngoroutine ")
+    if cut > 0:
+        text = text[:cut].rstrip(" :\n") + " [stack trace omitted]"
+    if len(text) > limit:
+        text = text[: limit // 2] + " … " + text[-limit // 2 :]
+    return text
+
+
 def _pid_alive(pid: int) -> bool:
     """True when ``pid`` exists and is not a zombie."""
     try:
@@ -120,7 +131,15 @@ class GVisorDriver(RuntimeDriver):
             overlay = f"root:dir={self._overlay_dir(workdir)}"
         else:
             overlay = "root:memory"
-        return ["--network=sandbox", "--cpu-num-from-quota", f"--overlay2={overlay}"]
+        # --net-disconnect-ok: without it a checkpoint fails as soon as any TCP
+        # connection (even one in TIME_WAIT) exists ("endpoint cannot be saved in
+        # connected state"); with it such connections are reset on save.
+        return [
+            "--network=sandbox",
+            "--net-disconnect-ok",
+            "--cpu-num-from-quota",
+            f"--overlay2={overlay}",
+        ]
 
     @staticmethod
     def _overlay_dir(workdir: Path) -> Path:
@@ -151,7 +170,7 @@ class GVisorDriver(RuntimeDriver):
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise RuntimeError_(f"runsc {args[0]} timed out after {timeout:.0f} s") from None
-        return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace").strip()
+        return proc.returncode, out.decode(errors="replace"), _summarize(err.decode(errors="replace"))
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> None:
@@ -241,7 +260,7 @@ class GVisorDriver(RuntimeDriver):
             if rc != 0:
                 with open(console, "rb") as f:
                     f.seek(offset)
-                    said = f.read()[-4000:].decode(errors="replace").strip()
+                    said = _summarize(f.read()[-20000:].decode(errors="replace"))
                 raise RuntimeError_(f"runsc {op} {sid} failed (exit {rc}): {said or 'no output'}")
             ok = True
         finally:
