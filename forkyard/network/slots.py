@@ -51,15 +51,12 @@ NETNS_DIR = Path("/run/netns")
 #: Default outer range: one /30 per slot, 16384 slots.
 OUTER_NET = "10.209.0.0/16"
 MAX_SLOTS = 16384
-HOST_IF = "fyv{}"
-MIDDLE_NS = "fy{}"
-SANDBOX_NS = "fy{}s"
+#: Default name prefix: netns ``fy<N>``/``fy<N>s``, host veth ``fyv<N>``.
+PREFIX = "fy"
 MIDDLE_OUTER_IF = "vo"
 MIDDLE_GUEST_IF = "vg"
 GUEST_IF = "eth0"
 CHAIN_PREFIX = "FORKYARD-"
-_NS_RE = re.compile(r"^fy(\d+)s?$")
-_IF_RE = re.compile(r"^fyv(\d+)$")
 
 _CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
@@ -226,16 +223,36 @@ class NetworkManager:
     """Creates and removes network slots on this host.
 
     Args:
-        settings: forkyard settings (unused today beyond identity; kept for parity with
-            other managers).
-        outer_net: IPv4 range carved into /30 outer subnets, one per slot; must be at
-            least a /16 for 16384 slots and must not overlap the host's routes.
+        settings: forkyard settings (unused today; kept for parity with other managers).
+        outer_net: IPv4 range carved into /30 outer subnets, one per slot; a /16 gives
+            16384 slots. Must not overlap the host's routes.
+        prefix: name prefix of netns and host veths (``fy`` → ``fy<N>``, ``fy<N>s``,
+            ``fyv<N>``). A second instance on the same host (tests) uses its own prefix
+            *and* outer range, and gets its own iptables chains
+            (``FORKYARD-<PREFIX>-*``), so neither reconciles away the other's slots.
     """
 
-    def __init__(self, settings: Settings | None = None, outer_net: str = OUTER_NET):
+    def __init__(
+        self, settings: Settings | None = None, outer_net: str = OUTER_NET, prefix: str = PREFIX
+    ):
+        if not re.fullmatch(r"[a-z]{2,4}", prefix):
+            raise ValueError(f"prefix must be 2-4 lower-case letters, not {prefix!r}")
         self.settings = settings
+        self.prefix = prefix
         self.outer_net = ipaddress.IPv4Network(outer_net)
         self.max_slots = min(MAX_SLOTS, self.outer_net.num_addresses // 4)
+        self.chain_prefix = CHAIN_PREFIX if prefix == PREFIX else f"{CHAIN_PREFIX}{prefix.upper()}-"
+        self._ns_re = re.compile(rf"^{prefix}(\d+)s?$")
+        self._if_re = re.compile(rf"^{prefix}v(\d+)$")
+
+    def _host_if(self, index: int | str) -> str:
+        return f"{self.prefix}v{index}"
+
+    def _middle_ns(self, index: int) -> str:
+        return f"{self.prefix}{index}"
+
+    def _sandbox_ns(self, index: int) -> str:
+        return f"{self.prefix}{index}s"
 
     # ---- addressing -----------------------------------------------------------------
     def addresses(self, index: int) -> tuple[str, str]:
@@ -252,7 +269,7 @@ class NetworkManager:
     def slot(self, index: int) -> Slot:
         """The :class:`Slot` value for ``index`` (does not create anything)."""
         _, outer = self.addresses(index)
-        return Slot(index=index, netns_path=str(NETNS_DIR / SANDBOX_NS.format(index)), outer_ip=outer)
+        return Slot(index=index, netns_path=str(NETNS_DIR / self._sandbox_ns(index)), outer_ip=outer)
 
     # ---- host ---------------------------------------------------------------------------
     @_off_loop
@@ -267,7 +284,7 @@ class NetworkManager:
         self._check_no_overlap()
         _sysctl("net/ipv4/ip_forward", "1")
         outer = str(self.outer_net)
-        hif = HOST_IF.format("+")
+        hif = f"{self.prefix}v+"
         rules: dict[tuple[str, str], list[list[str]]] = {
             ("filter", "INPUT"): [
                 ["-i", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
@@ -286,7 +303,7 @@ class NetworkManager:
             ],
         }
         for (table, parent), chain_rules in rules.items():
-            chain = CHAIN_PREFIX + parent
+            chain = self.chain_prefix + parent
             if _iptables("-t", table, "-n", "-L", chain, check=False).returncode != 0:
                 _iptables("-t", table, "-N", chain)
             _iptables("-t", table, "-F", chain)
@@ -300,7 +317,7 @@ class NetworkManager:
         """Remove the ``FORKYARD-*`` chains and their jumps (tests). Leaves ip_forward on.
         Idempotent; never raises for missing chains."""
         for table, parent in (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING")):
-            chain = CHAIN_PREFIX + parent
+            chain = self.chain_prefix + parent
             while _iptables("-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
                 pass
             _iptables("-t", table, "-F", chain, check=False)
@@ -320,7 +337,7 @@ class NetworkManager:
                 oif = route.get_attr("RTA_OIF")
                 links = ipr.link("get", index=oif) if oif else []
                 name = links[0].get_attr("IFLA_IFNAME") if links else ""
-                if not _IF_RE.match(name or ""):
+                if not self._if_re.match(name or ""):
                     raise NetworkError(
                         f"outer range {self.outer_net} overlaps host route {net} on {name or '?'}"
                     )
@@ -331,10 +348,10 @@ class NetworkManager:
         """True when slot ``index`` exists with every piece in place (its host veth is up
         with its address, which is the last step of :meth:`allocate`)."""
         host_ip, _ = self.addresses(index)
-        if not (_is_nsfs(NETNS_DIR / MIDDLE_NS.format(index)) and _is_nsfs(NETNS_DIR / SANDBOX_NS.format(index))):
+        if not (_is_nsfs(NETNS_DIR / self._middle_ns(index)) and _is_nsfs(NETNS_DIR / self._sandbox_ns(index))):
             return False
         with IPRoute() as ipr:
-            links = ipr.link_lookup(ifname=HOST_IF.format(index))
+            links = ipr.link_lookup(ifname=self._host_if(index))
             if not links:
                 return False
             link = ipr.link("get", index=links[0])[0]
@@ -385,7 +402,7 @@ class NetworkManager:
     def _guest_ready(self, index: int) -> bool:
         """True when the sandbox netns is in use by a process (a sandbox runs there; its
         address lives inside gVisor) or its ``eth0`` carries the guest address."""
-        path = str(NETNS_DIR / SANDBOX_NS.format(index))
+        path = str(NETNS_DIR / self._sandbox_ns(index))
         if _netns_in_use(path):
             return True
 
@@ -402,7 +419,7 @@ class NetworkManager:
 
     def _repair_guest(self, index: int) -> None:
         """Put the guest address and default route back on the sandbox's ``eth0``."""
-        path = str(NETNS_DIR / SANDBOX_NS.format(index))
+        path = str(NETNS_DIR / self._sandbox_ns(index))
 
         def repair() -> None:
             _enter_netns(path)
@@ -419,9 +436,9 @@ class NetworkManager:
 
     def _build(self, index: int) -> None:
         host_ip, outer_ip = self.addresses(index)
-        host_if = HOST_IF.format(index)
-        middle = MIDDLE_NS.format(index)
-        sandbox = SANDBOX_NS.format(index)
+        host_if = self._host_if(index)
+        middle = self._middle_ns(index)
+        sandbox = self._sandbox_ns(index)
         sandbox_path = str(NETNS_DIR / sandbox)
         root_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -521,7 +538,7 @@ class NetworkManager:
             NetworkError: a present piece could not be removed.
         """
         self.addresses(index)  # range check
-        host_if = HOST_IF.format(index)
+        host_if = self._host_if(index)
         with IPRoute() as ipr:
             for idx in ipr.link_lookup(ifname=host_if):
                 try:
@@ -529,7 +546,7 @@ class NetworkManager:
                 except NetlinkError as exc:
                     if exc.code != errno.ENODEV:
                         raise NetworkError(f"deleting {host_if}: {exc}") from exc
-        for name in (MIDDLE_NS.format(index), SANDBOX_NS.format(index)):
+        for name in (self._middle_ns(index), self._sandbox_ns(index)):
             try:
                 _remove_netns(name)
             except OSError as exc:
@@ -542,12 +559,12 @@ class NetworkManager:
         found: set[int] = set()
         if NETNS_DIR.is_dir():
             for entry in NETNS_DIR.iterdir():
-                m = _NS_RE.match(entry.name)
+                m = self._ns_re.match(entry.name)
                 if m:
                     found.add(int(m.group(1)))
         with IPRoute() as ipr:
             for link in ipr.get_links():
-                m = _IF_RE.match(link.get_attr("IFLA_IFNAME") or "")
+                m = self._if_re.match(link.get_attr("IFLA_IFNAME") or "")
                 if m:
                     found.add(int(m.group(1)))
         return sorted(i for i in found if i < self.max_slots)
