@@ -87,6 +87,9 @@ class GVisorDriver(RuntimeDriver):
         debug: pass ``--debug --debug-log=<data_dir>/runsc-debug/`` to runsc (default
             from ``FORKYARD_RUNSC_DEBUG=1``).
         extra_flags: more global runsc flags (e.g. ``["--platform=ptrace"]``).
+        checkpoint_compression: ``"none"`` (default) or ``"flate-best-speed"`` (runsc's
+            default). Uncompressed images are faster to write and chunk/deduplicate
+            better in the snapshot store, which compresses chunks itself.
 
     Creating a driver makes this process a child subreaper with a reaper thread
     (:mod:`.reaper`) so dead sandboxes are reaped at once.
@@ -101,6 +104,7 @@ class GVisorDriver(RuntimeDriver):
         overlay: str = "dir",
         debug: bool | None = None,
         extra_flags: list[str] | None = None,
+        checkpoint_compression: str = "none",
     ):
         if overlay not in ("dir", "memory"):
             raise ValueError(f"overlay must be 'dir' or 'memory', not {overlay!r}")
@@ -109,6 +113,9 @@ class GVisorDriver(RuntimeDriver):
         self.overlay = overlay
         self.debug = os.environ.get("FORKYARD_RUNSC_DEBUG") == "1" if debug is None else debug
         self.extra_flags = list(extra_flags or [])
+        if checkpoint_compression not in ("none", "flate-best-speed"):
+            raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
+        self.checkpoint_compression = checkpoint_compression
         ensure_reaper()
 
     # ---- command plumbing -------------------------------------------------------------
@@ -404,7 +411,7 @@ class GVisorDriver(RuntimeDriver):
         """
         image_dir = Path(image_dir)
         image_dir.mkdir(parents=True, exist_ok=True)
-        args = ["checkpoint", f"--image-path={image_dir}"]
+        args = ["checkpoint", f"--image-path={image_dir}", f"--compression={self.checkpoint_compression}"]
         if leave_running:
             args.append("--leave-running")
         rc, _, err = await self._run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)

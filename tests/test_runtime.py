@@ -1,0 +1,368 @@
+"""gVisor driver on the real host: real runsc, real netns slots, the real base template.
+
+Init is a tiny HTTP server on the envd port (``python3 -m http.server 49983``) unless a
+test says otherwise; commands inside run through ``runsc exec`` (test side channel).
+Every sandbox is destroyed and every slot released by the fixtures, which then assert
+that no process, runsc state, bundle, overlay, mount, cgroup, netns or veth is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import threading
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import _hostutil as hu
+from forkyard.config import GUEST_IP
+from forkyard.runtime.base import RuntimeError_, SandboxSpec
+from forkyard.runtime.gvisor import GVisorDriver
+from forkyard.templates.base import build_base, is_protected
+
+
+@pytest.fixture(scope="session")
+def base_rootfs() -> Path:
+    """The base template, built once under the test data root and cached across runs."""
+    return build_base(hu.template_settings(), progress=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def settings():
+    return hu.runtime_settings()
+
+
+@pytest.fixture(scope="module")
+def nm(settings):
+    manager = hu.network_manager(settings)
+    manager.setup_host()
+    yield manager
+    for idx in manager.existing_indexes():
+        manager.release(idx)
+    assert hu.netns_names() == []
+    assert hu.host_links() == []
+
+
+@pytest.fixture(scope="module")
+def driver(settings):
+    return GVisorDriver(settings, init_argv=hu.HTTP_INIT)
+
+
+@pytest.fixture
+async def sandboxes(settings, nm, base_rootfs):
+    """``make(index, sandbox_id, **spec_overrides) -> (spec, slot)`` (not started).
+
+    Teardown destroys every sandbox named, releases every slot, and asserts clean."""
+    made: list[tuple[SandboxSpec, int]] = []
+    cleaner = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
+
+    def make(index: int, sandbox_id: str, **overrides) -> tuple[SandboxSpec, object]:
+        slot = nm.allocate(index)
+        spec = SandboxSpec(
+            sandbox_id=sandbox_id,
+            rootfs=base_rootfs,
+            netns_path=slot.netns_path,
+            vcpus=1,
+            memory_mb=256,
+            hostname="e2b.local",
+            workdir=settings.sandboxes_dir / sandbox_id,
+        )
+        spec = replace(spec, **overrides)
+        made.append((spec, index))
+        return spec, slot
+
+    yield make
+    for spec, index in made:
+        await cleaner.destroy(spec.sandbox_id, spec.workdir)
+        hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+        nm.release(index)
+        shutil.rmtree(spec.workdir, ignore_errors=True)
+        assert f"ft{index}s" not in hu.netns_names() and f"ftv{index}" not in hu.host_links()
+
+
+def http_get(ip: str, port: int = hu.HTTP_PORT, timeout: float = 15.0) -> int:
+    """Poll ``http://ip:port/`` until it answers; return the status code."""
+    deadline = time.time() + timeout
+    last: Exception | None = None
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{ip}:{port}/", timeout=2) as r:
+                return r.status
+        except Exception as e:  # noqa: BLE001
+            last = e
+            time.sleep(0.02)
+    raise AssertionError(f"http://{ip}:{port}/ never answered: {last}")
+
+
+def sh(settings, sandbox_id: str, script: str, user: str | None = None) -> str:
+    r = hu.runsc_exec(settings, sandbox_id, ["/bin/sh", "-c", script], user=user)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stdout} {r.stderr}"
+    return r.stdout
+
+
+def py(settings, sandbox_id: str, code: str) -> str:
+    r = hu.runsc_exec(settings, sandbox_id, ["python3", "-c", code])
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stdout} {r.stderr}"
+    return r.stdout.strip()
+
+
+# ------------------------------------------------------------------------------- basics
+
+
+async def test_create_runs_in_its_slot(settings, driver, sandboxes):
+    spec, slot = sandboxes(1, "rt-basic")
+    await driver.create(spec)
+    assert await driver.is_running(spec.sandbox_id)
+    assert spec.sandbox_id in await driver.list_ids()
+    assert http_get(slot.outer_ip) == 200  # host -> outer_ip:49983 -> guest (DNAT)
+    assert (spec.workdir / "bundle" / "config.json").is_file()
+
+    # Inside: the fixed guest address, our hostname, and it resolves (sudo needs that).
+    src = py(settings, spec.sandbox_id,
+             "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+             "s.connect(('192.0.2.1', 9)); print(s.getsockname()[0])")
+    assert src == GUEST_IP
+    assert sh(settings, spec.sandbox_id, "hostname").strip() == "e2b.local"
+    assert py(settings, spec.sandbox_id, "import socket; print(socket.gethostbyname('e2b.local'))") == "127.0.1.1"
+    # envd's future user exists; root can switch to it.
+    assert sh(settings, spec.sandbox_id, "sudo -u user id -un").strip() == "user"
+
+
+async def test_dns_and_egress_through_nat(settings, driver, sandboxes):
+    spec, _ = sandboxes(2, "rt-egress")
+    await driver.create(spec)
+    resolved = py(settings, spec.sandbox_id, f"import socket; print(socket.gethostbyname({hu.mirror_host()!r}))")
+    assert resolved.count(".") == 3
+    out = py(settings, spec.sandbox_id, hu.CONNECT_SNIPPET.format(host=hu.nameserver(), port=53, timeout=3))
+    assert out == "OK"
+
+
+async def test_sandbox_cannot_reach_host_or_other_sandboxes(settings, driver, nm, sandboxes):
+    a, _ = sandboxes(3, "rt-iso-a")
+    b, slot_b = sandboxes(4, "rt-iso-b")
+    await asyncio.gather(driver.create(a), driver.create(b))
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("0.0.0.0", 0))
+    listener.listen(4)
+    port = listener.getsockname()[1]
+    threading.Thread(target=lambda: [c.close() for c, _ in iter(listener.accept, None)], daemon=True).start()
+    try:
+        targets = [
+            (hu.host_source_ip(hu.nameserver()), port),  # the host's LAN address
+            (nm.addresses(3)[0], port),  # own slot's host end (gateway side)
+            (nm.addresses(4)[0], port),  # another slot's host end
+            (slot_b.outer_ip, hu.HTTP_PORT),  # another sandbox
+        ]
+        for host, p in targets:
+            out = py(settings, a.sandbox_id, hu.CONNECT_SNIPPET.format(host=host, port=p, timeout=1.5))
+            assert out.startswith("FAIL"), f"sandbox reached {host}:{p}"
+        assert http_get(slot_b.outer_ip) == 200  # control: the host reaches b
+    finally:
+        listener.close()
+
+
+async def test_writes_stay_in_the_sandbox(settings, driver, sandboxes, base_rootfs):
+    spec, _ = sandboxes(5, "rt-overlay")
+    await driver.create(spec)
+    assert is_protected(base_rootfs)
+    before = sorted(p.name for p in (base_rootfs / "etc").iterdir())
+    sh(settings, spec.sandbox_id,
+       "echo probe > /etc/forkyard-probe && rm /usr/bin/less && mkdir -p /opt/new && "
+       "head -c 20000000 /dev/urandom > /root/blob && echo x >> /etc/hostname.bak")
+    assert sh(settings, spec.sandbox_id, "cat /etc/forkyard-probe").strip() == "probe"
+    assert sh(settings, spec.sandbox_id, "test -e /usr/bin/less || echo gone").strip() == "gone"
+    assert not (base_rootfs / "etc" / "forkyard-probe").exists()
+    assert (base_rootfs / "usr" / "bin" / "less").exists()
+    assert not (base_rootfs / "opt" / "new").exists()
+    assert not (base_rootfs / "root" / "blob").exists()
+    assert sorted(p.name for p in (base_rootfs / "etc").iterdir()) == before
+    assert (spec.workdir / "overlay").is_dir()  # the sandbox's writable layer lives here
+    # user can write its home; root-owned paths stay root-owned
+    sh(settings, spec.sandbox_id, "touch /home/user/mine && ls -ln /home/user/mine", user="1000:1000")
+
+
+async def test_cpu_and_memory_limits_apply(settings, driver, sandboxes):
+    spec, _ = sandboxes(6, "rt-limits", vcpus=1, memory_mb=256)
+    await driver.create(spec)
+    cg = Path("/sys/fs/cgroup")
+    assert int((cg / "memory/forkyard/rt-limits/memory.limit_in_bytes").read_text()) == 256 * 2**20
+    assert int((cg / "cpu/forkyard/rt-limits/cpu.cfs_quota_us").read_text()) == 100_000
+    assert int((cg / "cpu/forkyard/rt-limits/cpu.cfs_period_us").read_text()) == 100_000
+    meminfo = sh(settings, spec.sandbox_id, "head -1 /proc/meminfo")
+    assert meminfo.split()[1] == str(256 * 1024)  # MemTotal in kB follows the limit
+
+    usage = cg / "cpuacct/forkyard/rt-limits/cpuacct.usage"
+    u0, t0 = int(usage.read_text()), time.monotonic()
+    py(settings, spec.sandbox_id,
+       "import multiprocessing as m, time\n"
+       "def f():\n t=time.time()\n while time.time()-t<2: pass\n"
+       "ps=[m.Process(target=f) for _ in range(2)]\n[p.start() for p in ps]\n[p.join() for p in ps]")
+    cores = (int(usage.read_text()) - u0) / 1e9 / (time.monotonic() - t0)
+    print(f"\n2 busy processes with vcpus=1 used {cores:.2f} cores")
+    assert cores < 1.3
+
+
+async def test_memory_limit_is_enforced(settings, driver, sandboxes):
+    spec, _ = sandboxes(7, "rt-oom", memory_mb=256)
+    await driver.create(spec)
+    r = hu.runsc_exec(settings, spec.sandbox_id,
+                      ["python3", "-c", "x = bytearray(400 * 2**20); print('allocated', len(x))"])
+    print(f"\n400 MiB in a 256 MiB sandbox: exit {r.returncode}; still running: "
+          f"{await driver.is_running(spec.sandbox_id)}; {r.stderr.strip()[:200]}")
+    assert "allocated" not in r.stdout
+
+
+# ------------------------------------------------------------------------ failure paths
+
+
+async def test_destroy_is_idempotent(settings, driver, sandboxes):
+    spec, _ = sandboxes(8, "rt-destroy")
+    await driver.create(spec)
+    await driver.destroy(spec.sandbox_id)  # workdir derived from runsc's state
+    hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+    await driver.destroy(spec.sandbox_id, spec.workdir)
+    await driver.destroy("rt-never-existed")
+    assert not await driver.is_running(spec.sandbox_id)
+    assert await driver.state(spec.sandbox_id) is None
+
+
+async def test_failed_create_says_why_and_cleans_up(settings, sandboxes):
+    spec, _ = sandboxes(9, "rt-badinit")
+    bad = GVisorDriver(settings, init_argv=["/nonexistent/init"])
+    with pytest.raises(RuntimeError_) as err:
+        await bad.create(spec)
+    assert "runsc run rt-badinit failed" in str(err.value)
+    assert "/nonexistent/init" in str(err.value)  # runsc's own words
+    hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+
+    with pytest.raises(RuntimeError_, match="network namespace"):
+        await bad.create(replace(spec, netns_path="/run/netns/ft-missing"))
+    with pytest.raises(RuntimeError_, match="rootfs"):
+        await bad.create(replace(spec, rootfs=Path("/nonexistent-rootfs")))
+    hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+
+
+async def test_missing_envd_binary_is_reported(settings, sandboxes, tmp_path):
+    spec, _ = sandboxes(10, "rt-noenvd")
+    no_envd = replace(settings, envd_binary=tmp_path / "envd")
+    with pytest.raises(RuntimeError_, match="envd binary"):
+        await GVisorDriver(no_envd).create(spec)
+    hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+
+
+async def test_duplicate_id_is_refused_and_original_survives(settings, driver, sandboxes):
+    spec, slot = sandboxes(11, "rt-dup")
+    other, _ = sandboxes(12, "rt-dup")
+    await driver.create(spec)
+    with pytest.raises(RuntimeError_, match="already exists"):
+        await driver.create(other)
+    assert await driver.is_running(spec.sandbox_id)
+    assert http_get(slot.outer_ip) == 200
+
+
+# ---------------------------------------------------------------- checkpoint / restore
+
+
+async def test_checkpoint_and_fork(settings, driver, sandboxes, nm):
+    src, src_slot = sandboxes(13, "rt-src")
+    await driver.create(src)
+    http_get(src_slot.outer_ip)
+    sh(settings, src.sandbox_id, "echo before > /root/state")
+    image = settings.data_dir / "images" / "rt-src"
+    shutil.rmtree(image, ignore_errors=True)
+    try:
+        t = time.perf_counter()
+        await driver.checkpoint(src.sandbox_id, image, leave_running=True)
+        ckpt_ms = 1000 * (time.perf_counter() - t)
+        assert await driver.is_running(src.sandbox_id)
+        assert http_get(src_slot.outer_ip) == 200
+
+        kids = [sandboxes(14 + i, f"rt-kid{i}") for i in range(2)]
+        restore_ms = []
+        for kid, _ in kids:
+            t = time.perf_counter()
+            await driver.restore(kid, image)
+            restore_ms.append(1000 * (time.perf_counter() - t))
+        for kid, slot in kids:
+            assert await driver.is_running(kid.sandbox_id)
+            assert http_get(slot.outer_ip) == 200  # listening socket survived the move
+            assert sh(settings, kid.sandbox_id, "cat /root/state").strip() == "before"
+        sh(settings, kids[0][0].sandbox_id, "echo child > /root/state")
+        assert sh(settings, src.sandbox_id, "cat /root/state").strip() == "before"
+        assert sh(settings, kids[1][0].sandbox_id, "cat /root/state").strip() == "before"
+        print(f"\ncheckpoint --leave-running {ckpt_ms:.0f} ms; restore {', '.join(f'{m:.0f}' for m in restore_ms)} ms")
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+
+
+async def test_stopping_checkpoint_then_restore_same_id(settings, driver, sandboxes, nm):
+    spec, slot = sandboxes(16, "rt-pause")
+    await driver.create(spec)
+    sh(settings, spec.sandbox_id, "echo kept > /root/state")
+    image = settings.data_dir / "images" / "rt-pause"
+    shutil.rmtree(image, ignore_errors=True)
+    try:
+        t = time.perf_counter()
+        await driver.checkpoint(spec.sandbox_id, image, leave_running=False)
+        pause_ms = 1000 * (time.perf_counter() - t)
+        assert spec.sandbox_id not in await driver.list_ids()
+        hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+
+        assert nm.allocate(16) == slot  # puts the guest address back on eth0
+        t = time.perf_counter()
+        await driver.restore(spec, image)
+        resume_ms = 1000 * (time.perf_counter() - t)
+        assert http_get(slot.outer_ip) == 200
+        assert sh(settings, spec.sandbox_id, "cat /root/state").strip() == "kept"
+        print(f"\ncheckpoint (stop) {pause_ms:.0f} ms; restore same id {resume_ms:.0f} ms")
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+
+
+async def test_restore_from_missing_image_fails(settings, driver, sandboxes):
+    spec, _ = sandboxes(17, "rt-noimage")
+    with pytest.raises(RuntimeError_, match="does not exist"):
+        await driver.restore(spec, settings.data_dir / "images" / "nope")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+async def test_create_destroy_timing(settings, driver, sandboxes):
+    create_s, ready_s, destroy_s = [], [], []
+    for i in range(5):
+        spec, slot = sandboxes(20 + i, f"rt-t{i}")
+        t = time.perf_counter()
+        await driver.create(spec)
+        create_s.append(time.perf_counter() - t)
+        http_get(slot.outer_ip)
+        ready_s.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        await driver.destroy(spec.sandbox_id, spec.workdir)
+        destroy_s.append(time.perf_counter() - t)
+        hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
+    print(f"\ncreate->running {hu.stats_ms(create_s)}; to first HTTP answer {hu.stats_ms(ready_s)}; "
+          f"destroy {hu.stats_ms(destroy_s)}")
+    assert sorted(destroy_s)[2] < 1.0
+
+
+@pytest.mark.skipif(not hu.runtime_settings().envd_binary.is_file(), reason="envd binary not built")
+async def test_real_envd_answers_health(settings, sandboxes):
+    spec, slot = sandboxes(30, "rt-envd")
+    await GVisorDriver(settings).create(spec)
+    deadline = time.time() + 15
+    status = None
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{slot.outer_ip}:{hu.HTTP_PORT}/health", timeout=2) as r:
+                status = r.status
+                break
+        except Exception:  # noqa: BLE001
+            time.sleep(0.02)
+    assert status is not None and 200 <= status < 300
