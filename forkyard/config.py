@@ -36,6 +36,8 @@ class Settings:
         envd_binary: static envd binary injected into sandboxes (``FORKYARD_ENVD``,
             default ``<repo>/envd/bin/envd``).
         default_vcpu / default_memory_mb: per-sandbox limits (2 vCPU, 512 MiB — E2B defaults).
+        max_upload_mb: largest request body the proxy forwards to a sandbox
+            (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
     """
 
@@ -50,6 +52,7 @@ class Settings:
     )
     default_vcpu: int = 2
     default_memory_mb: int = 512
+    max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
 
     @property

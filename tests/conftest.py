@@ -8,6 +8,7 @@ state directory below it, wiped per session.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -30,15 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def host_leftovers() -> dict[str, list[str]]:
-    """forkyard netns, runsc sandbox processes and veths present on the host now."""
+def host_leftovers(runsc_root: Path | None = None) -> dict[str, list[str]]:
+    """forkyard netns (``fy<N>``), veths (``fyv<N>``) and runsc processes (of
+    ``runsc_root`` when given, else of the test server) present on the host now."""
+    runsc_root = runsc_root or TEST_ROOT / "server" / "runsc"
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    ns = [l.split()[0] for l in ns if l.strip().startswith("fy")]
-    procs = subprocess.run(["pgrep", "-af", "runsc-sandbox"], capture_output=True, text=True).stdout.split("\n")
-    procs = [p for p in procs if p.strip()]
+    ns = [l.split()[0] for l in ns if re.match(r"^fy\d+s?$", l.split(" ")[0])]
+    procs = subprocess.run(["pgrep", "-af", "runsc"], capture_output=True, text=True).stdout.split("\n")
+    procs = [p for p in procs if f"--root={runsc_root}" in p]
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n")
-    veths = [l.split(":")[1].strip().split("@")[0] for l in links if l.count(":") > 1 and l.split(":")[1].strip().startswith("fyv")]
-    return {"netns": ns, "runsc": procs, "veth": veths}
+    veths = [l.split(":")[1].strip().split("@")[0] for l in links if l.count(":") > 1 and l.split(":")[1].strip().startswith("fyv")
+             and re.match(r"^fyv\d+$", l.split(":")[1].strip().split("@")[0])]
+    mounts = [l.split()[1] for l in Path("/proc/self/mounts").read_text().splitlines()
+              if str(runsc_root.parent) in l.split()[1]]
+    return {"netns": ns, "runsc": procs, "veth": veths, "mounts": mounts}
+
+
+CLEAN = {"netns": [], "runsc": [], "veth": [], "mounts": []}
 
 
 @pytest.fixture(scope="session")
@@ -123,7 +132,7 @@ def server(base_template) -> ServerProc:
     finally:
         srv.stop()
     # The server leaves nothing behind once its sandboxes are killed.
-    assert host_leftovers() == {"netns": [], "runsc": [], "veth": []}
+    assert host_leftovers() == CLEAN
 
 
 @pytest.fixture

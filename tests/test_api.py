@@ -134,7 +134,7 @@ def test_ten_concurrent_sandboxes(server):
         sbx = Sandbox.create("base", timeout=120)
         try:
             sbx.files.write(f"/home/user/n", str(i))
-            out = sbx.commands.run("cat /home/user/n; python3 -c 'import os; print(os.getpid())'").stdout
+            out = sbx.commands.run("echo $(cat /home/user/n); python3 -c 'import os; print(os.getpid())'").stdout
             return out.split()[0]
         finally:
             sbx.kill()

@@ -6,7 +6,7 @@ import sqlite3
 
 from e2b import Sandbox
 
-from tests.conftest import host_leftovers
+from conftest import CLEAN, host_leftovers
 
 
 def test_restart_readopts_running_sandbox(server):
@@ -36,4 +36,4 @@ def test_restart_after_sigkill_cleans_unknown_sandbox(server):
     assert host_leftovers()["runsc"], "the sandbox should still run while the server is down"
     server.start()
     assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
-    assert host_leftovers() == {"netns": [], "runsc": [], "veth": []}
+    assert host_leftovers() == CLEAN

@@ -59,10 +59,9 @@ def test_upload_download_50mb(sandbox):
     assert hashlib.sha256(back).hexdigest() == hashlib.sha256(data).hexdigest()
 
 
-def test_root_owned_path_denied(sandbox):
-    from e2b import SandboxException
-
-    with pytest.raises(SandboxException):
-        sandbox.files.write("/root/x", "no")  # default user is `user`
-    sandbox.files.write("/root/x", "yes", user="root")
-    assert sandbox.files.read("/root/x", user="root") == "yes"
+def test_file_owner_follows_user(sandbox):
+    # As in E2B's envd, file operations run as root; the user decides ownership.
+    sandbox.files.write("/tmp/by-root", "r", user="root")
+    sandbox.files.write("/tmp/by-user", "u")
+    out = sandbox.commands.run("stat -c %U /tmp/by-root /tmp/by-user").stdout.split()
+    assert out == ["root", "user"]

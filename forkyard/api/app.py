@@ -74,6 +74,6 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
 
     api.include_router(misc_router)
     api.include_router(sandboxes_router)
-    proxy = SandboxProxy(api, orch.target)
+    proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     proxy.fastapi = api
     return proxy

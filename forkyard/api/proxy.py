@@ -59,13 +59,21 @@ async def _send_json(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+class _TooLarge(Exception):
+    pass
+
+
 class SandboxProxy:
     """ASGI middleware: requests carrying a sandbox route go to the sandbox, the rest
-    to ``app``. ``resolve(sandbox_id, port) -> (host, port)`` raises NotFound."""
+    to ``app``. ``resolve(sandbox_id, port) -> (host, port)`` raises NotFound.
 
-    def __init__(self, app, resolve):
+    ``max_body_bytes`` bounds one request body (uploads); a larger one gets 413.
+    """
+
+    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30):
         self.app = app
         self.resolve = resolve
+        self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
         self._clients: dict[str, httpx.AsyncClient] = {}
@@ -130,13 +138,22 @@ class SandboxProxy:
         if qs:
             url += "?" + qs.decode("latin-1")
 
+        declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await _send_json(send, 413, f"request body over the {self.max_body_bytes} byte limit")
+        sent = 0
+
         async def body():
+            nonlocal sent
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     return
                 chunk = msg.get("body", b"")
                 if chunk:
+                    sent += len(chunk)
+                    if sent > self.max_body_bytes:
+                        raise _TooLarge()
                     yield chunk
                 if not msg.get("more_body"):
                     return
@@ -145,6 +162,8 @@ class SandboxProxy:
         req = client.build_request(scope["method"], url, headers=headers, content=body())
         try:
             resp = await client.send(req, stream=True)
+        except _TooLarge:
+            return await _send_json(send, 413, f"request body over the {self.max_body_bytes} byte limit")
         except httpx.HTTPError as e:
             return await _send_json(send, 502, f"sandbox {sid} port {port} is not reachable: {e!r}")
         try:

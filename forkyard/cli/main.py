@@ -73,7 +73,7 @@ def serve(
     console.print(f"[green]forkyard API[/green] {url}   (API key: {key_src})")
     console.print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=$(cat {settings.api_key_file})")
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=2)
 
 
 def _env_key() -> bool:

@@ -234,6 +234,7 @@ class Orchestrator:
                 raise
             raise CreateFailed(f"creating sandbox from {template_id!r} failed: {e}") from e
         self._slots[rec.id] = slot
+        rec.slot = slot.index
         rec.state = "running"
         rec.started_at = time.time()
         rec.end_at = rec.started_at + timeout_s
