@@ -11,6 +11,7 @@ import (
 	"sort"
 	"strings"
 	"sync"
+	"unicode/utf8"
 
 	"forkyard/envd/internal/identity"
 )
@@ -134,6 +135,10 @@ func (s *State) ResolveUser(name string) (*identity.User, error) {
 	return u, err
 }
 
+// ErrInvalidUTF8 is returned for paths that are not valid UTF-8: E2B's API
+// carries paths as strings, so such a name could never be listed back faithfully.
+var ErrInvalidUTF8 = errors.New("path is not valid UTF-8")
+
 // ErrHomeExpansion is returned for "~name" paths, which are not supported.
 var ErrHomeExpansion = errors.New("cannot expand user-specific home dir")
 
@@ -141,6 +146,9 @@ var ErrHomeExpansion = errors.New("cannot expand user-specific home dir")
 // u: "" means the default workdir (or home), "~" and "~/x" expand to the
 // home directory and relative paths are taken from the home directory.
 func (s *State) ResolvePath(p string, u *identity.User) (string, error) {
+	if !utf8.ValidString(p) {
+		return "", ErrInvalidUTF8
+	}
 	if p == "" {
 		p = s.DefaultWorkdir()
 	}
