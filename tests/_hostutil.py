@@ -51,11 +51,23 @@ def network_manager(settings: Settings | None = None) -> NetworkManager:
     return NetworkManager(settings, outer_net=TEST_OUTER_NET, prefix=TEST_PREFIX)
 
 
-def runsc_exec(settings: Settings, sandbox_id: str, argv: list[str], timeout: float = 60, user: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv`` inside a sandbox with ``runsc exec`` (test-only side channel)."""
+def runsc_exec(
+    settings: Settings,
+    sandbox_id: str,
+    argv: list[str],
+    timeout: float = 60,
+    user: str | None = None,
+    groups: list[int] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``argv`` inside a sandbox with ``runsc exec`` (test-only side channel).
+
+    ``user`` is ``"uid:gid"``; ``groups`` are supplementary gids (envd gives a user its
+    /etc/group memberships; ``runsc exec`` does not)."""
     cmd = [settings.runsc, f"--root={settings.runsc_root}", "exec"]
     if user:
         cmd.append(f"--user={user}")
+    for gid in groups or []:
+        cmd.append(f"--additional-gids={gid}")
     return subprocess.run([*cmd, sandbox_id, *argv], capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
+import subprocess
 import threading
 import time
 import urllib.request
@@ -99,8 +100,14 @@ def http_get(ip: str, port: int = hu.HTTP_PORT, timeout: float = 15.0) -> int:
     raise AssertionError(f"http://{ip}:{port}/ never answered: {last}")
 
 
+#: ``user`` as envd runs it: uid/gid 1000 plus its /etc/group membership (sudo = 27).
+USER = "1000:1000"
+USER_GROUPS = [27]
+
+
 def sh(settings, sandbox_id: str, script: str, user: str | None = None) -> str:
-    r = hu.runsc_exec(settings, sandbox_id, ["/bin/sh", "-c", script], user=user)
+    groups = USER_GROUPS if user == USER else None
+    r = hu.runsc_exec(settings, sandbox_id, ["/bin/sh", "-c", script], user=user, groups=groups)
     assert r.returncode == 0, f"exit {r.returncode}: {r.stdout} {r.stderr}"
     return r.stdout
 
@@ -184,7 +191,7 @@ async def test_writes_stay_in_the_sandbox(settings, driver, sandboxes, base_root
     assert sorted(p.name for p in (base_rootfs / "etc").iterdir()) == before
     assert (spec.workdir / "overlay").is_dir()  # the sandbox's writable layer lives here
     # user can write its home; root-owned paths stay root-owned
-    sh(settings, spec.sandbox_id, "touch /home/user/mine && ls -ln /home/user/mine", user="1000:1000")
+    sh(settings, spec.sandbox_id, "touch /home/user/mine && ls -ln /home/user/mine", user=USER)
 
 
 async def test_cpu_and_memory_limits_apply(settings, driver, sandboxes):
@@ -366,3 +373,36 @@ async def test_real_envd_answers_health(settings, sandboxes):
         except Exception:  # noqa: BLE001
             time.sleep(0.02)
     assert status is not None and 200 <= status < 300
+
+
+async def test_sudo_for_user_goes_through_the_broker(settings, driver, sandboxes):
+    """gVisor ignores set-user-ID bits; the template's broker gives ``user`` sudo."""
+    from forkyard.templates import sudo
+
+    spec, _ = sandboxes(31, "rt-sudo")
+    await driver.create(spec)
+    as_user = USER
+    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id", "-u"], user=as_user, groups=USER_GROUPS)
+    assert r.returncode != 0 and "no new privileges" in r.stderr  # no broker yet: real sudo's message
+
+    # What envd does at boot: start the broker as root.
+    subprocess.run([settings.runsc, f"--root={settings.runsc_root}", "exec", "--detach", spec.sandbox_id,
+                    sudo.BROKER_PATH], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=30)
+    deadline = time.time() + 10
+    while sh(settings, spec.sandbox_id, f"test -S {sudo.SOCKET_PATH} && echo up || true").strip() != "up":
+        assert time.time() < deadline, "broker did not start"
+        time.sleep(0.1)
+
+    assert sh(settings, spec.sandbox_id, "id -un; sudo id -un; sudo -u user id -un", user=as_user).split() == [
+        "user", "root", "user"]
+    assert sh(settings, spec.sandbox_id, "echo piped | sudo cat; cd /tmp && sudo pwd", user=as_user).split() == [
+        "piped", "/tmp"]
+    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "sh", "-c", "exit 7"], user=as_user, groups=USER_GROUPS)
+    assert r.returncode == 7
+    out = sh(settings, spec.sandbox_id,
+             "sudo sleep 30 & p=$!; sleep 1; kill -INT $p; wait $p; echo rc=$?; sleep 0.3; pgrep -x sleep | wc -l",
+             user=as_user).split()
+    assert out == ["rc=130", "0"]  # the signal reached the command
+    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id"], user="65534:65534")
+    assert r.returncode != 0 and "not allowed" in r.stderr

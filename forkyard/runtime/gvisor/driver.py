@@ -185,6 +185,9 @@ class GVisorDriver(RuntimeDriver):
 
         Uses ``runsc run --detach`` (measured faster than ``create`` + ``start``: one
         runsc invocation instead of two). Returns when runsc reports the container started.
+        The slot's ``eth0`` must carry the guest address: runsc moves the address and
+        routes into the sandbox, so a slot whose sandbox stopped must be re-``allocate``d
+        before it serves another sandbox (``NetworkManager.allocate`` restores them).
 
         Raises:
             RuntimeError_: bad spec (missing rootfs/netns/envd), the id already exists,
