@@ -33,7 +33,7 @@ from forkyard.templates import sudo as sudo_broker
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 3
+BUILD_VERSION = 4
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [
@@ -57,6 +57,8 @@ USER_UID = 1000
 DEFAULT_HOSTNAME = "forkyard"
 SOURCES_FILE = Path("/etc/apt/sources.list.d/debian.sources")
 SOURCES_LIST = Path("/etc/apt/sources.list")
+#: Locally added trust anchors of the host (update-ca-certificates' input directory).
+HOST_LOCAL_CAS = Path("/usr/local/share/ca-certificates")
 
 Progress = Callable[[str], None]
 
@@ -243,6 +245,16 @@ def _configure(root: Path, mirror: str, security: str | None, progress: Progress
     _write(root / "etc/default/locale", "LANG=C.UTF-8\n")
 
     sudo_setup = sudo_broker.install(root)
+    # Sandboxes egress through the host's network path; if the host trusts extra CAs
+    # (e.g. a TLS-inspecting egress proxy), pip/curl/git inside need them too.
+    local_cas = sorted(HOST_LOCAL_CAS.rglob("*.crt")) if HOST_LOCAL_CAS.is_dir() else []
+    for ca in local_cas:
+        dest = root / "usr/local/share/ca-certificates" / ca.relative_to(HOST_LOCAL_CAS)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ca, dest)
+        dest.chmod(0o644)
+    if local_cas:
+        progress(f"trusting {len(local_cas)} local CA certificate(s) of the host")
     _chroot(
         root,
         f"""
@@ -251,6 +263,7 @@ def _configure(root: Path, mirror: str, security: str | None, progress: Progress
                     --user-group --groups sudo --shell /bin/bash {USER_NAME}
         fi
         {sudo_setup}
+        {"update-ca-certificates" if local_cas else ":"}
         apt-get clean
         rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt/* /var/log/dpkg.log
         """,
@@ -305,8 +318,8 @@ def build_base(settings: Settings, progress: Progress = print, force: bool = Fal
     the rootfs is rebuilt with debootstrap (``minbase`` + :data:`PACKAGES`) from the
     host's configured Debian mirror, then configured (user ``user`` uid 1000 with
     passwordless sudo — through the broker of :mod:`forkyard.templates.sudo`, since
-    gVisor ignores set-user-ID bits —, resolv.conf from the host's nameservers, hostname
-    files). A build of an older :data:`BUILD_VERSION` is redone; the old tree is moved
+    gVisor ignores set-user-ID bits —, resolv.conf from the host's nameservers, the
+    host's locally added CA certificates, hostname files). A build of an older :data:`BUILD_VERSION` is redone; the old tree is moved
     aside (sandboxes may still use it) and deleted by a later call. A file lock
     serialises concurrent builders. Takes about 45 s on this project's machines.
 
