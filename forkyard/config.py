@@ -36,6 +36,10 @@ class Settings:
         envd_binary: static envd binary injected into sandboxes (``FORKYARD_ENVD``,
             default ``<repo>/envd/bin/envd``).
         default_vcpu / default_memory_mb: per-sandbox limits (2 vCPU, 512 MiB — E2B defaults).
+        net_prefix: 2-4 letters naming this server's netns/veths/iptables chains
+            (``FORKYARD_NET_PREFIX``, ``fy``); two servers on one host need different ones.
+        outer_net: IPv4 range for per-sandbox outer addresses, one /30 each
+            (``FORKYARD_OUTER_NET``, 10.209.0.0/16).
         max_upload_mb: largest request body the proxy forwards to a sandbox
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
@@ -52,6 +56,8 @@ class Settings:
     )
     default_vcpu: int = 2
     default_memory_mb: int = 512
+    net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
+    outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
 

@@ -23,6 +23,12 @@ import pytest
 from forkyard.config import Settings
 
 TEST_ROOT = Path(os.environ.get("FORKYARD_TEST_DATA_DIR", "/var/lib/forkyard-test"))
+#: Per-session network prefix, outer range and state dir, so two test sessions on one
+#: host (developers, helpers) never touch each other's sandboxes.
+_N = os.getpid() % 20
+NET_PREFIX = "fy" + "abcdefghijklmnopqrst"[_N]
+OUTER_NET = f"10.{220 + _N}.0.0/16"
+SERVER_DIR = TEST_ROOT / f"server-{NET_PREFIX}"
 
 
 def free_port() -> int:
@@ -32,16 +38,16 @@ def free_port() -> int:
 
 
 def host_leftovers(runsc_root: Path | None = None) -> dict[str, list[str]]:
-    """forkyard netns (``fy<N>``), veths (``fyv<N>``) and runsc processes (of
+    """The test server's netns (``<prefix><N>``), veths, mounts and runsc processes (of
     ``runsc_root`` when given, else of the test server) present on the host now."""
-    runsc_root = runsc_root or TEST_ROOT / "server" / "runsc"
+    runsc_root = runsc_root or SERVER_DIR / "runsc"
     ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    ns = [l.split()[0] for l in ns if re.match(r"^fy\d+s?$", l.split(" ")[0])]
+    ns = [l.split()[0] for l in ns if re.match(rf"^{NET_PREFIX}\d+s?$", l.split(" ")[0])]
     procs = subprocess.run(["pgrep", "-af", "runsc"], capture_output=True, text=True).stdout.split("\n")
     procs = [p for p in procs if f"--root={runsc_root}" in p]
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout.split("\n")
-    veths = [l.split(":")[1].strip().split("@")[0] for l in links if l.count(":") > 1 and l.split(":")[1].strip().startswith("fyv")
-             and re.match(r"^fyv\d+$", l.split(":")[1].strip().split("@")[0])]
+    names = [l.split(":")[1].strip().split("@")[0] for l in links if l.count(":") > 1]
+    veths = [n for n in names if re.match(rf"^{NET_PREFIX}v\d+$", n)]
     mounts = [l.split()[1] for l in Path("/proc/self/mounts").read_text().splitlines()
               if str(runsc_root.parent) in l.split()[1]]
     return {"netns": ns, "runsc": procs, "veth": veths, "mounts": mounts}
@@ -69,12 +75,13 @@ class ServerProc:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = "e2b_" + secrets.token_hex(20)
         self.proc: subprocess.Popen | None = None
-        self.log = data_dir.parent / "server.log"
+        self.log = data_dir.parent / f"{data_dir.name}.log"
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(FORKYARD_DATA_DIR=str(self.data_dir), FORKYARD_TEMPLATES_DIR=str(self.templates_dir),
-                   FORKYARD_API_KEY=self.api_key, FORKYARD_PORT=str(self.port))
+                   FORKYARD_API_KEY=self.api_key, FORKYARD_PORT=str(self.port),
+                   FORKYARD_NET_PREFIX=NET_PREFIX, FORKYARD_OUTER_NET=OUTER_NET)
         return env
 
     def start(self) -> None:
@@ -118,7 +125,7 @@ def server(base_template) -> ServerProc:
     """Session-wide server; sets ``E2B_API_URL``/``E2B_SANDBOX_URL``/``E2B_API_KEY`` so
     the real e2b SDK talks to it. At the end every sandbox is killed and the host is
     asserted clean."""
-    data = TEST_ROOT / "server"
+    data = SERVER_DIR
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
     srv = ServerProc(data, TEST_ROOT / "templates")

@@ -133,7 +133,7 @@ def test_ten_concurrent_sandboxes(server):
     def one(i: int) -> str:
         sbx = Sandbox.create("base", timeout=120)
         try:
-            sbx.files.write(f"/home/user/n", str(i))
+            sbx.files.write("/home/user/n", str(i))
             out = sbx.commands.run("echo $(cat /home/user/n); python3 -c 'import os; print(os.getpid())'").stdout
             return out.split()[0]
         finally:

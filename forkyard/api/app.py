@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from forkyard.api import schemas
 from forkyard.api.auth import load_or_create_key
 from forkyard.api.proxy import SandboxProxy
+from forkyard.api.routes_lifecycle import router as lifecycle_router
 from forkyard.api.routes_misc import router as misc_router
 from forkyard.api.routes_sandboxes import router as sandboxes_router
 from forkyard.config import Settings
@@ -27,7 +28,7 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     from forkyard.network.slots import NetworkManager
     from forkyard.runtime.gvisor.driver import GVisorDriver
 
-    return Orchestrator(settings, GVisorDriver(settings), NetworkManager(settings), Store(settings.db_path))
+    return Orchestrator(settings, GVisorDriver(settings), NetworkManager(settings, outer_net=settings.outer_net, prefix=settings.net_prefix), Store(settings.db_path))
 
 
 def create_app(settings: Settings | None = None, orchestrator: Orchestrator | None = None):
@@ -74,6 +75,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
 
     api.include_router(misc_router)
     api.include_router(sandboxes_router)
+    api.include_router(lifecycle_router)
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     proxy.fastapi = api
     return proxy

@@ -137,18 +137,6 @@ async def refresh(request: Request, sandbox_id: str, body: schemas.RefreshBody |
     return Response(status_code=204)
 
 
-@router.post("/sandboxes/{sandbox_id}/connect")
-@router.post("/v2/sandboxes/{sandbox_id}/connect")
-async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
-    """Connect to a running sandbox, extending its timeout (never shortening)."""
-    orch = _orch(request)
-    rec = orch.get(sandbox_id)
-    timeout = body.timeout if body else 300
-    if rec.end_at < time.time() + timeout:
-        rec = orch.set_timeout(sandbox_id, timeout)
-    return JSONResponse(schemas.sandbox_created(rec), status_code=200)
-
-
 @router.get("/sandboxes/{sandbox_id}/metrics")
 async def metrics(request: Request, sandbox_id: str):
     """Current CPU / memory / disk usage as a one-element ``SandboxMetric`` list."""

@@ -85,8 +85,7 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
 def sandbox_detail(rec: SandboxRecord) -> dict:
     """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
     d = sandbox_listed(rec)
-    # Expiry kills until pause/resume lands; autoPause is stored for that (issue 3).
-    d["lifecycle"] = {"autoResume": False, "onTimeout": "kill"}
+    d["lifecycle"] = {"autoResume": False, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
     return d
@@ -95,3 +94,36 @@ def sandbox_detail(rec: SandboxRecord) -> dict:
 def error(code: int, message: str) -> dict:
     """E2B ``Error`` body."""
     return {"code": code, "message": message}
+
+
+class ResumeBody(_Strict):
+    """``POST /sandboxes/{id}/resume``: new ``timeout`` (s) and ``autoPause``."""
+
+    timeout: int | None = Field(default=None, ge=1, le=86400)
+    auto_pause: bool | None = Field(default=None, alias="autoPause")
+
+
+class ForkBody(_Strict):
+    """``POST /sandboxes/{id}/fork``: ``count`` children (1…100, default 1) each living
+    ``timeout`` seconds (default 15)."""
+
+    count: int = Field(default=1, ge=1, le=100)
+    timeout: int = Field(default=15, ge=1, le=86400)
+
+
+class SnapshotBody(_Strict):
+    """``POST /sandboxes/{id}/snapshots``: optional ``name``."""
+
+    name: str | None = Field(default=None, max_length=64)
+
+
+def snapshot_info(meta) -> dict:
+    """E2B ``SnapshotInfo`` body plus forkyard extras (source, size, creation time)."""
+    return {
+        "snapshotID": meta.snapshot_id,
+        "names": meta.names,
+        "sandboxID": meta.source_sandbox_id,
+        "templateID": meta.template_id,
+        "sizeBytes": meta.size_bytes,
+        "createdAt": _iso(meta.created_at),
+    }

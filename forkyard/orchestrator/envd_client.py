@@ -46,8 +46,12 @@ async def init(
     outer_ip: str,
     env_vars: dict[str, str],
     access_token: str | None,
+    current_token: str | None = None,
 ) -> None:
     """Send ``POST /init`` with the sandbox's env vars and access token.
+
+    ``current_token`` is the token envd already holds (a restored checkpoint keeps its
+    source's token; envd only accepts a new one from a caller that knows the old one).
 
     Raises:
         httpx.HTTPError: connection failure or non-2xx answer.
@@ -59,7 +63,8 @@ async def init(
     }
     if access_token:
         body["accessToken"] = access_token
-    r = await client.post(f"{envd_url(outer_ip)}/init", json=body, timeout=5.0)
+    headers = {"X-Access-Token": current_token} if current_token else {}
+    r = await client.post(f"{envd_url(outer_ip)}/init", json=body, headers=headers, timeout=5.0)
     r.raise_for_status()
 
 

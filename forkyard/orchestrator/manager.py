@@ -1,19 +1,22 @@
-"""Sandbox lifecycle: create, kill, timeouts, restart reconciliation.
+"""Sandbox lifecycle core: create, kill, timeouts, restart reconciliation.
 
-Data flows orchestrator → runtime driver / network slots / store, never back. Every
-state transition is written to the :class:`~forkyard.orchestrator.store.Store` before
-the operation that follows it, so a crash leaves rows that :meth:`Orchestrator.start`
-can reconcile (re-adopt what still runs, clean up the rest).
+Data flows orchestrator → runtime driver / network slots / snapshot store / SQLite,
+never back. Every state transition is written to the store before the operation that
+follows it, so a crash leaves rows that :meth:`Orchestrator.start` can reconcile
+(re-adopt what still runs, keep what is paused, clean up the rest). Pause, resume,
+snapshot and fork live in :mod:`forkyard.orchestrator.lifecycle`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import shutil
 import string
 import time
+from collections import defaultdict
 
 import httpx
 
@@ -21,18 +24,22 @@ from forkyard.config import Settings
 from forkyard.network.base import Slot
 from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.errors import BadRequest, CreateFailed, NotFound
+from forkyard.orchestrator.lifecycle import LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
+from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, SandboxSpec
 from forkyard.templates import registry
 
 log = logging.getLogger("forkyard.orchestrator")
 
 _ID_ALPHABET = string.ascii_lowercase + string.digits
-#: E2B limits: timeout 0 < t ≤ 24 h for Pro plans; default 300 s (E2B API spec).
+#: E2B limits: timeout 0 < t ≤ 24 h; default 300 s (E2B API spec).
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 MAX_SLOTS = 16384
 ENVD_READY_TIMEOUT_S = 20.0
+#: How long paused sandboxes are kept before deletion (``FORKYARD_PAUSED_RETENTION_S``).
+PAUSED_RETENTION_S = int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600)))
 
 
 def new_sandbox_id() -> str:
@@ -40,7 +47,7 @@ def new_sandbox_id() -> str:
     return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
 
 
-class Orchestrator:
+class Orchestrator(LifecycleMixin):
     """Owns every sandbox on this node.
 
     Args:
@@ -56,8 +63,10 @@ class Orchestrator:
         self.driver = driver
         self.network = network
         self.store = store
+        self.snapshots = SnapshotStore(settings.data_dir / "snapshots")
         self._slots: dict[str, Slot] = {}
         self._slot_lock = asyncio.Lock()
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._ttl_task: asyncio.Task | None = None
         # No keep-alive: a slot's outer address is reused by later sandboxes, and a
         # pooled connection to a dead sandbox would hang or fail the next one.
@@ -67,9 +76,7 @@ class Orchestrator:
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
         """Prepare the host, reconcile persisted sandboxes with what runs, start the
-        TTL loop. Sandboxes that still run with a healthy envd are re-adopted; every
-        other row, runtime container, netns and workdir that has no live owner is
-        removed."""
+        TTL loop (see :meth:`_reconcile`)."""
         await asyncio.to_thread(self.network.setup_host)
         await self._reconcile()
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
@@ -84,31 +91,53 @@ class Orchestrator:
                 pass
         await self._http.aclose()
 
+    async def _adoptable(self, rec: SandboxRecord, live_ids: set[str]) -> bool:
+        if rec.id not in live_ids or rec.slot is None:
+            return False
+        try:
+            if not await self.driver.is_running(rec.id):
+                return False
+            slot = await asyncio.to_thread(self.network.allocate, rec.slot)
+            await envd_client.wait_healthy(self._http, slot.outer_ip, 3.0)
+        except Exception as e:  # noqa: BLE001 — any failure means not adoptable
+            log.warning("sandbox %s not adoptable: %s", rec.id, e)
+            return False
+        self._slots[rec.id] = slot
+        return True
+
     async def _reconcile(self) -> None:
+        """After a (re)start: running/snapshotting/forking rows whose sandbox still runs
+        with a healthy envd are re-adopted as running; pausing/resuming rows with a
+        committed pause snapshot become paused; paused rows stay paused while their
+        snapshot exists; everything else — rows, runtime containers, netns, workdirs,
+        staging directories — is removed."""
+        for name in self.snapshots.cleanup_staging():
+            log.info("removed uncommitted snapshot staging %s", name)
         live_ids = set(await self.driver.list_ids())
         keep: set[str] = set()
         for rec in self.store.all():
-            ok = False
-            if rec.state == "running" and rec.id in live_ids and rec.slot is not None:
-                slot = await asyncio.to_thread(self.network.allocate, rec.slot)
-                try:
-                    ok = await self.driver.is_running(rec.id)
-                    if ok:
-                        await envd_client.wait_healthy(self._http, slot.outer_ip, 3.0)
-                except Exception as e:  # noqa: BLE001 — any failure means not adoptable
-                    log.warning("sandbox %s not adoptable: %s", rec.id, e)
-                    ok = False
-                if ok:
-                    self._slots[rec.id] = slot
-                    keep.add(rec.id)
-                    log.info("re-adopted sandbox %s", rec.id)
-            if not ok:
-                log.info("cleaning up sandbox %s (state %s)", rec.id, rec.state)
+            if rec.state in ("running", "snapshotting", "forking", "pausing", "resuming") and await self._adoptable(rec, live_ids):
+                rec.state, rec.image_id, rec.paused_at = "running", None, None
+                self.store.put(rec)
+                keep.add(rec.id)
+                log.info("re-adopted sandbox %s", rec.id)
+                continue
+            pause = self.snapshots.get(rec.image_id) if rec.image_id else None
+            if rec.state in ("paused", "pausing", "resuming") and pause is not None and pause.kind == "pause":
                 await self._teardown(rec.id, rec.slot)
-                self.store.delete(rec.id)
+                rec.state, rec.slot = "paused", None
+                rec.paused_at = rec.paused_at or time.time()
+                self.store.put(rec)
+                keep.add(rec.id)
+                log.info("sandbox %s is paused", rec.id)
+                continue
+            log.info("cleaning up sandbox %s (state %s)", rec.id, rec.state)
+            await self._teardown(rec.id, rec.slot)
+            self.store.delete(rec.id)
         for rid in live_ids - keep:
-            log.info("removing orphan runtime sandbox %s", rid)
-            await self.driver.destroy(rid, self.settings.sandboxes_dir / rid)
+            if rid not in self._slots:
+                log.info("removing orphan runtime sandbox %s", rid)
+                await self.driver.destroy(rid, self.settings.sandboxes_dir / rid)
         used = {s.index for s in self._slots.values()}
         self._next_slot = (max(used) + 1) % MAX_SLOTS if used else 0
         for idx in await asyncio.to_thread(self.network.existing_indexes):
@@ -116,12 +145,13 @@ class Orchestrator:
                 await asyncio.to_thread(self.network.release, idx)
         if self.settings.sandboxes_dir.is_dir():
             for d in self.settings.sandboxes_dir.iterdir():
-                if d.name not in keep:
+                if d.name not in self._slots:
                     shutil.rmtree(d, ignore_errors=True)
+        self._gc_images()
 
     # ---- queries ------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRecord:
-        """The live sandbox ``sandbox_id``.
+        """The live (running or paused, possibly mid-operation) sandbox ``sandbox_id``.
 
         Raises:
             NotFound: unknown id or killed sandbox.
@@ -146,8 +176,8 @@ class Orchestrator:
             raise NotFound(f"sandbox {sandbox_id!r} not found or not running")
         return slot.outer_ip, port
 
-    # ---- create / kill ------------------------------------------------------------
-    async def _alloc_slot(self, sandbox_id: str) -> Slot:
+    # ---- create / start / kill ----------------------------------------------------
+    async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
         async with self._slot_lock:
             # Round-robin, so a just-freed outer address (and any conntrack/ARP state
             # or pooled client connection tied to it) is not reused at once.
@@ -159,10 +189,58 @@ class Orchestrator:
             else:
                 raise CreateFailed("no free network slot on this node")
             self._next_slot = (idx + 1) % MAX_SLOTS
-            rec = self.store.get(sandbox_id)
             rec.slot = idx
             self.store.put(rec)
         return await asyncio.to_thread(self.network.allocate, idx)
+
+    async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None) -> None:
+        """Allocate a slot, start ``rec`` fresh (``image`` None) or restore it from
+        ``image``, wait for envd and send ``/init``. Persists ``rec`` as running.
+
+        Raises:
+            CreateFailed / NotFound: the runtime, the network or envd failed; the slot,
+                runtime state and workdir are removed (``rec``'s row is left as is).
+        """
+        tmpl = registry.resolve(self.settings, rec.template_id)
+        if tmpl is None:
+            raise NotFound(f"template {rec.template_id!r} of sandbox {rec.id} not found")
+        try:
+            slot = await self._alloc_slot(rec)
+            workdir = self.settings.sandboxes_dir / rec.id
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir(parents=True)
+            spec = SandboxSpec(
+                sandbox_id=rec.id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
+                vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname="e2b.local", workdir=workdir,
+            )
+            if image is None:
+                await self.driver.create(spec)
+            else:
+                await self.driver.restore(spec, self.snapshots.image(image.snapshot_id))
+            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            if image is None or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
+                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token)
+        except BaseException as e:
+            log.warning("start of %s failed: %s", rec.id, e)
+            await asyncio.shield(self._teardown(rec.id, rec.slot))
+            rec.slot = None
+            if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
+                raise
+            what = "restoring" if image else "creating"
+            raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {e}") from e
+        self._slots[rec.id] = slot
+        rec.slot = slot.index
+        rec.state = "running"
+        rec.started_at = time.time()
+        rec.end_at = rec.started_at + rec.timeout_s
+        rec.paused_at = None
+        self.store.put(rec)
+
+    def _check_timeout(self, timeout_s: int | None) -> int:
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        if not 0 < timeout_s <= MAX_TIMEOUT_S:
+            raise BadRequest(f"timeout must be between 1 and {MAX_TIMEOUT_S} seconds")
+        return timeout_s
 
     async def create(
         self,
@@ -170,75 +248,55 @@ class Orchestrator:
         timeout_s: int | None = None,
         metadata: dict[str, str] | None = None,
         env_vars: dict[str, str] | None = None,
-        auto_pause: bool = False,
+        auto_pause: bool = True,
         secure: bool = False,
         vcpus: int | None = None,
         memory_mb: int | None = None,
     ) -> SandboxRecord:
-        """Create and start a sandbox from ``template_id`` and wait for envd.
+        """Create and start a sandbox from a template or a snapshot (id or name) and
+        wait for envd.
 
         Args:
             timeout_s: seconds until expiry (1 … 86400; default 300).
-            auto_pause: pause instead of kill at expiry (lifecycle work; kill for now).
-            secure: generate an envd access token that clients must send.
+            auto_pause: pause (True) or kill (False) at expiry.
+            secure: generate an envd access token that clients must send (always
+                done for snapshots whose source had one).
 
         Raises:
-            NotFound: unknown template.
+            NotFound: unknown template/snapshot.
             BadRequest: out-of-range timeout.
             CreateFailed: runtime or envd failure; everything half-made is removed.
         """
-        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
-        if not 0 < timeout_s <= MAX_TIMEOUT_S:
-            raise BadRequest(f"timeout must be between 1 and {MAX_TIMEOUT_S} seconds")
-        tmpl = registry.resolve(self.settings, template_id)
-        if tmpl is None:
+        timeout_s = self._check_timeout(timeout_s)
+        snap = self.snapshots.find(template_id)
+        tmpl = registry.resolve(self.settings, template_id) if snap is None else None
+        if snap is None and tmpl is None:
             raise NotFound(f"template {template_id!r} not found")
         now = time.time()
         rec = SandboxRecord(
             id=new_sandbox_id(),
-            template_id=tmpl.template_id,
+            template_id=snap.template_id if snap else tmpl.template_id,
             state="creating",
             slot=None,
-            vcpus=vcpus or self.settings.default_vcpu,
-            memory_mb=memory_mb or self.settings.default_memory_mb,
+            vcpus=snap.vcpus if snap else (vcpus or self.settings.default_vcpu),
+            memory_mb=snap.memory_mb if snap else (memory_mb or self.settings.default_memory_mb),
             started_at=now,
             end_at=now + timeout_s,
             auto_pause=auto_pause,
             metadata=dict(metadata or {}),
-            env_vars=dict(env_vars or {}),
-            envd_access_token=secrets.token_urlsafe(24) if secure else None,
+            env_vars={**(snap.env_vars if snap else {}), **(env_vars or {})},
+            image_id=snap.snapshot_id if snap else None,
+            timeout_s=timeout_s,
         )
+        old_token = snap.envd_access_token if snap else None
+        if secure or old_token:
+            rec.envd_access_token = secrets.token_urlsafe(24)
         self.store.put(rec)
         try:
-            slot = await self._alloc_slot(rec.id)
-            workdir = self.settings.sandboxes_dir / rec.id
-            workdir.mkdir(parents=True, exist_ok=True)
-            spec = SandboxSpec(
-                sandbox_id=rec.id,
-                rootfs=tmpl.rootfs,
-                netns_path=slot.netns_path,
-                vcpus=rec.vcpus,
-                memory_mb=rec.memory_mb,
-                hostname="e2b.local",
-                workdir=workdir,
-            )
-            await self.driver.create(spec)
-            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
-            await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token)
-        except BaseException as e:
-            log.warning("create of %s failed: %s", rec.id, e)
-            rec = self.store.get(rec.id) or rec
-            await asyncio.shield(self._teardown(rec.id, rec.slot))
+            await self._start(rec, snap, old_token)
+        except BaseException:
             self.store.delete(rec.id)
-            if isinstance(e, (CreateFailed, asyncio.CancelledError)):
-                raise
-            raise CreateFailed(f"creating sandbox from {template_id!r} failed: {e}") from e
-        self._slots[rec.id] = slot
-        rec.slot = slot.index
-        rec.state = "running"
-        rec.started_at = time.time()
-        rec.end_at = rec.started_at + timeout_s
-        self.store.put(rec)
+            raise
         return rec
 
     async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
@@ -256,21 +314,26 @@ class Orchestrator:
         shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
 
     async def kill(self, sandbox_id: str) -> None:
-        """Kill the sandbox and free everything it held.
+        """Kill a running or paused sandbox and free everything it held.
 
         Raises:
             NotFound: unknown or already killed sandbox.
         """
-        rec = self.get(sandbox_id)
-        rec.state = "killing"
-        self.store.put(rec)
-        await self._teardown(rec.id, rec.slot)
-        self.store.delete(rec.id)
+        async with self._locks[sandbox_id]:
+            rec = self.get(sandbox_id)
+            rec.state = "killing"
+            self.store.put(rec)
+            await self._teardown(rec.id, rec.slot)
+            self.store.delete(rec.id)
+        self._locks.pop(sandbox_id, None)
+        self._gc_images()
 
-    async def kill_all(self) -> None:
-        """Kill every sandbox (tests, ``forkyard serve --kill-on-exit``)."""
-        for rec in self.list():
-            await self.kill(rec.id)
+    def _gc_images(self) -> None:
+        """Delete pause/fork images no sandbox row refers to any more."""
+        referenced = {r.image_id for r in self.store.all() if r.image_id}
+        for meta in self.snapshots.list():
+            if meta.kind in ("pause", "fork") and meta.snapshot_id not in referenced:
+                self.snapshots.delete(meta.snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
     def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
@@ -283,6 +346,7 @@ class Orchestrator:
             raise BadRequest(f"timeout must be between 0 and {MAX_TIMEOUT_S} seconds")
         rec = self.get(sandbox_id)
         rec.end_at = time.time() + timeout_s
+        rec.timeout_s = max(timeout_s, 1)
         self.store.put(rec)
         return rec
 
@@ -303,24 +367,31 @@ class Orchestrator:
 
     async def _ttl_loop(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(0.5)
             now = time.time()
             for rec in self.list():
-                if rec.state == "running" and rec.end_at <= now:
-                    log.info("sandbox %s expired; killing", rec.id)
-                    try:
+                try:
+                    if rec.state == "running" and rec.end_at <= now:
+                        if rec.auto_pause:
+                            log.info("sandbox %s expired; pausing", rec.id)
+                            await self.pause(rec.id)
+                        else:
+                            log.info("sandbox %s expired; killing", rec.id)
+                            await self.kill(rec.id)
+                    elif rec.state == "paused" and rec.paused_at and rec.paused_at + PAUSED_RETENTION_S <= now:
+                        log.info("paused sandbox %s past retention; deleting", rec.id)
                         await self.kill(rec.id)
-                    except NotFound:
-                        pass
-                    except Exception as e:  # noqa: BLE001 — keep the loop alive
-                        log.error("expiry of %s failed: %s", rec.id, e)
+                except (NotFound, BadRequest):
+                    pass
+                except Exception as e:  # noqa: BLE001 — keep the loop alive
+                    log.error("expiry of %s failed: %s", rec.id, e)
 
     # ---- metrics ------------------------------------------------------------------
     async def metrics(self, sandbox_id: str) -> dict:
-        """envd's ``/metrics`` JSON for a running sandbox plus a UNIX ``timestamp``.
+        """envd's ``/metrics`` JSON for a running sandbox.
 
         Raises:
-            NotFound: unknown sandbox.
+            NotFound: unknown or not running sandbox.
             CreateFailed: envd did not answer (500).
         """
         rec = self.get(sandbox_id)
@@ -329,4 +400,3 @@ class Orchestrator:
             return await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
         except httpx.HTTPError as e:
             raise CreateFailed(f"envd of sandbox {sandbox_id} did not answer /metrics: {e}") from e
-

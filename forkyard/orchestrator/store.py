@@ -26,13 +26,18 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     metadata TEXT NOT NULL,
     env_vars TEXT NOT NULL,
     envd_access_token TEXT,
-    client_id TEXT NOT NULL DEFAULT 'forkyard'
+    client_id TEXT NOT NULL DEFAULT 'forkyard',
+    image_id TEXT,
+    timeout_s INTEGER NOT NULL DEFAULT 300,
+    paused_at REAL
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
 
 #: Lifecycle states (shared/DESIGN.md §4). Only ``running``/``paused`` are shown by the API.
-STATES = ("creating", "running", "paused", "snapshotting", "forking", "killing")
+STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing")
+#: Columns added after the first schema, with their SQL type (migrated on open).
+_ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL"}
 
 
 @dataclass
@@ -53,6 +58,13 @@ class SandboxRecord:
     env_vars: dict[str, str] = field(default_factory=dict)
     envd_access_token: str | None = None
     client_id: str = "forkyard"
+    #: snapshot the runtime state came from (fork/snapshot/resume) or, while paused,
+    #: the pause snapshot holding the sandbox's state.
+    image_id: str | None = None
+    #: the timeout (s) given at create/connect; a resume runs for this long again.
+    timeout_s: int = 300
+    #: UNIX seconds when the sandbox was paused (retention), else None.
+    paused_at: float | None = None
 
 
 class Store:
@@ -70,6 +82,10 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
             self._db.executescript(SCHEMA)
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+            for col, sqltype in _ADDED.items():
+                if col not in have:
+                    self._db.execute(f"ALTER TABLE sandboxes ADD COLUMN {col} {sqltype}")
 
     def close(self) -> None:
         """Close the database connection."""

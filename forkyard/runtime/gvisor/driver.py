@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 #: Shell snippet run in a private mount namespace before exec'ing runsc (netns bug).
 _SYSNET_WORKAROUND = 'mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/sys/net && exec "$0" "$@"'
 _NOT_FOUND = ("does not exist", "not found", "no such file")
+#: Started next to init when present (see forkyard.templates.sudo): gVisor ignores
+#: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
+SUDO_BROKER = "/usr/local/lib/forkyard/sudo-broker"
+_BROKER_LAUNCH = f'[ -x {SUDO_BROKER} ] && {SUDO_BROKER} & exec "$@"'
 START_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
 CHECKPOINT_TIMEOUT_S = 300.0
@@ -87,6 +91,11 @@ class GVisorDriver(RuntimeDriver):
         debug: pass ``--debug --debug-log=<data_dir>/runsc-debug/`` to runsc (default
             from ``FORKYARD_RUNSC_DEBUG=1``).
         extra_flags: more global runsc flags (e.g. ``["--platform=ptrace"]``).
+        sudo_broker: start the template's sudo broker (if the rootfs has one) next to
+            init: init becomes ``/bin/sh -c '<start broker> & exec "$@"' init…``, so
+            init (envd) is still PID 1 and the broker its child. Costs ~50 ms of a cold
+            boot (Python start-up) and nothing for restored sandboxes. Set False once
+            envd starts the broker itself.
         checkpoint_compression: ``"none"`` (default) or ``"flate-best-speed"`` (runsc's
             default). Uncompressed images are faster to write and chunk/deduplicate
             better in the snapshot store, which compresses chunks itself.
@@ -105,6 +114,7 @@ class GVisorDriver(RuntimeDriver):
         debug: bool | None = None,
         extra_flags: list[str] | None = None,
         checkpoint_compression: str = "none",
+        sudo_broker: bool = True,
     ):
         if overlay not in ("dir", "memory"):
             raise ValueError(f"overlay must be 'dir' or 'memory', not {overlay!r}")
@@ -116,6 +126,7 @@ class GVisorDriver(RuntimeDriver):
         if checkpoint_compression not in ("none", "flate-best-speed"):
             raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
         self.checkpoint_compression = checkpoint_compression
+        self.sudo_broker = sudo_broker
         ensure_reaper()
 
     # ---- command plumbing -------------------------------------------------------------
@@ -217,6 +228,12 @@ class GVisorDriver(RuntimeDriver):
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
         )
 
+    def _process_argv(self) -> list[str]:
+        """argv of the container's first process (init, maybe behind the broker launch)."""
+        if not self.sudo_broker:
+            return list(self.init_argv)
+        return ["/bin/sh", "-c", _BROKER_LAUNCH, self.init_argv[0], *self.init_argv]
+
     def _container_files_exist(self, sandbox_id: str) -> bool:
         root = self.settings.runsc_root
         try:
@@ -242,7 +259,7 @@ class GVisorDriver(RuntimeDriver):
         spec.workdir.mkdir(parents=True, exist_ok=True)
         if self.overlay == "dir":
             self._overlay_dir(spec.workdir).mkdir(parents=True, exist_ok=True)
-        ocispec.write_bundle(spec, self.init_argv, envd)
+        ocispec.write_bundle(spec, self._process_argv(), envd)
 
         console = spec.workdir / "console.log"
         argv = [
@@ -311,6 +328,22 @@ class GVisorDriver(RuntimeDriver):
         deadline = loop.time() + 2.0
         while os.path.exists(f"/proc/{pid}") and loop.time() < deadline:
             await asyncio.sleep(0.002)
+        # The gofer exits once the sandbox is gone; make sure, so no runsc process
+        # outlives destroy (runsc delete signals it but does not wait for it).
+        try:
+            gofer = int((st or {}).get("goferPid") or 0)
+        except (TypeError, ValueError):
+            gofer = 0
+        if gofer > 1 and _pid_alive(gofer):
+            try:
+                with open(f"/proc/{gofer}/cmdline", "rb") as f:
+                    if f.read().startswith(b"runsc-gofer"):
+                        os.kill(gofer, 9)
+            except OSError:
+                return
+            deadline = loop.time() + 2.0
+            while os.path.exists(f"/proc/{gofer}") and loop.time() < deadline:
+                await asyncio.sleep(0.002)
 
     async def _cleanup(self, sandbox_id: str, workdir: Path | None) -> str | None:
         """Force-delete the container and remove bundle + overlay; return runsc's error

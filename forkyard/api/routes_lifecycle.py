@@ -1,0 +1,108 @@
+"""E2B lifecycle routes: pause, resume, connect, fork, snapshots (paths, bodies and
+status codes from E2B's OpenAPI spec as shipped in the ``e2b`` SDK)."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from forkyard.api import schemas
+from forkyard.api.auth import require_key
+from forkyard.orchestrator.errors import BadRequest, OrchestratorError
+from forkyard.orchestrator.manager import Orchestrator
+
+router = APIRouter(dependencies=[Depends(require_key)])
+
+
+def _orch(request: Request) -> Orchestrator:
+    return request.app.state.orchestrator
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(request: Request, sandbox_id: str):
+    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused."""
+    await _orch(request).pause(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | None = None):
+    """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running."""
+    orch = _orch(request)
+    if body and body.auto_pause is not None:
+        rec = orch.get(sandbox_id)
+        rec.auto_pause = body.auto_pause
+        orch.store.put(rec)
+    rec = await orch.resume(sandbox_id, body.timeout if body else None)
+    return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
+    """Connect: a running sandbox gets its timeout extended (never shortened), 200; a
+    paused one is resumed, 201."""
+    orch = _orch(request)
+    timeout = body.timeout if body else 300
+    rec = orch.get(sandbox_id)
+    if rec.state == "paused":
+        rec = await orch.resume(sandbox_id, max(timeout, 1))
+        return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+    if rec.end_at < time.time() + timeout:
+        rec = orch.set_timeout(sandbox_id, timeout)
+    return JSONResponse(schemas.sandbox_created(rec), status_code=200)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
+async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None = None):
+    """Fork into ``count`` children: 201 with one ``{sandbox}`` or ``{error}`` per child."""
+    body = body or schemas.ForkBody()
+    results = await _orch(request).fork(sandbox_id, body.count, body.timeout)
+    out = []
+    for r in results:
+        if isinstance(r, Exception):
+            status = r.status if isinstance(r, OrchestratorError) else 500
+            out.append({"error": schemas.error(status, str(r))})
+        else:
+            out.append({"sandbox": schemas.sandbox_created(r)})
+    return JSONResponse(out, status_code=201)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def create_snapshot(request: Request, sandbox_id: str, body: schemas.SnapshotBody | None = None):
+    """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``."""
+    meta = await _orch(request).snapshot(sandbox_id, body.name if body else None)
+    return JSONResponse(schemas.snapshot_info(meta), status_code=201)
+
+
+@router.get("/snapshots")
+async def list_snapshots(
+    request: Request,
+    response: Response,
+    sandbox_id: str | None = Query(default=None, alias="sandboxID"),
+    name: str | None = None,
+    limit: int = Query(default=100, ge=1, le=100),
+    next_token: str | None = Query(default=None, alias="nextToken"),
+):
+    """Snapshots, oldest first, filtered by source ``sandboxID`` / ``name``, paginated
+    by ``limit`` and ``nextToken`` (``x-next-token`` header)."""
+    metas = _orch(request).list_snapshots(sandbox_id, name)
+    start = 0
+    if next_token:
+        try:
+            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+        except Exception as e:  # noqa: BLE001
+            raise BadRequest("invalid nextToken") from e
+    if start + limit < len(metas):
+        response.headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    return [schemas.snapshot_info(m) for m in metas[start : start + limit]]
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_template(request: Request, template_id: str):
+    """Delete a snapshot (E2B deletes snapshots through the templates path): 204/404."""
+    _orch(request).delete_snapshot(template_id)
+    return Response(status_code=204)

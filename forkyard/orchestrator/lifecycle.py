@@ -1,0 +1,248 @@
+"""Pause, resume, snapshot and fork (mixed into :class:`Orchestrator`).
+
+State machine (shared/DESIGN.md §4), each transition persisted before it acts:
+
+* running → pausing → paused (checkpoint that stops the sandbox; image committed as a
+  ``pause`` snapshot; slot freed) → resuming → running (restore, same id);
+* running → snapshotting → running (``checkpoint --leave-running``; ``snapshot``);
+* running → forking → running, plus ``count`` children creating → running, each
+  restored from one ``fork`` image taken once.
+
+Commit of every image goes through :class:`~forkyard.repository.snapshots.SnapshotStore`
+(staging → fsync → rename), so a crash never leaves a half-written snapshot visible.
+Pause/fork images that no sandbox needs any more are deleted at once (a restore reads
+the whole image; measured: deleting it afterwards does not affect the restored sandbox).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+
+from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
+from forkyard.orchestrator.store import SandboxRecord
+from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
+
+log = logging.getLogger("forkyard.orchestrator")
+
+#: Metadata keys recording a fork child's lineage.
+PARENT_KEY = "forkyard.parentSandboxID"
+SNAPSHOT_KEY = "forkyard.snapshotID"
+#: E2B fork limits (``POST /sandboxes/{id}/fork``): count 1…100 (default 1), timeout default 15 s.
+MAX_FORKS = 100
+FORK_DEFAULT_TIMEOUT_S = 15
+#: Parallel restores during a fork (2 cores here; runsc restore is mostly I/O + setup).
+FORK_PARALLELISM = 8
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+
+
+class LifecycleMixin:
+    """Pause/resume/snapshot/fork; relies on the Orchestrator's store, driver,
+    snapshots, locks and ``_start``/``_teardown``/``_gc_images``."""
+
+    # ---- helpers --------------------------------------------------------------------
+    def _running(self, sandbox_id: str) -> SandboxRecord:
+        rec = self.get(sandbox_id)
+        if rec.state == "paused":
+            raise Conflict(f"sandbox {sandbox_id} is paused")
+        if rec.state != "running":
+            raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
+        return rec
+
+    async def _checkpoint(self, rec: SandboxRecord, kind: str, leave_running: bool,
+                          names: list[str] | None = None, snapshot_id: str | None = None) -> SnapshotMeta:
+        """Checkpoint ``rec`` into a staging dir and commit it as ``kind``.
+
+        Raises:
+            CreateFailed: runsc failed; the staging dir is removed.
+        """
+        sid = snapshot_id or new_snapshot_id()
+        staging = self.snapshots.staging(sid)
+        try:
+            await self.driver.checkpoint(rec.id, staging / "image", leave_running=leave_running)
+            meta = SnapshotMeta(
+                snapshot_id=sid, kind=kind, template_id=rec.template_id, source_sandbox_id=rec.id,
+                vcpus=rec.vcpus, memory_mb=rec.memory_mb, env_vars=rec.env_vars,
+                metadata={k: v for k, v in rec.metadata.items()}, names=list(names or []),
+                envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
+            )
+            return await asyncio.to_thread(self.snapshots.commit, staging, meta)
+        except BaseException as e:
+            self.snapshots.discard(staging)
+            if isinstance(e, Exception):
+                raise CreateFailed(f"checkpoint of sandbox {rec.id} failed: {e}") from e
+            raise
+
+    # ---- pause / resume ---------------------------------------------------------------
+    async def pause(self, sandbox_id: str) -> SandboxRecord:
+        """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
+        network slot; the id, metadata and settings stay.
+
+        Raises:
+            NotFound: unknown sandbox.
+            Conflict: already paused (409, as E2B) or busy.
+            CreateFailed: runsc failed; the sandbox keeps running if it still can.
+        """
+        async with self._locks[sandbox_id]:
+            rec = self._running(sandbox_id)
+            sid = new_snapshot_id()
+            rec.state, rec.image_id = "pausing", sid
+            self.store.put(rec)
+            try:
+                await self._checkpoint(rec, "pause", leave_running=False, snapshot_id=sid)
+            except CreateFailed:
+                rec.image_id = None
+                if await self.driver.is_running(rec.id):
+                    rec.state = "running"
+                    self.store.put(rec)
+                else:
+                    log.error("sandbox %s stopped during a failed pause; removing it", rec.id)
+                    await self._teardown(rec.id, rec.slot)
+                    self.store.delete(rec.id)
+                raise
+            await self._teardown(rec.id, rec.slot)
+            rec.state, rec.slot, rec.paused_at = "paused", None, time.time()
+            self.store.put(rec)
+            return rec
+
+    async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
+        """Restore a paused sandbox under the same id; processes, memory and files
+        continue. Expiry is reset to now + ``timeout_s`` (default: its last timeout).
+
+        Raises:
+            NotFound: unknown sandbox.
+            Conflict: already running (409, as E2B) or busy.
+            CreateFailed: restore failed; the sandbox stays paused.
+        """
+        if timeout_s is not None:
+            timeout_s = self._check_timeout(timeout_s)
+        async with self._locks[sandbox_id]:
+            rec = self.get(sandbox_id)
+            if rec.state == "running":
+                raise Conflict(f"sandbox {sandbox_id} is already running")
+            if rec.state != "paused":
+                raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
+            image = self.snapshots.get(rec.image_id or "")
+            if image is None:
+                raise CreateFailed(f"paused state of sandbox {sandbox_id} is missing from the repository")
+            rec.state = "resuming"
+            if timeout_s is not None:
+                rec.timeout_s = timeout_s
+            self.store.put(rec)
+            try:
+                await self._start(rec, image, rec.envd_access_token)
+            except BaseException:
+                rec.state, rec.slot = "paused", None
+                self.store.put(rec)
+                raise
+            rec.image_id = None
+            self.store.put(rec)
+        self._gc_images()
+        return rec
+
+    # ---- snapshots --------------------------------------------------------------------
+    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:
+        """Persist the running sandbox's memory + filesystem as a reusable snapshot
+        (usable as ``templateID``); the sandbox is stopped only for the checkpoint.
+        A ``name`` already in use moves to the new snapshot (E2B semantics).
+
+        Raises:
+            NotFound, Conflict (paused/busy), BadRequest (bad name),
+            CreateFailed (runsc failed; the sandbox keeps running).
+        """
+        if name is not None and not _NAME.match(name):
+            raise BadRequest("snapshot name must be 1-64 of a-z, 0-9, '-' and '_', starting with a letter or digit")
+        async with self._locks[sandbox_id]:
+            rec = self._running(sandbox_id)
+            rec.state = "snapshotting"
+            self.store.put(rec)
+            try:
+                return await self._checkpoint(rec, "snapshot", leave_running=True, names=[name] if name else [])
+            finally:
+                rec.state = "running"
+                self.store.put(rec)
+
+    def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[SnapshotMeta]:
+        """User-visible snapshots, oldest first, filtered by source sandbox / name."""
+        out = self.snapshots.list("snapshot")
+        if sandbox_id:
+            out = [m for m in out if m.source_sandbox_id == sandbox_id]
+        if name:
+            out = [m for m in out if name in m.names or m.snapshot_id == name]
+        return out
+
+    def delete_snapshot(self, ref: str) -> None:
+        """Delete a user-visible snapshot (id or name).
+
+        Raises:
+            NotFound: no such snapshot.
+        """
+        meta = self.snapshots.find(ref)
+        if meta is None or not self.snapshots.delete(meta.snapshot_id):
+            raise NotFound(f"snapshot {ref!r} not found")
+
+    # ---- fork -------------------------------------------------------------------------
+    async def fork(self, sandbox_id: str, count: int = 1, timeout_s: int | None = None) -> list[SandboxRecord | Exception]:
+        """Checkpoint the running source once (it keeps running, id and expiry
+        unchanged) and restore ``count`` children in parallel.
+
+        Each child gets a new id, the source's memory, processes, files, env and
+        resources, a new envd token, expiry now + ``timeout_s`` (default 15 s, E2B's),
+        and lineage in its metadata (:data:`PARENT_KEY`, :data:`SNAPSHOT_KEY`).
+
+        Returns:
+            One entry per child, in order: its record, or the exception that stopped it.
+
+        Raises:
+            BadRequest: count outside 1…100 or bad timeout.
+            NotFound / Conflict: unknown or not running source.
+            CreateFailed: the checkpoint failed (the source keeps running).
+        """
+        if not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise BadRequest(f"count must be between 1 and {MAX_FORKS}")
+        timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        async with self._locks[sandbox_id]:
+            src = self._running(sandbox_id)
+            src.state = "forking"
+            self.store.put(src)
+            try:
+                image = await self._checkpoint(src, "fork", leave_running=True)
+            finally:
+                src.state = "running"
+                self.store.put(src)
+        now = time.time()
+        kids = []
+        for _ in range(count):
+            from forkyard.orchestrator.manager import new_sandbox_id
+
+            kid = SandboxRecord(
+                id=new_sandbox_id(), template_id=src.template_id, state="creating", slot=None,
+                vcpus=src.vcpus, memory_mb=src.memory_mb, started_at=now, end_at=now + timeout_s,
+                auto_pause=src.auto_pause,
+                metadata={**src.metadata, PARENT_KEY: src.id, SNAPSHOT_KEY: image.snapshot_id},
+                env_vars=dict(src.env_vars), image_id=image.snapshot_id, timeout_s=timeout_s,
+                envd_access_token=secrets.token_urlsafe(24) if src.envd_access_token else None,
+            )
+            self.store.put(kid)
+            kids.append(kid)
+        sem = asyncio.Semaphore(FORK_PARALLELISM)
+
+        async def one(kid: SandboxRecord) -> SandboxRecord | Exception:
+            async with sem:
+                try:
+                    await self._start(kid, image, src.envd_access_token)
+                except Exception as e:  # noqa: BLE001 — reported per child
+                    self.store.delete(kid.id)
+                    return e
+                kid.image_id = None
+                self.store.put(kid)
+                return kid
+
+        try:
+            results = await asyncio.gather(*(one(k) for k in kids))
+        finally:
+            self._gc_images()
+        return list(results)

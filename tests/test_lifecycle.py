@@ -1,0 +1,188 @@
+"""Pause/resume, snapshots, fork and TTL through the official e2b SDK (real sandboxes)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+
+COUNTER = r'''
+import http.server
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        n += 1
+        body = str(n).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
+'''
+
+
+def count(server, sbx) -> int:
+    """Hit the in-memory counter process inside ``sbx``; returns its new value."""
+    deadline = time.time() + 20
+    while True:
+        try:
+            r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
+                          timeout=5)
+            if r.status_code == 200:
+                return int(r.text)
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer: {r.status_code} {r.text}")
+        time.sleep(0.1)
+
+
+def with_counter(sbx) -> None:
+    sbx.files.write("/home/user/counter.py", COUNTER)
+    sbx.commands.run("python3 /home/user/counter.py", background=True)
+
+
+def state_of(server, sandbox_id: str) -> str | None:
+    with server.api() as c:
+        r = c.get(f"/sandboxes/{sandbox_id}")
+    return r.json()["state"] if r.status_code == 200 else None
+
+
+def test_pause_resume_keeps_process_memory_and_files(server):
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        with_counter(sbx)
+        assert count(server, sbx) == 1
+        assert count(server, sbx) == 2
+        sbx.files.write("/home/user/note", "before pause")
+        assert sbx.pause() is True
+        assert state_of(server, sbx.sandbox_id) == "paused"
+        assert sbx.pause() is False  # already paused → 409 → False
+        with server.api() as c:
+            assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
+        same = Sandbox.connect(sbx.sandbox_id)  # connect resumes a paused sandbox
+        assert state_of(server, sbx.sandbox_id) == "running"
+        assert count(server, same) == 3  # in-memory state continued
+        assert same.files.read("/home/user/note") == "before pause"
+        assert same.commands.run("echo ok").stdout.strip() == "ok"
+        with server.api() as c:
+            assert c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={}).status_code == 409
+    finally:
+        sbx.kill()
+
+
+def test_resume_endpoint_and_paused_survives_restart(server):
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        with_counter(sbx)
+        assert count(server, sbx) == 1
+        sbx.pause()
+        server.stop()
+        server.start()
+        assert state_of(server, sbx.sandbox_id) == "paused"
+        listed = {s.sandbox_id: s.state for s in Sandbox.list().next_items()}
+        assert listed[sbx.sandbox_id].value == "paused"
+        with server.api() as c:
+            r = c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 60})
+        assert r.status_code == 201, r.text
+        assert count(server, sbx) == 2
+    finally:
+        sbx.kill()
+
+
+def test_snapshot_then_create_from_it(server):
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        with_counter(sbx)
+        assert count(server, sbx) == 1
+        sbx.files.write("/home/user/snap.txt", "in snapshot")
+        info = sbx.create_snapshot(name="my-snap")
+        assert sbx.commands.run("echo still running").stdout.strip() == "still running"
+        assert info.snapshot_id in [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        for ref in (info.snapshot_id, "my-snap"):
+            child = Sandbox.create(ref, timeout=60)
+            try:
+                assert child.files.read("/home/user/snap.txt") == "in snapshot"
+                assert count(server, child) == 2
+            finally:
+                child.kill()
+        Sandbox.delete_snapshot(info.snapshot_id)
+        with server.api() as c:
+            assert c.post("/sandboxes", json={"templateID": info.snapshot_id}).status_code == 404
+    finally:
+        sbx.kill()
+
+
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_fork_children_inherit_then_diverge(server, n):
+    src = Sandbox.create("base", timeout=300, envs={"ROLE": "parent"})
+    children = []
+    try:
+        with_counter(src)
+        assert count(server, src) == 1
+        src.files.write("/home/user/shared.txt", "from parent")
+        before = src.get_info().end_at
+        results = src.fork(count=n, timeout=120)
+        errors = [r for r in results if isinstance(r, Exception)]
+        children = [r for r in results if not isinstance(r, Exception)]
+        assert not errors, errors
+        assert len(children) == n
+        assert src.get_info().end_at == before  # source keeps its id and expiry
+        assert len({c.sandbox_id for c in children} | {src.sandbox_id}) == n + 1
+        for i, child in enumerate(children):
+            assert count(server, child) == 2  # the parent's in-memory counter, continued
+            assert child.files.read("/home/user/shared.txt") == "from parent"
+            assert child.commands.run("echo $ROLE").stdout.strip() == "parent"
+            child.files.write("/home/user/mine.txt", f"child {i}")
+            md = child.get_info().metadata
+            assert md["forkyard.parentSandboxID"] == src.sandbox_id and md["forkyard.snapshotID"]
+        for i, child in enumerate(children):
+            assert child.files.read("/home/user/mine.txt") == f"child {i}"
+            assert count(server, child) == 3
+        assert not src.files.exists("/home/user/mine.txt")
+        assert count(server, src) == 2  # the parent diverged independently
+    finally:
+        for c in children:
+            c.kill()
+        src.kill()
+
+
+def test_fork_bad_input(server):
+    sbx = Sandbox.create("base", timeout=60)
+    try:
+        with server.api() as c:
+            for body in ({"count": 0}, {"count": 101}, {"count": "x"}, {"timeout": -5}):
+                r = c.post(f"/sandboxes/{sbx.sandbox_id}/fork", json=body)
+                assert r.status_code == 400, (body, r.text)
+            assert c.post("/sandboxes/nope/fork", json={}).status_code == 404
+            assert c.post("/sandboxes/nope/pause").status_code == 404
+            assert c.post("/sandboxes/nope/resume", json={}).status_code == 404
+            assert c.post("/sandboxes/nope/snapshots", json={}).status_code == 404
+            assert c.post(f"/sandboxes/{sbx.sandbox_id}/snapshots", json={"name": "Bad Name!"}).status_code == 400
+            assert c.delete("/templates/nope").status_code == 404
+        assert sbx.commands.run("echo fine").stdout.strip() == "fine"  # source untouched
+    finally:
+        sbx.kill()
+    with server.api() as c:
+        assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 404
+
+
+def test_ttl_auto_pause_and_auto_delete(server):
+    paused = Sandbox.create("base", timeout=2)  # autoPause defaults to true here
+    killed = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "kill"})
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline and (state_of(server, paused.sandbox_id) != "paused"
+                                          or state_of(server, killed.sandbox_id) is not None):
+            time.sleep(0.3)
+        assert state_of(server, paused.sandbox_id) == "paused"
+        assert state_of(server, killed.sandbox_id) is None
+        again = Sandbox.connect(paused.sandbox_id)
+        assert again.commands.run("echo back").stdout.strip() == "back"
+    finally:
+        paused.kill()
