@@ -18,7 +18,6 @@ import os
 import secrets
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
