@@ -1,0 +1,69 @@
+"""Shared benchmark helpers: percentiles, table rows, a private forkyard server."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+DATA = Path("/var/lib/forkyard-bench")
+
+
+def pct(xs: list[float], p: float) -> float:
+    """``p``-th percentile (nearest rank) of ``xs``."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+def row(name: str, xs: list[float], raw: list[float] | None = None) -> str:
+    """One table line: p50/p95 in ms, and ratios to ``raw`` when given."""
+    s = f"{name:<40} p50 {pct(xs, 50):8.1f} ms   p95 {pct(xs, 95):8.1f} ms"
+    if raw:
+        s += f"   ratio p50 {pct(xs, 50) / pct(raw, 50):5.2f}x  p95 {pct(xs, 95) / pct(raw, 95):5.2f}x"
+    return s
+
+
+def templates_dir() -> Path:
+    """Where templates live (``$FORKYARD_TEMPLATES_DIR`` or the server default); ``base``
+    is built there if missing."""
+    from forkyard.config import Settings
+    from forkyard.templates.base import build_base
+
+    templates = Path(os.environ.get("FORKYARD_TEMPLATES_DIR", "/var/lib/forkyard/templates"))
+    settings = Settings(data_dir=templates.parent)
+    settings.templates_override = str(templates)
+    build_base(settings, progress=lambda line: None)
+    return templates
+
+
+def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
+    """Start ``forkyard serve`` on a free loopback port with state under
+    ``DATA/server`` (net prefix ``fbn``); returns ``(process, url, api key)`` and
+    exports the E2B variables so the SDK talks to it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    key = "e2b_" + secrets.token_hex(20)
+    shutil.rmtree(DATA / "server", ignore_errors=True)
+    env = dict(os.environ, FORKYARD_DATA_DIR=str(DATA / "server"), FORKYARD_TEMPLATES_DIR=str(templates),
+               FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX="fbn",
+               FORKYARD_OUTER_NET="10.240.0.0/16")
+    proc = subprocess.Popen([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base",
+                             "--log-level", "warning"], env=env)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key)
+                return proc, url, key
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit("server did not start")
