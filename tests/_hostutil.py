@@ -99,7 +99,9 @@ def mounts_mentioning(fragment: str) -> list[str]:
 
 
 def cgroup_dirs(sandbox_id: str) -> list[str]:
-    return [str(p) for p in Path("/sys/fs/cgroup").glob(f"*/forkyard/{sandbox_id}")]
+    root = Path("/sys/fs/cgroup")
+    found = [root / "forkyard" / sandbox_id, *root.glob(f"*/forkyard/{sandbox_id}")]
+    return [str(p) for p in found if p.exists()]
 
 
 def assert_sandbox_gone(settings: Settings, sandbox_id: str, workdir: Path) -> None:

@@ -136,7 +136,7 @@ async def test_create_runs_in_its_slot(settings, driver, sandboxes):
     assert src == GUEST_IP
     assert sh(settings, spec.sandbox_id, "hostname").strip() == "e2b.local"
     assert py(settings, spec.sandbox_id, "import socket; print(socket.gethostbyname('e2b.local'))") == "127.0.1.1"
-    # envd's future user exists; root can switch to it.
+    # envd's future user exists; root can switch to it (the real sudo works for root).
     assert sh(settings, spec.sandbox_id, "sudo -u user id -un").strip() == "user"
 
 
@@ -239,19 +239,23 @@ async def test_destroy_is_idempotent(settings, driver, sandboxes):
     assert await driver.state(spec.sandbox_id) is None
 
 
-async def test_failed_create_says_why_and_cleans_up(settings, sandboxes):
+async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_path):
     spec, _ = sandboxes(9, "rt-badinit")
-    bad = GVisorDriver(settings, init_argv=["/nonexistent/init"])
+    driver = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
+    not_a_netns = tmp_path / "not-a-netns"
+    not_a_netns.write_text("")
     with pytest.raises(RuntimeError_) as err:
-        await bad.create(spec)
+        await driver.create(replace(spec, netns_path=str(not_a_netns)))
     assert "runsc run rt-badinit failed" in str(err.value)
-    assert "/nonexistent/init" in str(err.value)  # runsc's own words
+    assert str(not_a_netns) in str(err.value)  # runsc's own words name the bad netns
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
 
+    with pytest.raises(RuntimeError_, match="does not exist in rootfs"):
+        await GVisorDriver(settings, init_argv=["/nonexistent/init"]).create(spec)
     with pytest.raises(RuntimeError_, match="network namespace"):
-        await bad.create(replace(spec, netns_path="/run/netns/ft-missing"))
+        await driver.create(replace(spec, netns_path="/run/netns/ft-missing"))
     with pytest.raises(RuntimeError_, match="rootfs"):
-        await bad.create(replace(spec, rootfs=Path("/nonexistent-rootfs")))
+        await driver.create(replace(spec, rootfs=Path("/nonexistent-rootfs")))
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
 
 
@@ -376,33 +380,34 @@ async def test_real_envd_answers_health(settings, sandboxes):
 
 
 async def test_sudo_for_user_goes_through_the_broker(settings, driver, sandboxes):
-    """gVisor ignores set-user-ID bits; the template's broker gives ``user`` sudo."""
-    from forkyard.templates import sudo
-
+    """gVisor ignores set-user-ID bits; the driver starts the template's sudo broker next
+    to init, and the template's /usr/bin/sudo uses it for non-root users."""
     spec, _ = sandboxes(31, "rt-sudo")
     await driver.create(spec)
-    as_user = USER
-    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id", "-u"], user=as_user, groups=USER_GROUPS)
-    assert r.returncode != 0 and "no new privileges" in r.stderr  # no broker yet: real sudo's message
-
-    # What envd does at boot: start the broker as root.
-    subprocess.run([settings.runsc, f"--root={settings.runsc_root}", "exec", "--detach", spec.sandbox_id,
-                    sudo.BROKER_PATH], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=30)
+    procs = sh(settings, spec.sandbox_id, "ps -eo pid,ppid,args")
+    assert any(l.split()[:2] == ["1", "0"] and "http.server" in l for l in procs.splitlines()), procs  # init is PID 1
     deadline = time.time() + 10
-    while sh(settings, spec.sandbox_id, f"test -S {sudo.SOCKET_PATH} && echo up || true").strip() != "up":
+    while sh(settings, spec.sandbox_id, "test -S /run/forkyard/sudo.sock && echo up || true").strip() != "up":
         assert time.time() < deadline, "broker did not start"
         time.sleep(0.1)
 
-    assert sh(settings, spec.sandbox_id, "id -un; sudo id -un; sudo -u user id -un", user=as_user).split() == [
+    assert sh(settings, spec.sandbox_id, "id -un; sudo id -un; sudo -u user id -un", user=USER).split() == [
         "user", "root", "user"]
-    assert sh(settings, spec.sandbox_id, "echo piped | sudo cat; cd /tmp && sudo pwd", user=as_user).split() == [
+    assert sh(settings, spec.sandbox_id, "echo piped | sudo cat; cd /tmp && sudo pwd", user=USER).split() == [
         "piped", "/tmp"]
-    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "sh", "-c", "exit 7"], user=as_user, groups=USER_GROUPS)
+    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "sh", "-c", "exit 7"], user=USER, groups=USER_GROUPS)
     assert r.returncode == 7
     out = sh(settings, spec.sandbox_id,
              "sudo sleep 30 & p=$!; sleep 1; kill -INT $p; wait $p; echo rc=$?; sleep 0.3; pgrep -x sleep | wc -l",
-             user=as_user).split()
+             user=USER).split()
     assert out == ["rc=130", "0"]  # the signal reached the command
     r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id"], user="65534:65534")
     assert r.returncode != 0 and "not allowed" in r.stderr
+
+
+async def test_without_broker_sudo_says_why(settings, sandboxes):
+    spec, _ = sandboxes(32, "rt-nobroker")
+    await GVisorDriver(settings, init_argv=hu.HTTP_INIT, sudo_broker=False).create(spec)
+    r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id", "-u"], user=USER, groups=USER_GROUPS)
+    assert r.returncode != 0 and "no new privileges" in r.stderr  # real sudo's own message
+    assert sh(settings, spec.sandbox_id, "sudo id -un").strip() == "root"  # root is unaffected

@@ -106,6 +106,7 @@ import grp
 import json
 import os
 import pwd
+import signal
 import socket
 import struct
 import sys
@@ -164,6 +165,15 @@ def handle(conn):
         if pid == 0:
             try:
                 os.setsid()
+                # Commands must not inherit Python's (SIGPIPE, SIGXFSZ ignored) or a
+                # launching shell's (SIGINT, SIGQUIT ignored for "&" jobs) dispositions.
+                for sig in range(1, signal.NSIG):
+                    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                        try:
+                            signal.signal(sig, signal.SIG_DFL)
+                        except (OSError, ValueError):
+                            pass
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])
                 for i, fd in enumerate(fds):
                     os.dup2(fd, i)
                 os.closerange(3, 65536)
@@ -211,6 +221,8 @@ def handle(conn):
 
 
 def main():
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # a daemon; only SIGTERM/SIGKILL stop it
     os.makedirs(os.path.dirname(SOCK), mode=0o755, exist_ok=True)
     try:
         os.unlink(SOCK)

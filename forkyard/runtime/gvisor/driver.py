@@ -67,6 +67,18 @@ def _summarize(text: str, limit: int = 2000) -> str:
     return text
 
 
+def _remove_cgroups(sandbox_id: str) -> None:
+    """Remove the sandbox's (empty) cgroup directories. runsc removes them on delete,
+    but not after a failed ``run`` (measured: a bad netns left all nine v1 dirs)."""
+    rel = ocispec.cgroup_path(sandbox_id).lstrip("/")
+    root = Path("/sys/fs/cgroup")
+    for path in [root / rel, *root.glob(f"*/{rel}")]:
+        try:
+            path.rmdir()
+        except OSError:
+            pass  # absent, or still has processes/children
+
+
 def _pid_alive(pid: int) -> bool:
     """True when ``pid`` exists and is not a zombie."""
     try:
@@ -252,6 +264,11 @@ class GVisorDriver(RuntimeDriver):
             if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
                 raise RuntimeError_(f"envd binary {envd} not found (build envd first)")
             envd = None
+        init = self.init_argv[0]
+        if init != ocispec.ENVD_GUEST_PATH and not (
+            init.startswith("/") and os.path.lexists(Path(spec.rootfs) / init.lstrip("/"))
+        ):
+            raise RuntimeError_(f"init {init!r} does not exist in rootfs {spec.rootfs}")
         if self._container_files_exist(sid):
             raise RuntimeError_(f"runsc {op} {sid}: a container with this id already exists")
 
@@ -358,6 +375,8 @@ class GVisorDriver(RuntimeDriver):
             error = str(exc)
         except Exception as exc:  # noqa: BLE001
             error = repr(exc)
+        if error is None:
+            _remove_cgroups(sandbox_id)
         if workdir is not None:
             for path in (ocispec.bundle_dir(workdir), self._overlay_dir(workdir)):
                 shutil.rmtree(path, ignore_errors=True)
