@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
