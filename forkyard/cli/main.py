@@ -59,11 +59,12 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     _preflight(settings)
-    if build_base and registry.resolve(settings, "base") is None:
+    if build_base:
         from forkyard.templates.base import build_base as build
 
-        console.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
-        try:
+        if registry.resolve(settings, "base") is None:
+            console.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
+        try:  # cached: returns at once when an up-to-date build exists
             build(settings, progress=lambda line: console.print(f"  [dim]{line}[/dim]", highlight=False))
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
