@@ -66,10 +66,23 @@ func main() {
 
 	s := server.New(st, rp, server.Options{SetClock: *setClock, Verbose: *verbose, Logf: log.Printf})
 	srv := s.HTTPServer(log.Default())
-	ln, err := net.Listen("tcp", net.JoinHostPort(*listen, fmt.Sprint(*port)))
+	tl, err := net.Listen("tcp", net.JoinHostPort(*listen, fmt.Sprint(*port)))
 	if err != nil {
 		log.Fatalf("listen: %v", err)
 	}
+	// SIGUSR1 = "you were just restored from a checkpoint": re-register the
+	// listening socket with the poller (see server.RearmListener). The host
+	// sends it right after every `runsc restore`.
+	ln := server.NewRearmListener(tl.(*net.TCPListener), 0)
+	rearm := make(chan os.Signal, 4)
+	signal.Notify(rearm, syscall.SIGUSR1)
+	go func() {
+		for range rearm {
+			if err := ln.Rearm(); err != nil {
+				log.Printf("rearm listener: %v", err)
+			}
+		}
+	}()
 	log.Printf("version %s listening on %s (pid %d)", state.Version, ln.Addr(), os.Getpid())
 
 	served := make(chan error, 1)

@@ -410,3 +410,91 @@ async def test_without_broker_sudo_says_why(settings, sandboxes):
     r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id", "-u"], user=USER, groups=USER_GROUPS)
     assert r.returncode != 0 and "no new privileges" in r.stderr  # real sudo's own message
     assert sh(settings, spec.sandbox_id, "sudo id -un").strip() == "root"  # root is unaffected
+
+
+def _envd_get(ip: str, path: str = "/health", timeout: float = 2.0) -> int:
+    with urllib.request.urlopen(f"http://{ip}:{hu.HTTP_PORT}{path}", timeout=timeout) as r:
+        return r.status
+
+
+def _open_envd_connections(ip: str) -> tuple[socket.socket, socket.socket]:
+    """An idle keep-alive connection (one request answered, left open) and a streaming
+    response in progress (a background command's output), both to envd at ``ip``."""
+    idle = socket.create_connection((ip, hu.HTTP_PORT), timeout=5)
+    idle.sendall(f"GET /health HTTP/1.1\r\nHost: {ip}\r\n\r\n".encode())
+    assert idle.recv(4096).startswith(b"HTTP/1.1 204")
+    body = b'{"process":{"cmd":"/bin/sh","args":["-c","while :; do echo tick; sleep 0.1; done"]}}'
+    envelope = b"\0" + len(body).to_bytes(4, "big") + body
+    stream = socket.create_connection((ip, hu.HTTP_PORT), timeout=5)
+    stream.sendall(
+        f"POST /process.Process/Start HTTP/1.1\r\nHost: {ip}\r\nContent-Type: application/connect+json\r\n"
+        f"Connect-Protocol-Version: 1\r\nContent-Length: {len(envelope)}\r\n\r\n".encode() + envelope)
+    got = b""
+    while b'"start"' not in got:
+        chunk = stream.recv(4096)
+        assert chunk, got
+        got += chunk
+    assert got.startswith(b"HTTP/1.1 200")
+    return idle, stream
+
+
+@pytest.mark.skipif(not hu.runtime_settings().envd_binary.is_file(), reason="envd binary not built")
+async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes):
+    """Regression: connections open at checkpoint (idle keep-alive, an output stream) are
+    reset by runsc (--net-disconnect-ok), and the restored listening socket's epoll
+    registration then never fires: the child accepted TCP connections but envd never
+    answered. envd re-registers it (driver sends SIGUSR1 after restore)."""
+    envd_driver = GVisorDriver(settings)
+    src, src_slot = sandboxes(33, "rt-conn-src")
+    kid, kid_slot = sandboxes(34, "rt-conn-kid")
+    await envd_driver.create(src)
+    deadline = time.time() + 15
+    while True:
+        try:
+            assert _envd_get(src_slot.outer_ip) == 204
+            break
+        except OSError:
+            assert time.time() < deadline, "envd did not come up"
+            await asyncio.sleep(0.02)
+    idle, stream = _open_envd_connections(src_slot.outer_ip)
+    image = settings.data_dir / "images" / "rt-conn-src"
+    shutil.rmtree(image, ignore_errors=True)
+    try:
+        t = time.perf_counter()
+        await envd_driver.checkpoint(src.sandbox_id, image, leave_running=True)
+        ckpt_ms = 1000 * (time.perf_counter() - t)
+        t = time.perf_counter()
+        await envd_driver.restore(kid, image)
+        restore_ms = 1000 * (time.perf_counter() - t)
+
+        t = time.perf_counter()
+        try:
+            assert _envd_get(kid_slot.outer_ip, timeout=5) == 204  # hung forever before the fix
+        except OSError as exc:
+            raise AssertionError(f"restored envd does not answer: {exc!r}") from None
+        first_ms = 1000 * (time.perf_counter() - t)
+        for _ in range(3):  # fresh connections keep working after the rearm
+            assert _envd_get(kid_slot.outer_ip) == 204
+        assert _envd_get(src_slot.outer_ip) == 204  # the source keeps serving
+
+        # The source's open connections: cut by the checkpoint (runsc resets them) or
+        # still alive, but never hung.
+        stream.settimeout(3)
+        try:
+            stream.recv(65536)  # EOF, more output, or reset: all fine
+        except ConnectionResetError:
+            pass
+        idle.settimeout(3)
+        try:
+            idle.sendall(f"GET /health HTTP/1.1\r\nHost: {src_slot.outer_ip}\r\n\r\n".encode())
+            answer = idle.recv(4096)
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 204"), answer
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        print(f"\ncheckpoint {ckpt_ms:.0f} ms; restore (incl. rearm) {restore_ms:.0f} ms; "
+              f"child's first answer {first_ms:.0f} ms")
+        assert first_ms < 750  # the driver's rearm, not envd's 1 s fallback poll
+    finally:
+        idle.close()
+        stream.close()
+        shutil.rmtree(image, ignore_errors=True)

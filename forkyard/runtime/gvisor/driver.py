@@ -239,6 +239,25 @@ class GVisorDriver(RuntimeDriver):
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
         )
+        if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
+            await self._rearm_envd(spec.sandbox_id)
+
+    async def _rearm_envd(self, sandbox_id: str) -> None:
+        """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
+
+        runsc (0.0~20240729) resets every TCP connection of a checkpoint
+        (``--net-disconnect-ok``); when the image held any, the restored listening
+        socket's existing edge-triggered epoll registration never fires again, so Go's
+        poller never wakes envd's Accept: clients connect and then wait forever. envd
+        re-registers the socket on SIGUSR1 (and by itself within ~1 s otherwise, see
+        envd ``server.RearmListener``). Best effort: a failure is logged, not raised.
+        """
+        try:
+            rc, _, err = await self._run(["kill", sandbox_id, "USR1"])
+        except RuntimeError_ as exc:
+            rc, err = -1, str(exc)
+        if rc != 0:
+            log.warning("runsc kill %s USR1 (envd listener rearm) failed: %s", sandbox_id, err)
 
     def _process_argv(self) -> list[str]:
         """argv of the container's first process (init, maybe behind the broker launch)."""
