@@ -8,13 +8,16 @@ import httpx
 import pytest
 from e2b import Sandbox
 
+# A value held only in a running process's memory: GET /set/V stores V, any other
+# GET returns it. Idempotent, so a retried request never changes the answer.
 COUNTER = r'''
 import http.server
 n = 0
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         global n
-        n += 1
+        if self.path.startswith("/set/"):
+            n = int(self.path[5:])
         body = str(n).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
@@ -26,12 +29,13 @@ http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
 '''
 
 
-def count(server, sbx) -> int:
-    """Hit the in-memory counter process inside ``sbx``; returns its new value."""
+def value(server, sbx, set_to: int | None = None) -> int:
+    """Read (or first set) the in-memory value of the process inside ``sbx``."""
     deadline = time.time() + 20
+    path = "/" if set_to is None else f"/set/{set_to}"
     while True:
         try:
-            r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
+            r = httpx.get(f"{server.url}{path}", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
                           timeout=5)
             if r.status_code == 200:
                 return int(r.text)
@@ -57,8 +61,7 @@ def test_pause_resume_keeps_process_memory_and_files(server):
     sbx = Sandbox.create("base", timeout=120)
     try:
         with_counter(sbx)
-        assert count(server, sbx) == 1
-        assert count(server, sbx) == 2
+        assert value(server, sbx, set_to=7) == 7
         sbx.files.write("/home/user/note", "before pause")
         assert sbx.pause() is True
         assert state_of(server, sbx.sandbox_id) == "paused"
@@ -67,7 +70,8 @@ def test_pause_resume_keeps_process_memory_and_files(server):
             assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
         same = Sandbox.connect(sbx.sandbox_id)  # connect resumes a paused sandbox
         assert state_of(server, sbx.sandbox_id) == "running"
-        assert count(server, same) == 3  # in-memory state continued
+        assert value(server, same) == 7  # in-memory state continued
+        assert value(server, same, set_to=8) == 8
         assert same.files.read("/home/user/note") == "before pause"
         assert same.commands.run("echo ok").stdout.strip() == "ok"
         with server.api() as c:
@@ -80,7 +84,7 @@ def test_resume_endpoint_and_paused_survives_restart(server):
     sbx = Sandbox.create("base", timeout=120)
     try:
         with_counter(sbx)
-        assert count(server, sbx) == 1
+        assert value(server, sbx, set_to=5) == 5
         sbx.pause()
         server.stop()
         server.start()
@@ -90,7 +94,7 @@ def test_resume_endpoint_and_paused_survives_restart(server):
         with server.api() as c:
             r = c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 60})
         assert r.status_code == 201, r.text
-        assert count(server, sbx) == 2
+        assert value(server, sbx) == 5
     finally:
         sbx.kill()
 
@@ -99,7 +103,7 @@ def test_snapshot_then_create_from_it(server):
     sbx = Sandbox.create("base", timeout=120)
     try:
         with_counter(sbx)
-        assert count(server, sbx) == 1
+        assert value(server, sbx, set_to=11) == 11
         sbx.files.write("/home/user/snap.txt", "in snapshot")
         info = sbx.create_snapshot(name="my-snap")
         assert sbx.commands.run("echo still running").stdout.strip() == "still running"
@@ -108,7 +112,7 @@ def test_snapshot_then_create_from_it(server):
             child = Sandbox.create(ref, timeout=60)
             try:
                 assert child.files.read("/home/user/snap.txt") == "in snapshot"
-                assert count(server, child) == 2
+                assert value(server, child) == 11
             finally:
                 child.kill()
         Sandbox.delete_snapshot(info.snapshot_id)
@@ -124,7 +128,7 @@ def test_fork_children_inherit_then_diverge(server, n):
     children = []
     try:
         with_counter(src)
-        assert count(server, src) == 1
+        assert value(server, src, set_to=42) == 42
         src.files.write("/home/user/shared.txt", "from parent")
         before = src.get_info().end_at
         results = src.fork(count=n, timeout=120)
@@ -135,17 +139,18 @@ def test_fork_children_inherit_then_diverge(server, n):
         assert src.get_info().end_at == before  # source keeps its id and expiry
         assert len({c.sandbox_id for c in children} | {src.sandbox_id}) == n + 1
         for i, child in enumerate(children):
-            assert count(server, child) == 2  # the parent's in-memory counter, continued
+            assert value(server, child) == 42  # the parent's in-memory value
             assert child.files.read("/home/user/shared.txt") == "from parent"
             assert child.commands.run("echo $ROLE").stdout.strip() == "parent"
             child.files.write("/home/user/mine.txt", f"child {i}")
+            assert value(server, child, set_to=100 + i) == 100 + i
             md = child.get_info().metadata
             assert md["forkyard.parentSandboxID"] == src.sandbox_id and md["forkyard.snapshotID"]
         for i, child in enumerate(children):
             assert child.files.read("/home/user/mine.txt") == f"child {i}"
-            assert count(server, child) == 3
+            assert value(server, child) == 100 + i
         assert not src.files.exists("/home/user/mine.txt")
-        assert count(server, src) == 2  # the parent diverged independently
+        assert value(server, src) == 42  # children's changes never reach the parent
     finally:
         for c in children:
             c.kill()

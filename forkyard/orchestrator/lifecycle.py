@@ -81,10 +81,15 @@ class LifecycleMixin:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
+        Crash-safe order: freeze the sandbox, checkpoint it *leaving it frozen*, commit
+        the image, persist ``paused``, then destroy the runtime. A crash before the
+        commit leaves a frozen sandbox that restart thaws (running); after it, the
+        committed image (paused). Never neither.
+
         Raises:
             NotFound: unknown sandbox.
             Conflict: already paused (409, as E2B) or busy.
-            CreateFailed: runsc failed; the sandbox keeps running if it still can.
+            CreateFailed: runsc failed; the sandbox keeps running.
         """
         async with self._locks[sandbox_id]:
             rec = self._running(sandbox_id)
@@ -92,20 +97,23 @@ class LifecycleMixin:
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
             try:
-                await self._checkpoint(rec, "pause", leave_running=False, snapshot_id=sid)
-            except CreateFailed:
-                rec.image_id = None
-                if await self.driver.is_running(rec.id):
-                    rec.state = "running"
-                    self.store.put(rec)
-                else:
-                    log.error("sandbox %s stopped during a failed pause; removing it", rec.id)
-                    await self._teardown(rec.id, rec.slot)
-                    self.store.delete(rec.id)
-                raise
-            await self._teardown(rec.id, rec.slot)
+                await self.driver.freeze(rec.id)
+                await self._checkpoint(rec, "pause", leave_running=True, snapshot_id=sid)
+            except Exception as e:
+                rec.state, rec.image_id = "running", None
+                self.store.put(rec)
+                try:
+                    if await self.driver.is_frozen(rec.id):
+                        await self.driver.thaw(rec.id)
+                except Exception as thaw_error:  # noqa: BLE001
+                    log.error("thaw of %s after a failed pause failed: %s", rec.id, thaw_error)
+                if isinstance(e, CreateFailed):
+                    raise
+                raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
+            slot = rec.slot
             rec.state, rec.slot, rec.paused_at = "paused", None, time.time()
             self.store.put(rec)
+            await self._teardown(rec.id, slot)
             return rec
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:

@@ -95,6 +95,8 @@ class Orchestrator(LifecycleMixin):
         if rec.id not in live_ids or rec.slot is None:
             return False
         try:
+            if await self.driver.is_frozen(rec.id):  # a pause interrupted before its commit
+                await self.driver.thaw(rec.id)
             if not await self.driver.is_running(rec.id):
                 return False
             slot = await asyncio.to_thread(self.network.allocate, rec.slot)
@@ -116,14 +118,16 @@ class Orchestrator(LifecycleMixin):
         live_ids = set(await self.driver.list_ids())
         keep: set[str] = set()
         for rec in self.store.all():
+            committed = self.snapshots.get(rec.image_id) if rec.image_id else None
+            if rec.state == "pausing" and committed is not None:
+                rec.state = "paused"  # the crash came after the commit: the image is the truth
             if rec.state in ("running", "snapshotting", "forking", "pausing", "resuming") and await self._adoptable(rec, live_ids):
                 rec.state, rec.image_id, rec.paused_at = "running", None, None
                 self.store.put(rec)
                 keep.add(rec.id)
                 log.info("re-adopted sandbox %s", rec.id)
                 continue
-            pause = self.snapshots.get(rec.image_id) if rec.image_id else None
-            if rec.state in ("paused", "pausing", "resuming") and pause is not None and pause.kind == "pause":
+            if rec.state in ("paused", "resuming") and committed is not None and committed.kind == "pause":
                 await self._teardown(rec.id, rec.slot)
                 rec.state, rec.slot = "paused", None
                 rec.paused_at = rec.paused_at or time.time()

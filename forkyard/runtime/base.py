@@ -70,6 +70,18 @@ class RuntimeDriver(abc.ABC):
     async def is_running(self, sandbox_id: str) -> bool:
         """True when the sandbox exists and its processes are running."""
 
+    async def freeze(self, sandbox_id: str) -> None:
+        """Stop all of the sandbox's tasks in place (memory and connections kept)."""
+        raise NotImplementedError(f"{self.name} runtime cannot freeze")
+
+    async def thaw(self, sandbox_id: str) -> None:
+        """Continue a frozen sandbox."""
+        raise NotImplementedError(f"{self.name} runtime cannot thaw")
+
+    async def is_frozen(self, sandbox_id: str) -> bool:
+        """True when the sandbox exists and is frozen."""
+        return False
+
     async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
         """Write memory + filesystem state of the sandbox into ``image_dir``."""
         raise NotImplementedError(f"{self.name} runtime has no checkpoint")
