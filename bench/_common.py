@@ -43,6 +43,15 @@ def templates_dir() -> Path:
     return templates
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Stop a server from :func:`start_server` and remove its host iptables chains."""
+    from forkyard.network.slots import NetworkManager
+
+    proc.terminate()
+    proc.wait(30)
+    NetworkManager(None, outer_net="10.240.0.0/16", prefix="fbn").teardown_host()
+
+
 def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     """Start ``forkyard serve`` on a free loopback port with state under
     ``DATA/server`` (net prefix ``fbn``); returns ``(process, url, api key)`` and

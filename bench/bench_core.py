@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DATA, row, start_server, templates_dir  # noqa: E402
+from _common import DATA, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
@@ -86,8 +86,7 @@ def main() -> None:
             files.append((time.perf_counter() - t) * 1000)
             sbx.kill()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop_server(proc)
 
     print(f"\nforkyard core benchmark, n={args.n}, runsc {subprocess.run(['runsc', '--version'], capture_output=True, text=True).stdout.split()[2]}")
     print(row("raw runsc run --detach", raw_run))

@@ -2,14 +2,15 @@
 # Installs everything forkyard needs on a Debian 12 host (idempotent, quick when done):
 #   runsc (gVisor 20240729 from Debian trixie, pinned to that one package — see
 #   shared/DESIGN.md §2), debootstrap, iproute2, iptables; the Python package with test
-#   extras; the static envd binary (envd/bin/envd).
+#   extras in ./.venv; the static envd binary (envd/bin/envd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 [ "$(id -u)" = 0 ] || { echo "forkyard needs root (netns, iptables, runsc): run with sudo" >&2; exit 1; }
 
 need_pkgs=()
-runsc_ok() { command -v runsc >/dev/null && runsc --version 2>/dev/null | grep -q 20240729; }
+# (no `grep -q` here: it closes the pipe early and pipefail then fails the check)
+runsc_ok() { [[ "$(runsc --version 2>/dev/null)" == *20240729* ]]; }
 runsc_ok || need_pkgs+=(runsc)
 for p in debootstrap iproute2 iptables; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
@@ -41,11 +42,16 @@ EOS
 fi
 runsc_ok || { echo "runsc 20240729 did not install; see shared/DESIGN.md §2" >&2; exit 1; }
 
-PY=${PYTHON:-python3}
-if ! "$PY" -c 'import forkyard, e2b, pytest' 2>/dev/null || [ pyproject.toml -nt .pip-stamp ]; then
-  say "pip install -e .[test]"
-  "$PY" -m pip install -q --disable-pip-version-check -e '.[test]'
-  touch .pip-stamp
+# The project's own virtual environment, so checkouts never take over each other's
+# (or the system's) Python packages.
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv"
+  "${PYTHON:-python3}" -m venv .venv
+fi
+if ! .venv/bin/python -c 'import forkyard, e2b, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
+  say "pip install -e .[test] into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+  touch .venv/.stamp
 fi
 
 say "building envd"

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
-exec python3 -m pytest -v "$@"
+exec .venv/bin/python -m pytest -v "$@"

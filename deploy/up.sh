@@ -4,4 +4,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh
-exec forkyard serve "$@"
+exec .venv/bin/forkyard serve "$@"

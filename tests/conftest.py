@@ -140,6 +140,9 @@ def server(base_template) -> ServerProc:
         srv.stop()
     # The server leaves nothing behind once its sandboxes are killed.
     assert host_leftovers() == CLEAN
+    from forkyard.network.slots import NetworkManager
+
+    NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
 
 
 @pytest.fixture

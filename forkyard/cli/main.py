@@ -65,16 +65,37 @@ def serve(
         if registry.resolve(settings, "base") is None:
             console.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
         try:  # cached: returns at once when an up-to-date build exists
-            build(settings, progress=lambda line: console.print(f"  [dim]{line}[/dim]", highlight=False))
+            build(settings, progress=_BuildProgress())
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
     application = create_app(settings)
     key_src = "FORKYARD_API_KEY" if _env_key() else str(settings.api_key_file)
     url = f"http://{settings.host}:{settings.port}"
-    console.print(f"[green]forkyard API[/green] {url}   (API key: {key_src})")
-    console.print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=$(cat {settings.api_key_file})")
+    # Plain prints: rich would wrap the export line at 80 columns when logged to a file.
+    print(f"forkyard API {url}   (API key: {key_src})", flush=True)
+    key_expr = "$FORKYARD_API_KEY" if _env_key() else f"$(cat {settings.api_key_file})"
+    print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=2)
+
+
+class _BuildProgress:
+    """Progress sink for the template build: debootstrap's per-package lines
+    (Retrieving/Validating/Extracting/Unpacking/Configuring …) are counted, not printed,
+    except every 50th; every other line is printed as it comes."""
+
+    _CHATTY = ("I: Retrieving", "I: Validating", "I: Extracting", "I: Unpacking", "I: Configuring")
+
+    def __init__(self) -> None:
+        self.quiet = 0
+
+    def __call__(self, line: str) -> None:
+        if line.startswith(self._CHATTY):
+            self.quiet += 1
+            if self.quiet % 50:
+                return
+            line = f"{line}   ({self.quiet} package steps so far)"
+        console.print(f"  [dim]{line}[/dim]", highlight=False, soft_wrap=True)
 
 
 def _env_key() -> bool:

@@ -57,6 +57,13 @@ MIDDLE_OUTER_IF = "vo"
 MIDDLE_GUEST_IF = "vg"
 GUEST_IF = "eth0"
 CHAIN_PREFIX = "FORKYARD-"
+#: Destinations sandboxes may never reach (RFC 1918, CGNAT, link-local incl. cloud
+#: metadata, loopback, this-network, TEST-NETs, multicast/reserved).
+BLOCKED_EGRESS = [
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+    "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
+    "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/3",
+]
 
 _CLONE_NEWNET = 0x40000000
 _MS_BIND = 4096
@@ -209,6 +216,13 @@ def _disable_ipv6_defaults() -> None:
             return
 
 
+def _host_nameservers() -> list[str]:
+    """IPv4 resolvers sandboxes use (the ones the template's resolv.conf names)."""
+    from forkyard.templates.base import host_nameservers
+
+    return [ns for ns in host_nameservers() if ":" not in ns]
+
+
 def _iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(["iptables", "-w", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -292,7 +306,12 @@ class NetworkManager:
             ],
             ("filter", "FORWARD"): [
                 ["-i", hif, "-o", hif, "-j", "DROP"],
-                ["-i", hif, "-d", "169.254.0.0/16", "-j", "DROP"],
+                # DNS to the host's resolvers (which may sit in a private range) ...
+                *[["-i", hif, "-d", ns, "-p", proto, "--dport", "53", "-j", "ACCEPT"]
+                  for ns in _host_nameservers() for proto in ("udp", "tcp")],
+                # ... but no other private, link-local (metadata), CGNAT or documentation
+                # address: the host's network neighbours are not the sandbox's business.
+                *[["-i", hif, "-d", net, "-j", "DROP"] for net in BLOCKED_EGRESS],
                 ["-i", hif, "-s", outer, "-j", "ACCEPT"],
                 ["-i", hif, "-j", "DROP"],
                 ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
