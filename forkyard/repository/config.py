@@ -1,0 +1,93 @@
+"""Repository settings from the environment.
+
+=========================  ================================================================
+``FORKYARD_REPO``          committed repository: a directory (``posix_fs``, default
+                           ``<data>/snapshots/repository``) or ``s3://bucket/prefix``
+``FORKYARD_S3_ENDPOINT``   S3 endpoint URL (required for ``s3://``)
+``FORKYARD_S3_REGION``     S3 region (required for ``s3://``; no default on purpose)
+``AWS_ACCESS_KEY_ID``      S3 credentials (required for ``s3://``; nothing else is
+``AWS_SECRET_ACCESS_KEY``  consulted: no profiles, no instance metadata)
+``FORKYARD_CACHE_BYTES``   node-local cache bound in bytes (default 10 GiB; accepts a
+                           plain integer)
+``FORKYARD_GC_GRACE_S``    chunks younger than this are never collected (default 3600)
+=========================  ================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkyard.repository.backends import Backend, PosixBackend, S3Backend
+from forkyard.repository.errors import RepositoryConfigError
+
+DEFAULT_CACHE_BYTES = 10 << 30
+DEFAULT_GC_GRACE_S = 3600.0
+
+
+@dataclass
+class RepoConfig:
+    """Where the repository and the cache live and how big the cache may grow.
+
+    Attributes:
+        url: directory path or ``s3://bucket/prefix``.
+        s3_endpoint, s3_region, access_key, secret_key: S3 settings (``s3://`` only).
+        cache_bytes: node-local cache bound (bytes, > 0).
+        gc_grace_s: GC never removes chunks younger than this (seconds).
+    """
+
+    url: str
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    gc_grace_s: float = DEFAULT_GC_GRACE_S
+
+    @classmethod
+    def from_env(cls, default_dir: Path, env: dict[str, str] | None = None) -> "RepoConfig":
+        """Settings from ``env`` (default ``os.environ``); ``default_dir`` is the posix
+        repository used when ``FORKYARD_REPO`` is unset.
+
+        Raises:
+            RepositoryConfigError: a malformed number.
+        """
+        env = os.environ if env is None else env
+        try:
+            cache = int(env.get("FORKYARD_CACHE_BYTES", DEFAULT_CACHE_BYTES))
+            grace = float(env.get("FORKYARD_GC_GRACE_S", DEFAULT_GC_GRACE_S))
+        except ValueError as e:
+            raise RepositoryConfigError(f"FORKYARD_CACHE_BYTES / FORKYARD_GC_GRACE_S must be numbers: {e}") from e
+        if cache <= 0:
+            raise RepositoryConfigError("FORKYARD_CACHE_BYTES must be a positive number of bytes")
+        return cls(
+            url=env.get("FORKYARD_REPO") or str(default_dir),
+            s3_endpoint=env.get("FORKYARD_S3_ENDPOINT") or None,
+            s3_region=env.get("FORKYARD_S3_REGION") or None,
+            access_key=env.get("AWS_ACCESS_KEY_ID") or None,
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+            cache_bytes=cache,
+            gc_grace_s=grace,
+        )
+
+    def open_backend(self) -> Backend:
+        """The backend ``url`` names.
+
+        Raises:
+            RepositoryConfigError: ``s3://`` without bucket, endpoint, region or
+                credentials (all named in the message), or an unusable bucket/directory.
+        """
+        if self.url.startswith("s3://"):
+            bucket, _, prefix = self.url[5:].partition("/")
+            missing = [name for name, v in (("bucket in FORKYARD_REPO (s3://BUCKET/prefix)", bucket),
+                                            ("FORKYARD_S3_ENDPOINT", self.s3_endpoint),
+                                            ("FORKYARD_S3_REGION", self.s3_region),
+                                            ("AWS_ACCESS_KEY_ID", self.access_key),
+                                            ("AWS_SECRET_ACCESS_KEY", self.secret_key)) if not v]
+            if missing:
+                raise RepositoryConfigError(f"s3 repository {self.url}: missing {', '.join(missing)}")
+            return S3Backend(bucket, prefix, self.s3_endpoint, self.s3_region, self.access_key, self.secret_key)
+        if "://" in self.url:
+            raise RepositoryConfigError(f"unsupported repository URL {self.url!r} (a directory or s3://bucket/prefix)")
+        return PosixBackend(Path(self.url).expanduser().resolve())
