@@ -220,7 +220,12 @@ class Orchestrator(LifecycleMixin):
             if image is None:
                 await self.driver.create(spec)
             else:
-                await self.driver.restore(spec, self.snapshots.image(image.snapshot_id))
+                # Materializes the image from the repository when this node lacks it.
+                path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
+                try:
+                    await self.driver.restore(spec, path)
+                finally:
+                    self.snapshots.release(image.snapshot_id)
             await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             if image is None or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
                 await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token)
@@ -331,6 +336,11 @@ class Orchestrator(LifecycleMixin):
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
         self._gc_images()
+
+    def repository_metrics(self) -> dict:
+        """Snapshot repository and node-cache metrics (cache hits/misses, bytes fetched
+        and uploaded, GC); see :meth:`SnapshotStore.metrics` for the shape."""
+        return self.snapshots.metrics()
 
     def _gc_images(self) -> None:
         """Delete pause/fork images no sandbox row refers to any more."""
