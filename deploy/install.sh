@@ -54,6 +54,14 @@ if ! .venv/bin/python -c 'import forkyard, e2b, pytest' 2>/dev/null || [ pyproje
   touch .venv/.stamp
 fi
 
+# Snapshot repository (forkyard/repository) and the S3 server its tests start on
+# loopback (moto_server: a real HTTP S3 endpoint, installed from PyPI).
+if ! .venv/bin/python -c 'import fastcdc.fastcdc_cy, blake3, zstandard, boto3, moto.server' 2>/dev/null; then
+  say "pip install repository packages into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check \
+    'fastcdc>=1.7' 'blake3>=1.0' 'zstandard>=0.22' 'boto3>=1.34' 'moto[server]>=5.1'
+fi
+
 say "building envd"
 make -s -C envd
 echo "ok: runsc $(runsc --version | head -1 | awk '{print $3}'), envd at envd/bin/envd"
