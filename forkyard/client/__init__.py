@@ -1,0 +1,37 @@
+"""Typed asyncio client for forkyard, for RL loops and scripts.
+
+REST calls go through :class:`AsyncForkyard` (httpx); work inside a sandbox goes through
+the official e2b SDK's ``AsyncSandbox`` it hands out. ::
+
+    from forkyard.client import AsyncForkyard, rollout
+
+    async with AsyncForkyard() as fy:            # URL/key: env or `forkyard auth`
+        src = await fy.create("base", timeout=600)
+        await src.commands.run("pip install -q numpy")
+        results = await rollout(src, 16, "python3 episode.py", concurrency=8,
+                                collect_files=["/home/user/reward.txt"], client=fy)
+        for r in results:
+            print(r.index, r.exit_code, r.error, r.files.get("/home/user/reward.txt"))
+        await fy.kill(src.sandbox_id)
+"""
+
+from forkyard.client.api import AsyncForkyard, ForkError, SandboxInfo, SnapshotInfo, TemplateInfo
+from forkyard.client.config import ResolvedConfig, config_path, resolve, write_config_file
+from forkyard.client.errors import (
+    ApiError,
+    AuthError,
+    BadRequest,
+    Conflict,
+    ForkyardError,
+    NotFound,
+    NotSupported,
+    ServerUnreachable,
+)
+from forkyard.client.rollout import ChildResult, Step, fork, rollout
+
+__all__ = [
+    "AsyncForkyard", "ForkError", "SandboxInfo", "SnapshotInfo", "TemplateInfo",
+    "ResolvedConfig", "config_path", "resolve", "write_config_file",
+    "ApiError", "AuthError", "BadRequest", "Conflict", "ForkyardError", "NotFound", "NotSupported",
+    "ServerUnreachable", "ChildResult", "Step", "fork", "rollout",
+]

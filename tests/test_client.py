@@ -1,0 +1,115 @@
+"""forkyard.client against a real server: REST calls, fork, rollout with per-child results."""
+
+from __future__ import annotations
+
+import pytest
+
+from forkyard.client import AsyncForkyard, ChildResult, ForkError, NotFound, ServerUnreachable, fork, rollout
+from forkyard.client.config import resolve
+
+
+@pytest.fixture
+async def fy(server):
+    async with AsyncForkyard() as c:
+        made: list[str] = []
+        c.made = made  # sandboxes to clean up
+        yield c
+        for sid in made:
+            try:
+                await c.kill(sid)
+            except NotFound:
+                pass
+
+
+async def _leftover_children(fy, parent_id: str) -> list[str]:
+    return [s.sandbox_id for s in await fy.list_sandboxes()
+            if s.metadata.get("forkyard.parentSandboxID") == parent_id]
+
+
+async def test_rest_basics(fy):
+    assert fy.url == resolve().url and await fy.health()
+    src = await fy.create("base", timeout=120, metadata={"suite": "client", "k": "a b&c"})
+    fy.made.append(src.sandbox_id)
+    info = await fy.get_sandbox(src.sandbox_id)
+    assert info.state == "running" and info.template_id == "base" and info.metadata["suite"] == "client"
+    listed = await fy.list_sandboxes(metadata={"k": "a b&c"})
+    assert [s.sandbox_id for s in listed] == [src.sandbox_id]
+    assert await fy.list_sandboxes(metadata={"k": "other"}) == []
+    r = await src.commands.run("echo hello")
+    assert r.stdout.strip() == "hello"
+    assert "base" in [t.template_id for t in await fy.list_templates()]
+    with pytest.raises(NotFound):
+        await fy.get_sandbox("no-such-sandbox")
+    with pytest.raises(NotFound):
+        await fy.kill("no-such-sandbox")
+
+
+async def test_server_unreachable():
+    async with AsyncForkyard(url="http://127.0.0.1:9", api_key="x") as c:
+        with pytest.raises(ServerUnreachable) as ei:
+            await c.list_sandboxes()
+    assert "cannot reach server at http://127.0.0.1:9" in str(ei.value)
+    assert "deploy/up.sh" in ei.value.hint
+
+
+async def test_fork_children_run_independently(fy):
+    src = await fy.create("base", timeout=180)
+    fy.made.append(src.sandbox_id)
+    await src.files.write("/home/user/seed.txt", "from parent")
+    children = await fork(src, 2, timeout=120, client=fy)
+    fy.made += [c.sandbox_id for c in children if not isinstance(c, ForkError)]
+    assert not [c for c in children if isinstance(c, ForkError)], children
+    for i, child in enumerate(children):
+        assert await child.files.read("/home/user/seed.txt") == "from parent"
+        await child.files.write("/home/user/seed.txt", f"child {i}")
+    assert [await c.files.read("/home/user/seed.txt") for c in children] == ["child 0", "child 1"]
+    assert await src.files.read("/home/user/seed.txt") == "from parent"
+
+
+async def test_rollout_command_with_one_failing_child(fy):
+    src = await fy.create("base", timeout=240)
+    fy.made.append(src.sandbox_id)
+    await src.files.write("/home/user/task.txt", "task-7")
+    cmd = ('echo "child $FORKYARD_CHILD $(cat task.txt)"; echo "r$FORKYARD_CHILD" > reward.txt; '
+           'echo warn >&2; [ "$FORKYARD_CHILD" != 1 ] || exit 5')
+    results = await rollout(src, 3, cmd, concurrency=2, then="kill", timeout=120,
+                            collect_files=["/home/user/reward.txt", "/home/user/missing.txt"], client=fy)
+    assert [r.index for r in results] == [0, 1, 2]
+    for r in results:
+        assert isinstance(r, ChildResult) and r.sandbox_id and r.error is None, r
+        assert r.stdout.strip() == f"child {r.index} task-7" and r.stderr.strip() == "warn"
+        assert r.files["/home/user/reward.txt"] == f"r{r.index}\n".encode()
+        assert "/home/user/missing.txt" in r.file_errors
+        assert r.cleanup_error is None
+    assert [r.exit_code for r in results] == [0, 5, 0]
+    assert [r.ok for r in results] == [True, False, True]
+    # then="kill": no child remains; the source is untouched.
+    assert await _leftover_children(fy, src.sandbox_id) == []
+    assert (await fy.get_sandbox(src.sandbox_id)).state == "running"
+
+
+async def test_rollout_callable_errors_are_per_child_and_pause(fy):
+    src = await fy.create("base", timeout=240)
+    fy.made.append(src.sandbox_id)
+
+    async def step(child, index):
+        if index == 0:
+            raise RuntimeError("policy crashed")
+        r = await child.commands.run(f"echo step {index} > out.txt; cat out.txt")
+        return r
+
+    results = await rollout(src, 2, step, then="pause", collect_files=["/home/user/out.txt"],
+                            timeout=120, client=fy)
+    try:
+        bad, good = results
+        assert bad.error == "RuntimeError: policy crashed" and isinstance(bad.exception, RuntimeError)
+        assert not bad.ok and bad.sandbox_id and "/home/user/out.txt" in bad.file_errors
+        assert good.error is None and good.ok and good.exit_code == 0
+        assert good.stdout.strip() == "step 1" and good.files["/home/user/out.txt"] == b"step 1\n"
+        assert good.value.stdout.strip() == "step 1"
+        for r in results:  # then="pause": children are kept, paused
+            assert (await fy.get_sandbox(r.sandbox_id)).state == "paused"
+    finally:
+        for r in results:
+            await fy.kill(r.sandbox_id)
+    assert await _leftover_children(fy, src.sandbox_id) == []
