@@ -47,18 +47,20 @@ async def init(
     env_vars: dict[str, str],
     access_token: str | None,
     current_token: str | None = None,
+    default_user: str = "user",
 ) -> None:
     """Send ``POST /init`` with the sandbox's env vars and access token.
 
     ``current_token`` is the token envd already holds (a restored checkpoint keeps its
     source's token; envd only accepts a new one from a caller that knows the old one).
+    ``default_user`` is the user of requests that name none.
 
     Raises:
         httpx.HTTPError: connection failure or non-2xx answer.
     """
     body: dict = {
         "envVars": env_vars,
-        "defaultUser": "user",
+        "defaultUser": default_user,
         "timestamp": datetime.now(timezone.utc).isoformat(),
     }
     if access_token:

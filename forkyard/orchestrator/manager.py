@@ -228,7 +228,10 @@ class Orchestrator(LifecycleMixin):
                     self.snapshots.release(image.snapshot_id)
             await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             if image is None or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
-                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token)
+                # A template build records its final USER on its snapshot (forkyard.templates.build).
+                user = (image.metadata.get("forkyard.defaultUser") if image else None) or "user"
+                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token,
+                                       default_user=user)
         except BaseException as e:
             log.warning("start of %s failed: %s", rec.id, e)
             await asyncio.shield(self._teardown(rec.id, rec.slot))
