@@ -15,6 +15,7 @@ from forkyard.api.proxy import SandboxProxy
 from forkyard.api.routes_lifecycle import router as lifecycle_router
 from forkyard.api.routes_misc import router as misc_router
 from forkyard.api.routes_sandboxes import router as sandboxes_router
+from forkyard.api.routes_templates import router as templates_router
 from forkyard.config import Settings
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
 
     api.include_router(misc_router)
     api.include_router(sandboxes_router)
+    api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     proxy.fastapi = api

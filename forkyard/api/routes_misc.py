@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from forkyard.api.auth import require_key
-from forkyard.templates import registry
+from forkyard.api.routes_templates import template_entries
 
 router = APIRouter()
 
@@ -18,17 +18,6 @@ async def health():
 
 @router.get("/templates", dependencies=[Depends(require_key)])
 async def list_templates(request: Request):
-    """Templates built on this node, in E2B's ``Template`` shape."""
-    out = []
-    for t in registry.list_templates(request.app.state.settings):
-        out.append({
-            "templateID": t.template_id,
-            "buildID": t.template_id,
-            "cpuCount": request.app.state.settings.default_vcpu,
-            "memoryMB": request.app.state.settings.default_memory_mb,
-            "public": False,
-            "aliases": [t.template_id],
-            "names": [t.template_id],
-            "buildStatus": "ready",
-        })
-    return out
+    """Templates on this node in E2B's ``Template`` shape: rootfs templates (``base``,
+    imported images) and built templates (snapshots of template builds)."""
+    return template_entries(request)
