@@ -342,8 +342,25 @@ def test_bad_input(server, tmp_path):
     with pytest.raises(BuildException, match="registry pulls are not supported"):
         Template.build(Template().from_image("python:3.12").run_cmd("true"), _name("img"))
     # a COPY of a file missing from the context fails client-side, before any build
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="No files found"):
         Template.build(Template(file_context_path=tmp_path).from_template("base").copy("missing.txt", "/tmp/"),
                        _name("nofile"))
     assert _build_sandboxes(server) == []
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_build_interrupted_by_server_crash(server):
+    name = _name("crash")
+    info = Template.build_in_background(Template().from_template("base").run_cmd("sleep 600"), name)
+    deadline = time.time() + 60
+    while time.time() < deadline and not _build_sandboxes(server):
+        time.sleep(0.2)
+    assert _build_sandboxes(server), "the build sandbox should be running"
+    server.stop(sig_kill=True)
+    server.start()
+    st = Template.get_build_status(info)
+    assert st.status.value == "error"
+    assert "interrupted" in st.reason.message
+    assert _build_sandboxes(server) == []  # killed at startup
+    assert not Template.exists(name)
+    _delete(server, name)

@@ -421,7 +421,7 @@ class TemplateBuilds:
                 if len(args) > 3 and args[3] and not _MODE.match(args[3]):
                     raise BadRequest(f"step {i}: invalid COPY mode {args[3]!r}")
                 src = posixpath.normpath(args[0])
-                if src.startswith("/") or src == ".." or src.startswith("../"):
+                if src.startswith(("/", "../")) or src == "..":
                     raise BadRequest(f"step {i}: COPY source must be relative to the build context")
                 path = self.file_path(s.get("filesHash") or "")
                 if not path.exists():
@@ -492,8 +492,7 @@ class TemplateBuilds:
         name = user.partition(":")[0]
         if name.isdigit():
             return True
-        script = ("while IFS=: read -r n rest; do [ \"$n\" = %s ] && exit 0; done < /etc/passwd; exit 1"
-                  % shlex.quote(name))
+        script = f'while IFS=: read -r n rest; do [ "$n" = {shlex.quote(name)} ] && exit 0; done < /etc/passwd; exit 1'
         try:
             return await build_envd.run(self._http, host, script, user="root", cwd="/", timeout_s=30) == 0
         except (build_envd.EnvdError, TimeoutError):

@@ -70,7 +70,7 @@ class _Source:
 
     def open(self, name: str) -> IO[bytes]:
         name = posixpath.normpath(name)
-        if name.startswith("/") or name.startswith(".."):
+        if name.startswith(("/", "..")):
             raise ImageImportError(f"unsafe path {name!r} in image")
         if self.tar is None:
             try:
