@@ -90,7 +90,7 @@ class ServerProc:
             [sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base", "--log-level", "info"],
             env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
         )
-        deadline = time.time() + 60
+        deadline = time.time() + 120  # generous: the machine has 2 cores and may be busy
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log}")
@@ -100,7 +100,7 @@ class ServerProc:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"server did not start in 60 s; see {self.log}")
+        raise RuntimeError(f"server did not start in 120 s; see {self.log}")
 
     def stop(self, sig_kill: bool = False) -> None:
         if self.proc and self.proc.poll() is None:

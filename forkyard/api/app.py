@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
@@ -61,8 +62,8 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     async def _orch_error(request: Request, exc: OrchestratorError):
         return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
 
-    @api.exception_handler(HTTPException)
-    async def _http_error(request: Request, exc: HTTPException):
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
         return JSONResponse(schemas.error(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -74,10 +75,16 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         return JSONResponse(schemas.error(400, "; ".join(parts) or "invalid request"), status_code=400)
 
+    @api.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(schemas.error(500, f"internal error: {exc!r}"), status_code=500)
+
     api.include_router(misc_router)
     api.include_router(sandboxes_router)
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
+    orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
     return proxy

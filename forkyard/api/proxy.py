@@ -29,6 +29,8 @@ _HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
 }
+#: Also dropped from upstream responses: the server adds its own.
+_HOP_OUT = _HOP | {"date", "server"}
 _WS_SKIP = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                    "sec-websocket-accept", "sec-websocket-protocol"}
 
@@ -88,7 +90,17 @@ class SandboxProxy:
                 timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
             )
+            # Forward only what the client sent: no httpx defaults (Accept-Encoding
+            # would make envd gzip bodies the client never asked to be compressed).
+            client.headers = httpx.Headers()
         return client
+
+    async def forget(self, sid: str) -> None:
+        """Close every connection to sandbox ``sid`` (killed, paused or dead): open
+        streams end with an error for their clients instead of hanging."""
+        client = self._clients.pop(sid, None)
+        if client is not None:
+            await client.aclose()
 
     def _sweep(self) -> None:
         """Close the pools of sandboxes that are gone."""
@@ -168,7 +180,7 @@ class SandboxProxy:
             return await _send_json(send, 502, f"sandbox {sid} port {port} is not reachable: {e!r}")
         try:
             out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
-                           for k, v in resp.headers.multi_items() if k.lower() not in _HOP]
+                           for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
             if "content-length" in resp.headers:  # raw bytes are relayed, so it stays exact
                 out_headers.append((b"content-length", resp.headers["content-length"].encode()))
             await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
@@ -176,7 +188,11 @@ class SandboxProxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b""})
         except (httpx.HTTPError, OSError) as e:
+            # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
+            # connections on checkpoint). End the response; the client sees a
+            # truncated stream (Connect: no end message) and reports an error.
             log.info("stream from sandbox %s ended early: %r", sid, e)
+            await send({"type": "http.response.body", "body": b""})
         finally:
             await resp.aclose()
 

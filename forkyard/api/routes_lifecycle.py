@@ -94,6 +94,8 @@ async def list_snapshots(
     if next_token:
         try:
             start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+            if start < 0:
+                raise ValueError("negative offset")
         except Exception as e:  # noqa: BLE001
             raise BadRequest("invalid nextToken") from e
     if start + limit < len(metas):

@@ -102,6 +102,8 @@ async def list_sandboxes_v2(
     if next_token:
         try:
             start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+            if start < 0:
+                raise ValueError("negative offset")
         except Exception as e:  # noqa: BLE001 — any decoding failure is the client's
             raise BadRequest("invalid nextToken") from e
     page = recs[start : start + limit]

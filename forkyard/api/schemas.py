@@ -6,10 +6,17 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from forkyard.config import ENVD_VERSION
 from forkyard.orchestrator.store import SandboxRecord
+
+
+#: Bounds on client-supplied maps (E2B documents none; these keep listings and exec
+#: environments sane: Linux limits one env string to 128 KiB).
+MAX_METADATA_KEYS = 64
+MAX_METADATA_BYTES = 16 * 1024
+MAX_ENV_BYTES = 128 * 1024
 
 
 class _Strict(BaseModel):
@@ -26,6 +33,28 @@ class NewSandbox(_Strict):
     allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, v):
+        if v is not None:
+            if len(v) > MAX_METADATA_KEYS:
+                raise ValueError(f"at most {MAX_METADATA_KEYS} metadata keys")
+            if sum(len(k) + len(x) for k, x in v.items()) > MAX_METADATA_BYTES:
+                raise ValueError(f"metadata larger than {MAX_METADATA_BYTES} bytes")
+        return v
+
+    @field_validator("env_vars")
+    @classmethod
+    def _env_ok(cls, v):
+        if v is not None:
+            for k, x in v.items():
+                if not k or "=" in k or "\0" in k or "\0" in x:
+                    raise ValueError(f"invalid environment variable name or value {k!r}: names must be "
+                                     "non-empty without '=' and neither may contain NUL")
+            if sum(len(k) + len(x) + 2 for k, x in v.items()) > MAX_ENV_BYTES:
+                raise ValueError(f"envVars larger than {MAX_ENV_BYTES} bytes")
+        return v
 
 
 class TimeoutBody(_Strict):
@@ -107,8 +136,8 @@ class ForkBody(_Strict):
     """``POST /sandboxes/{id}/fork``: ``count`` children (1…100, default 1) each living
     ``timeout`` seconds (default 15)."""
 
-    count: int = Field(default=1, ge=1, le=100)
-    timeout: int = Field(default=15, ge=1, le=86400)
+    count: StrictInt = Field(default=1, ge=1, le=100)
+    timeout: StrictInt = Field(default=15, ge=1, le=86400)
 
 
 class SnapshotBody(_Strict):

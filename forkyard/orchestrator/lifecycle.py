@@ -25,6 +25,7 @@ import time
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
+from forkyard.templates import registry
 
 log = logging.getLogger("forkyard.orchestrator")
 
@@ -107,6 +108,11 @@ class LifecycleMixin:
                         await self.driver.thaw(rec.id)
                 except Exception as thaw_error:  # noqa: BLE001
                     log.error("thaw of %s after a failed pause failed: %s", rec.id, thaw_error)
+                if not await self.driver.is_running(rec.id):
+                    log.error("sandbox %s is dead; removing it", rec.id)
+                    await self._teardown(rec.id, rec.slot)
+                    self.store.delete(rec.id)
+                    raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
                 if isinstance(e, CreateFailed):
                     raise
                 raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
@@ -161,8 +167,10 @@ class LifecycleMixin:
             NotFound, Conflict (paused/busy), BadRequest (bad name),
             CreateFailed (runsc failed; the sandbox keeps running).
         """
-        if name is not None and not _NAME.match(name):
+        if name is not None and not _NAME.fullmatch(name):
             raise BadRequest("snapshot name must be 1-64 of a-z, 0-9, '-' and '_', starting with a letter or digit")
+        if name is not None and registry.resolve(self.settings, name) is not None:
+            raise Conflict(f"{name!r} is a template; choose another snapshot name")
         async with self._locks[sandbox_id]:
             rec = self._running(sandbox_id)
             rec.state = "snapshotting"

@@ -23,7 +23,7 @@ import httpx
 from forkyard.config import Settings
 from forkyard.network.base import Slot
 from forkyard.orchestrator import envd_client
-from forkyard.orchestrator.errors import BadRequest, CreateFailed, NotFound
+from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.lifecycle import LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
@@ -72,6 +72,10 @@ class Orchestrator(LifecycleMixin):
         # pooled connection to a dead sandbox would hang or fail the next one.
         self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._next_slot = 0
+        #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
+        #: paused, died); the API's proxy closes its connections to it there.
+        self.on_gone: list = []
+        self._expiring: set[str] = set()
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -100,10 +104,15 @@ class Orchestrator(LifecycleMixin):
             if not await self.driver.is_running(rec.id):
                 return False
             slot = await asyncio.to_thread(self.network.allocate, rec.slot)
-            await envd_client.wait_healthy(self._http, slot.outer_ip, 3.0)
         except Exception as e:  # noqa: BLE001 — any failure means not adoptable
             log.warning("sandbox %s not adoptable: %s", rec.id, e)
             return False
+        try:
+            await envd_client.wait_healthy(self._http, slot.outer_ip, 10.0)
+        except TimeoutError as e:
+            # Its processes run: keep it (killing would lose its state); the client
+            # sees envd errors and can kill it.
+            log.warning("re-adopting sandbox %s although envd does not answer: %s", rec.id, e)
         self._slots[rec.id] = slot
         return True
 
@@ -238,8 +247,10 @@ class Orchestrator(LifecycleMixin):
             rec.slot = None
             if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
                 raise
+            if image is not None and self.snapshots.get(image.snapshot_id) is None:
+                raise NotFound(f"snapshot {image.snapshot_id} was deleted while sandbox {rec.id} was being restored from it") from e
             what = "restoring" if image else "creating"
-            raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {e}") from e
+            raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {e or repr(e)}") from e
         self._slots[rec.id] = slot
         rec.slot = slot.index
         rec.state = "running"
@@ -280,8 +291,8 @@ class Orchestrator(LifecycleMixin):
             CreateFailed: runtime or envd failure; everything half-made is removed.
         """
         timeout_s = self._check_timeout(timeout_s)
-        snap = self.snapshots.find(template_id)
-        tmpl = registry.resolve(self.settings, template_id) if snap is None else None
+        tmpl = registry.resolve(self.settings, template_id)
+        snap = self.snapshots.find(template_id) if tmpl is None else None
         if snap is None and tmpl is None:
             raise NotFound(f"template {template_id!r} not found")
         now = time.time()
@@ -314,6 +325,11 @@ class Orchestrator(LifecycleMixin):
     async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
         """Destroy runtime state, network slot and workdir; never raises."""
         self._slots.pop(sandbox_id, None)
+        for callback in self.on_gone:
+            try:
+                await callback(sandbox_id)
+            except Exception as e:  # noqa: BLE001
+                log.error("on_gone callback for %s failed: %s", sandbox_id, e)
         try:
             await self.driver.destroy(sandbox_id, self.settings.sandboxes_dir / sandbox_id)
         except Exception as e:  # noqa: BLE001
@@ -383,25 +399,56 @@ class Orchestrator(LifecycleMixin):
         return rec
 
     async def _ttl_loop(self) -> None:
+        """Every 0.5 s: start expiry actions (pause or kill, each in its own task so one
+        slow pause never delays the others) and retention deletes; every 2 s: remove
+        running sandboxes whose runtime died (init exited, OOM kill)."""
+        tick = 0
         while True:
             await asyncio.sleep(0.5)
+            tick += 1
             now = time.time()
             for rec in self.list():
-                try:
-                    if rec.state == "running" and rec.end_at <= now:
-                        if rec.auto_pause:
-                            log.info("sandbox %s expired; pausing", rec.id)
-                            await self.pause(rec.id)
-                        else:
-                            log.info("sandbox %s expired; killing", rec.id)
-                            await self.kill(rec.id)
-                    elif rec.state == "paused" and rec.paused_at and rec.paused_at + PAUSED_RETENTION_S <= now:
-                        log.info("paused sandbox %s past retention; deleting", rec.id)
-                        await self.kill(rec.id)
-                except (NotFound, BadRequest):
-                    pass
-                except Exception as e:  # noqa: BLE001 — keep the loop alive
-                    log.error("expiry of %s failed: %s", rec.id, e)
+                if rec.id in self._expiring:
+                    continue
+                if rec.state == "running" and rec.end_at <= now:
+                    action = self.pause if rec.auto_pause else self.kill
+                elif rec.state == "paused" and rec.paused_at and rec.paused_at + PAUSED_RETENTION_S <= now:
+                    action = self.kill
+                else:
+                    continue
+                self._expiring.add(rec.id)
+                asyncio.create_task(self._expire(rec.id, action), name=f"expire-{rec.id}")
+            if tick % 4 == 0:
+                await self._reap_dead()
+
+    async def _expire(self, sandbox_id: str, action) -> None:
+        try:
+            log.info("sandbox %s: %s (expiry)", sandbox_id, action.__name__)
+            await action(sandbox_id)
+        except (NotFound, BadRequest, Conflict):
+            pass
+        except Exception as e:  # noqa: BLE001 — keep going
+            log.error("expiry of %s failed: %s", sandbox_id, e)
+        finally:
+            self._expiring.discard(sandbox_id)
+
+    async def _reap_dead(self) -> None:
+        """Remove running sandboxes whose runtime is gone (checked cheaply by pid)."""
+        for rec in self.list():
+            if rec.state != "running" or rec.id not in self._slots or self._locks[rec.id].locked():
+                continue
+            try:
+                if await self.driver.alive(rec.id):
+                    continue
+                async with self._locks[rec.id]:
+                    cur = self.store.get(rec.id)
+                    if cur is None or cur.state != "running" or await self.driver.is_running(rec.id):
+                        continue
+                    log.warning("sandbox %s died (its runtime stopped); removing it", rec.id)
+                    await self._teardown(cur.id, cur.slot)
+                    self.store.delete(cur.id)
+            except Exception as e:  # noqa: BLE001
+                log.error("liveness check of %s failed: %s", rec.id, e)
 
     # ---- metrics ------------------------------------------------------------------
     async def metrics(self, sandbox_id: str) -> dict:

@@ -70,6 +70,10 @@ class RuntimeDriver(abc.ABC):
     async def is_running(self, sandbox_id: str) -> bool:
         """True when the sandbox exists and its processes are running."""
 
+    async def alive(self, sandbox_id: str) -> bool:
+        """Cheap liveness check for periodic monitoring (default: :meth:`is_running`)."""
+        return await self.is_running(sandbox_id)
+
     async def freeze(self, sandbox_id: str) -> None:
         """Stop all of the sandbox's tasks in place (memory and connections kept)."""
         raise NotImplementedError(f"{self.name} runtime cannot freeze")

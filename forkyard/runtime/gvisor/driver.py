@@ -135,6 +135,7 @@ class GVisorDriver(RuntimeDriver):
         self.overlay = overlay
         self.debug = os.environ.get("FORKYARD_RUNSC_DEBUG") == "1" if debug is None else debug
         self.extra_flags = list(extra_flags or [])
+        self._pids: dict[str, int] = {}
         if checkpoint_compression not in ("none", "flate-best-speed"):
             raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
         self.checkpoint_compression = checkpoint_compression
@@ -412,6 +413,7 @@ class GVisorDriver(RuntimeDriver):
         Raises:
             RuntimeError_: runsc could not delete it (message = runsc's stderr).
         """
+        self._pids.pop(sandbox_id, None)
         if workdir is None:
             rc, out, _ = await self._run(["state", sandbox_id])
             if rc == 0:
@@ -456,6 +458,21 @@ class GVisorDriver(RuntimeDriver):
             return json.loads(out)
         except ValueError as exc:
             raise RuntimeError_(f"runsc state {sandbox_id} returned invalid JSON: {out[:200]!r}") from exc
+
+    async def alive(self, sandbox_id: str) -> bool:
+        """Cheap liveness check for monitoring: True while the sandbox process runsc
+        reported for it (cached after the first ``runsc state``) exists. A sandbox
+        whose init (envd) exited or that the OOM killer hit reads False."""
+        pid = self._pids.get(sandbox_id)
+        if pid is None:
+            st = await self.state(sandbox_id)
+            if st is None or not st.get("pid"):
+                return False
+            pid = self._pids[sandbox_id] = int(st["pid"])
+        if _pid_alive(pid):
+            return True
+        self._pids.pop(sandbox_id, None)
+        return False
 
     async def is_running(self, sandbox_id: str) -> bool:
         """True when runsc reports the sandbox ``running`` and its sandbox process is
