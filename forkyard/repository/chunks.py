@@ -113,9 +113,9 @@ def decode(h: str, blob: bytes, expected_len: int | None = None) -> bytes:
     try:
         raw = d.decompress(blob, max_output_size=MAX_SIZE * 2)
     except zstandard.ZstdError as e:
-        raise ChunkCorrupt(f"chunk {h} does not decompress: {e}", h) from None
+        raise ChunkCorrupt(f"chunk {h} is corrupt: it does not decompress ({e})", h) from None
     if expected_len is not None and len(raw) != expected_len:
-        raise ChunkCorrupt(f"chunk {h} has {len(raw)} bytes, manifest says {expected_len}", h)
+        raise ChunkCorrupt(f"chunk {h} is corrupt: it has {len(raw)} bytes, the manifest says {expected_len}", h)
     if digest(raw) != h:
         raise ChunkCorrupt(f"chunk {h} is corrupt: its content hashes to {digest(raw)}", h)
     return raw
