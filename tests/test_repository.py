@@ -138,6 +138,7 @@ class Rig:
         src, slot = self.spec(f"{PREFIX}-src", 1)
         await self.driver.create(src)
         _http_ok(slot.outer_ip)
+        time.sleep(3)  # a just-booted sandbox still rewrites memory (see bench_repository)
         await self.driver.checkpoint(src.sandbox_id, self.images / "c0", leave_running=True)
         self.a_sha = self.sh(src.sandbox_id, "head -c 1048576 /dev/urandom > /root/a.bin && sha256sum /root/a.bin").split()[0]
         await self.driver.checkpoint(src.sandbox_id, self.images / "c1", leave_running=True)
