@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from forkyard.client import AsyncForkyard, ChildResult, ForkError, NotFound, ServerUnreachable, fork, rollout
+from forkyard.client import (
+    AsyncForkyard,
+    ChildResult,
+    ForkError,
+    NotFound,
+    ServerUnreachable,
+    fork,
+    rollout,
+)
 from forkyard.client.config import resolve
 
 

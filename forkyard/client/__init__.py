@@ -15,8 +15,19 @@ the official e2b SDK's ``AsyncSandbox`` it hands out. ::
         await fy.kill(src.sandbox_id)
 """
 
-from forkyard.client.api import AsyncForkyard, ForkError, SandboxInfo, SnapshotInfo, TemplateInfo
-from forkyard.client.config import ResolvedConfig, config_path, resolve, write_config_file
+from forkyard.client.api import (
+    AsyncForkyard,
+    ForkError,
+    SandboxInfo,
+    SnapshotInfo,
+    TemplateInfo,
+)
+from forkyard.client.config import (
+    ResolvedConfig,
+    config_path,
+    resolve,
+    write_config_file,
+)
 from forkyard.client.errors import (
     ApiError,
     AuthError,
@@ -30,8 +41,25 @@ from forkyard.client.errors import (
 from forkyard.client.rollout import ChildResult, Step, fork, rollout
 
 __all__ = [
-    "AsyncForkyard", "ForkError", "SandboxInfo", "SnapshotInfo", "TemplateInfo",
-    "ResolvedConfig", "config_path", "resolve", "write_config_file",
-    "ApiError", "AuthError", "BadRequest", "Conflict", "ForkyardError", "NotFound", "NotSupported",
-    "ServerUnreachable", "ChildResult", "Step", "fork", "rollout",
+    "ApiError",
+    "AsyncForkyard",
+    "AuthError",
+    "BadRequest",
+    "ChildResult",
+    "Conflict",
+    "ForkError",
+    "ForkyardError",
+    "NotFound",
+    "NotSupported",
+    "ResolvedConfig",
+    "SandboxInfo",
+    "ServerUnreachable",
+    "SnapshotInfo",
+    "Step",
+    "TemplateInfo",
+    "config_path",
+    "fork",
+    "resolve",
+    "rollout",
+    "write_config_file",
 ]

@@ -11,9 +11,10 @@ method raises a :class:`~forkyard.client.errors.ForkyardError` subclass on failu
 from __future__ import annotations
 
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any, Self
 
 import httpx
 
@@ -35,7 +36,7 @@ ENVD_PORT = 49983
 def _ts(s: str | None) -> datetime | None:
     if not s:
         return None
-    return datetime.fromisoformat(s.replace("Z", "+00:00"))
+    return datetime.fromisoformat(s)
 
 
 @dataclass
@@ -57,7 +58,7 @@ class SandboxInfo:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SandboxInfo":
+    def from_json(cls, d: dict[str, Any]) -> SandboxInfo:
         """Build from a ``ListedSandbox``/``SandboxDetail``/``Sandbox`` body."""
         return cls(
             sandbox_id=d["sandboxID"],
@@ -92,7 +93,7 @@ class SnapshotInfo:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "SnapshotInfo":
+    def from_json(cls, d: dict[str, Any]) -> SnapshotInfo:
         """Build from a ``SnapshotInfo`` body."""
         return cls(d["snapshotID"], list(d.get("names") or []), d.get("sandboxID"), d.get("templateID"),
                    d.get("sizeBytes"), _ts(d.get("createdAt")), raw=d)
@@ -110,7 +111,7 @@ class TemplateInfo:
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "TemplateInfo":
+    def from_json(cls, d: dict[str, Any]) -> TemplateInfo:
         """Build from a ``Template`` body."""
         return cls(d["templateID"], list(d.get("names") or d.get("aliases") or []), d.get("cpuCount"),
                    d.get("memoryMB"), d.get("buildStatus"), raw=d)
@@ -155,7 +156,7 @@ class AsyncForkyard:
         headers = {"X-API-Key": self.api_key} if self.api_key else {}
         self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
 
-    async def __aenter__(self) -> "AsyncForkyard":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -167,7 +168,7 @@ class AsyncForkyard:
 
     # -- plumbing -------------------------------------------------------------------------
     async def _request(self, method: str, path: str, *, what: str = "", ok_404: bool = False,
-                       **kw) -> httpx.Response:
+                       ok_400: bool = False, **kw) -> httpx.Response:
         try:
             r = await self._http.request(method, path, **kw)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -177,7 +178,7 @@ class AsyncForkyard:
                            hint="the host may be overloaded; retry") from e
         except httpx.HTTPError as e:
             raise ServerUnreachable(self.url, f"{type(e).__name__}: {e}") from e
-        if r.status_code < 300 or (ok_404 and r.status_code == 404):
+        if r.status_code < 300 or (ok_404 and r.status_code == 404) or (ok_400 and r.status_code == 400):
             return r
         msg = _error_message(r)
         label = f"{what}: " if what else f"{method} {path}: "
@@ -352,6 +353,33 @@ class AsyncForkyard:
         """Delete a template or snapshot (``DELETE /templates/{id}``). Raises :class:`NotFound`."""
         await self._request("DELETE", f"/templates/{_q(template_id)}", what=f"delete template {template_id}")
 
+    async def import_template(self, name: str, tarball, progress=None) -> TemplateInfo:
+        """Import a container image as template ``name``: ``tarball`` is the path of a
+        ``docker save`` tarball or a tar of an OCI image layout (optionally gzipped),
+        streamed as ``POST /templates/import?name=NAME``. ``progress(n)`` is called with
+        each chunk's size (bytes). Raises :class:`NotSupported` when the server has no
+        import endpoint, :class:`Conflict` when the name is taken, :class:`BadRequest`
+        for an image the server cannot use, ``OSError`` when the file cannot be read."""
+        async def body():
+            with open(tarball, "rb") as f:  # noqa: ASYNC230 — sequential 1 MiB reads
+                while chunk := f.read(1 << 20):
+                    if progress:
+                        progress(len(chunk))
+                    yield chunk
+
+        path = "/templates/import"
+        # Probe first (no name → 400 where supported) so a server without the endpoint
+        # answers before a large upload starts, rather than closing mid-body.
+        probe = await self._request("POST", path, ok_404=True, ok_400=True, what="import probe")
+        if probe.status_code == 404:
+            raise NotSupported(f"template import is not supported by this server (POST {path} → 404)")
+        r = await self._request("POST", path, params={"name": name}, content=body(), ok_404=True,
+                                timeout=httpx.Timeout(60, read=1800), what=f"import template {name!r}",
+                                headers={"Content-Type": "application/x-tar"})
+        if r.status_code == 404:
+            raise NotSupported(f"template import is not supported by this server (POST {path} → 404)")
+        return TemplateInfo.from_json(r.json())
+
     # -- envd (through the e2b SDK) -------------------------------------------------------
     def sandbox(self, info: SandboxInfo):
         """An e2b ``AsyncSandbox`` for a running sandbox described by ``info`` (as returned
@@ -413,4 +441,4 @@ def _q(s: str) -> str:
     return urllib.parse.quote(s, safe="")
 
 
-__all__ = ["AsyncForkyard", "SandboxInfo", "SnapshotInfo", "TemplateInfo", "ForkError", "ForkyardError"]
+__all__ = ["AsyncForkyard", "ForkError", "ForkyardError", "SandboxInfo", "SnapshotInfo", "TemplateInfo"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Literal, Sequence, Union
+from typing import Any, Literal
 
 from forkyard.client.api import AsyncForkyard, ForkError
 from forkyard.client.errors import ForkyardError
@@ -14,7 +15,7 @@ from forkyard.client.errors import ForkyardError
 #: A rollout step: a shell command (run with ``bash -l -c`` in each child, with
 #: ``FORKYARD_CHILD`` set to the child's index) or an async callable taking the child's
 #: ``AsyncSandbox`` (and, if it accepts a second positional argument, the index).
-Step = Union[str, Callable[..., Awaitable[Any]]]
+Step = str | Callable[..., Awaitable[Any]]
 
 
 @dataclass
@@ -185,7 +186,7 @@ async def rollout(
                 t0 = time.monotonic()
                 try:
                     await _run_step(child, index, step, res, step_timeout)
-                except (asyncio.TimeoutError, TimeoutError) as e:
+                except TimeoutError as e:
                     res.error, res.exception = f"step timed out after {step_timeout} s", e
                 except Exception as e:  # noqa: BLE001 — reported per child
                     res.error, res.exception = _describe(e), e
