@@ -104,6 +104,13 @@ def _env_key() -> bool:
     return bool(os.environ.get("FORKYARD_API_KEY"))
 
 
+from forkyard.cli import admin as _admin  # noqa: E402
+from forkyard.cli import sandboxes as _sandboxes  # noqa: E402
+
+_sandboxes.register(app)
+_admin.register(app)
+
+
 def main() -> None:  # pragma: no cover - console entry
     """Console entry point."""
     app()

@@ -1,0 +1,518 @@
+"""Sandbox commands: start, connect, exec, ls, info, pause, resume, fork, snapshot,
+timeout, rm/kill, upload, download, logs."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from forkyard.cli._common import (
+    JSON_OPT,
+    ago,
+    complete_sandbox_id,
+    complete_template,
+    err,
+    fail,
+    human_bytes,
+    out,
+    parse_kv,
+    print_json,
+    run,
+)
+from forkyard.client import AsyncForkyard, Conflict, ForkError, NotFound, NotSupported
+
+ID_ARG = typer.Argument(..., help="Sandbox id (see `forkyard ls`).", autocompletion=complete_sandbox_id)
+IDS_ARG = typer.Argument(..., help="Sandbox ids (see `forkyard ls`).", autocompletion=complete_sandbox_id)
+
+snapshot_app = typer.Typer(help="Create, list and delete snapshots (usable as templates).", no_args_is_help=True)
+
+
+def _not_found(sandbox_id: str) -> None:
+    fail(f"sandbox {sandbox_id} not found", "list sandboxes with `forkyard ls`")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the sandbox commands to ``app``."""
+    app.add_typer(snapshot_app, name="snapshot")
+
+    @app.command()
+    def start(
+        template: str = typer.Argument("base", help="Template, template id or snapshot to start from.",
+                                       autocompletion=complete_template),
+        timeout: int = typer.Option(300, "--timeout", "-t", help="Lifetime in seconds (kept alive while attached)."),
+        metadata: list[str] | None = typer.Option(None, "--metadata", "-m", help="KEY=VALUE label (repeatable)."),
+        env: list[str] | None = typer.Option(None, "--env", "-e", help="KEY=VALUE environment variable (repeatable)."),
+        detach: bool = typer.Option(False, "--detach", "-d", help="Do not attach a shell; print the id and exit."),
+        keep: bool = typer.Option(False, "--keep", help="Keep the sandbox running after the shell exits."),
+        auto_pause: bool = typer.Option(False, "--auto-pause", help="Pause instead of kill when the lifetime ends."),
+        as_json: bool = JSON_OPT,
+    ):
+        """Create a sandbox and attach an interactive shell.
+
+        The exit code is the shell's. Without --keep the sandbox is killed when the shell exits."""
+        md, envs = parse_kv(metadata, "metadata"), parse_kv(env, "env")
+
+        async def go(c: AsyncForkyard) -> int:
+            info = await c.create_sandbox(template, timeout=timeout, metadata=md, envs=envs, auto_pause=auto_pause)
+            if detach:
+                if as_json:
+                    print_json(info.to_json())
+                else:
+                    print(info.sandbox_id, flush=True)
+                return 0
+            err.print(f"[green]sandbox {info.sandbox_id}[/green] ({template}) — exit the shell to "
+                      + ("detach" if keep else "kill it"), highlight=False)
+            from forkyard.cli.terminal import attach_shell
+
+            try:
+                return await attach_shell(c, c.sandbox(info), keepalive_s=timeout)
+            finally:
+                if not keep:
+                    try:
+                        await c.kill(info.sandbox_id)
+                    except NotFound:
+                        pass
+                else:
+                    err.print(f"sandbox {info.sandbox_id} keeps running; reattach with "
+                              f"`forkyard connect {info.sandbox_id}`", highlight=False)
+
+        raise typer.Exit(run(go))
+
+    @app.command()
+    def connect(
+        sandbox_id: str = ID_ARG,
+        timeout: int = typer.Option(300, "--timeout", "-t", help="Keep it alive at least this many seconds."),
+    ):
+        """Attach an interactive shell to a sandbox (resumed first if paused).
+
+        The exit code is the shell's. The sandbox keeps running afterwards."""
+
+        async def go(c: AsyncForkyard) -> int:
+            try:
+                sbx = await c.connect(sandbox_id, timeout=timeout)
+            except NotFound:
+                _not_found(sandbox_id)
+            from forkyard.cli.terminal import attach_shell
+
+            return await attach_shell(c, sbx, keepalive_s=timeout)
+
+        raise typer.Exit(run(go))
+
+    @app.command("exec", context_settings={"ignore_unknown_options": True})
+    def exec_(
+        sandbox_id: str = ID_ARG,
+        cmd: list[str] = typer.Argument(..., help="Command after `--`. One argument is run as a shell line; "
+                                                   "several are quoted and joined."),
+        cwd: str | None = typer.Option(None, "--cwd", help="Working directory in the sandbox."),
+        user: str | None = typer.Option(None, "--user", "-u", help="User to run as (default: user)."),
+        env: list[str] | None = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
+        timeout: float = typer.Option(0, "--timeout", help="Kill the command after this many seconds (0: never)."),
+        as_json: bool = typer.Option(False, "--json", help="Buffer the output; print stdout, stderr and exit "
+                                                          "code as JSON."),
+    ):
+        """Run one command in a sandbox; output streams live; exit code = the command's."""
+        line = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+        envs = parse_kv(env, "env")
+
+        async def go(c: AsyncForkyard) -> int:
+            from e2b import CommandExitException
+
+            try:
+                sbx = await c.connect(sandbox_id, timeout=max(int(timeout) + 60, 300))
+            except NotFound:
+                _not_found(sandbox_id)
+
+            def w(stream):
+                def write(s: str) -> None:
+                    stream.write(s)
+                    stream.flush()
+                return write
+
+            kw = {} if as_json else {"on_stdout": w(sys.stdout), "on_stderr": w(sys.stderr)}
+            try:
+                r = await sbx.commands.run(line, cwd=cwd, user=user, envs=envs, timeout=timeout or 0, **kw)
+                code, so, se = r.exit_code, r.stdout, r.stderr
+            except CommandExitException as e:
+                code, so, se = e.exit_code, e.stdout, e.stderr
+            if as_json:
+                print_json({"sandboxID": sandbox_id, "command": line, "exitCode": code, "stdout": so, "stderr": se})
+            return code
+
+        raise typer.Exit(run(go))
+
+    @app.command("ls")
+    def ls(
+        state: list[str] | None = typer.Option(None, "--state", "-s", help="running or paused (repeatable)."),
+        metadata: list[str] | None = typer.Option(None, "--metadata", "-m", help="KEY=VALUE filter (repeatable)."),
+        template: str | None = typer.Option(None, "--template", help="Only sandboxes of this template."),
+        as_json: bool = JSON_OPT,
+    ):
+        """List sandboxes (running and paused, newest first)."""
+        for s in state or []:
+            if s not in ("running", "paused"):
+                fail(f"unknown state {s!r}", "use --state running or --state paused")
+        md = parse_kv(metadata, "metadata")
+
+        async def go(c: AsyncForkyard):
+            items = await c.list_sandboxes(state=state, metadata=md, template=template)
+            if as_json:
+                print_json([s.to_json() for s in items])
+                return
+            if not items:
+                err.print("no sandboxes" + (" match" if (state or md or template) else ""))
+                return
+            t = Table(box=None, header_style="bold")
+            t.add_column("ID", no_wrap=True)
+            for col in ("TEMPLATE", "STATE", "STARTED", "EXPIRES", "CPU", "MEM", "METADATA"):
+                t.add_column(col)
+            for s in items:
+                st = "[green]running[/green]" if s.state == "running" else "[yellow]paused[/yellow]"
+                t.add_row(s.sandbox_id, s.template_id, st, ago(s.started_at), ago(s.end_at), str(s.cpu_count or "-"),
+                          f"{s.memory_mb} MiB" if s.memory_mb else "-",
+                          " ".join(f"{k}={v}" for k, v in s.metadata.items()))
+            out.print(t)
+
+        run(go)
+
+    @app.command()
+    def info(sandbox_id: str = ID_ARG, as_json: bool = JSON_OPT):
+        """Show one sandbox: state, template, times, limits, metadata, current usage."""
+
+        async def go(c: AsyncForkyard):
+            try:
+                s = await c.get_sandbox(sandbox_id)
+            except NotFound:
+                _not_found(sandbox_id)
+            m = {}
+            if s.state == "running":
+                try:
+                    m = await c.metrics(sandbox_id)
+                except Exception:  # noqa: BLE001 — usage is optional
+                    m = {}
+            if as_json:
+                print_json({**s.to_json(), "metrics": m})
+                return
+            t = Table(box=None, show_header=False)
+            t.add_column(style="bold")
+            t.add_column()
+            rows = [("id", s.sandbox_id), ("template", s.template_id), ("state", s.state),
+                    ("started", f"{s.started_at:%Y-%m-%d %H:%M:%S} UTC ({ago(s.started_at)})" if s.started_at else "-"),
+                    ("expires", f"{s.end_at:%Y-%m-%d %H:%M:%S} UTC ({ago(s.end_at)})" if s.end_at else "-"),
+                    ("on expiry", s.on_timeout or "-"), ("cpus", str(s.cpu_count or "-")),
+                    ("memory", f"{s.memory_mb} MiB" if s.memory_mb else "-"), ("envd", s.envd_version or "-")]
+            rows += [(f"metadata {k}", v) for k, v in s.metadata.items()]
+            if m:
+                rows += [("cpu used", f"{m.get('cpuUsedPct', 0):.1f} %"),
+                         ("mem used", f"{human_bytes(m.get('memUsed'))} / {human_bytes(m.get('memTotal'))}"),
+                         ("disk used", f"{human_bytes(m.get('diskUsed'))} / {human_bytes(m.get('diskTotal'))}")]
+            for k, v in rows:
+                t.add_row(k, v)
+            out.print(t, highlight=False)
+
+        run(go)
+
+    def _each(ids: list[str], verb: str, fn, as_json: bool, done: str) -> None:
+        """Apply ``fn(client, id)`` to every id; report each; exit 1 if any failed."""
+
+        async def go(c: AsyncForkyard) -> int:
+            results, bad = [], 0
+            for sid in ids:
+                try:
+                    await fn(c, sid)
+                    results.append({"sandboxID": sid, "ok": True})
+                    if not as_json:
+                        out.print(f"{sid} {done}", highlight=False)
+                except NotFound:
+                    bad += 1
+                    results.append({"sandboxID": sid, "ok": False, "error": "not found"})
+                    if not as_json:
+                        err.print(f"[red]error:[/red] sandbox {sid} not found (see `forkyard ls`)", highlight=False)
+                except Conflict as e:
+                    bad += 1
+                    results.append({"sandboxID": sid, "ok": False, "error": e.message})
+                    if not as_json:
+                        err.print(f"[red]error:[/red] cannot {verb} {sid}: {e.message}", highlight=False)
+            if as_json:
+                print_json(results)
+            return 1 if bad else 0
+
+        raise typer.Exit(run(go))
+
+    @app.command("rm")
+    def rm(sandbox_ids: list[str] = IDS_ARG, as_json: bool = JSON_OPT):
+        """Kill sandboxes (running or paused). Alias: kill."""
+        _each(sandbox_ids, "kill", lambda c, s: c.kill(s), as_json, "killed")
+
+    @app.command("kill", hidden=True)
+    def kill(sandbox_ids: list[str] = IDS_ARG, as_json: bool = JSON_OPT):
+        """Kill sandboxes (alias of rm)."""
+        _each(sandbox_ids, "kill", lambda c, s: c.kill(s), as_json, "killed")
+
+    @app.command()
+    def pause(sandbox_ids: list[str] = IDS_ARG, as_json: bool = JSON_OPT):
+        """Pause sandboxes: memory and files are checkpointed; resume continues them."""
+        _each(sandbox_ids, "pause", lambda c, s: c.pause(s), as_json, "paused")
+
+    @app.command()
+    def resume(
+        sandbox_ids: list[str] = IDS_ARG,
+        timeout: int | None = typer.Option(None, "--timeout", "-t", help="New lifetime in seconds."),
+        as_json: bool = JSON_OPT,
+    ):
+        """Resume paused sandboxes under the same ids."""
+        _each(sandbox_ids, "resume", lambda c, s: c.resume(s, timeout), as_json, "resumed")
+
+    @app.command("timeout")
+    def set_timeout(
+        sandbox_id: str = ID_ARG,
+        seconds: int = typer.Argument(..., help="Expire this many seconds from now (0…86400).", min=0, max=86400),
+        as_json: bool = JSON_OPT,
+    ):
+        """Set when a sandbox expires (from now; may shorten its life)."""
+        _each([sandbox_id], "set the timeout of", lambda c, s: c.set_timeout(s, seconds), as_json,
+              f"expires in {seconds} s")
+
+    @app.command()
+    def fork(
+        sandbox_id: str = ID_ARG,
+        n: int = typer.Option(1, "-n", "--count", help="Number of children.", min=1),
+        timeout: int = typer.Option(300, "--timeout", "-t", help="Each child's lifetime in seconds."),
+        as_json: bool = JSON_OPT,
+    ):
+        """Fork a running sandbox into N children.
+
+        Memory and files are copied; the source keeps running with the same id. Exit code 1 if any child failed."""
+
+        async def go(c: AsyncForkyard) -> int:
+            try:
+                with err.status(f"forking {sandbox_id} into {n}…"):
+                    res = await c.fork_info(sandbox_id, n, timeout)
+            except NotFound:
+                _not_found(sandbox_id)
+            if as_json:
+                print_json([{"error": {"code": r.status, "message": r.message}} if isinstance(r, ForkError)
+                            else {"sandbox": r.to_json()} for r in res])
+            else:
+                t = Table(box=None, header_style="bold")
+                t.add_column("#")
+                t.add_column("CHILD", no_wrap=True)
+                t.add_column("RESULT")
+                for i, r in enumerate(res):
+                    if isinstance(r, ForkError):
+                        t.add_row(str(i), "-", f"[red]{r}[/red]")
+                    else:
+                        t.add_row(str(i), r.sandbox_id, "[green]running[/green]")
+                out.print(t, highlight=False)
+            return 1 if any(isinstance(r, ForkError) for r in res) else 0
+
+        raise typer.Exit(run(go))
+
+    @app.command()
+    def upload(
+        sandbox_id: str = ID_ARG,
+        local: Path = typer.Argument(..., help="Local file.", exists=True, dir_okay=False, readable=True),
+        remote: str = typer.Argument(..., help="Path in the sandbox (ending in / → keep the file name)."),
+        user: str | None = typer.Option(None, "--user", "-u", help="Owner in the sandbox (default: user)."),
+    ):
+        """Copy a local file into a sandbox, with a progress bar."""
+        dest = remote + local.name if remote.endswith("/") else remote
+        size = local.stat().st_size
+
+        async def go(c: AsyncForkyard):
+            try:
+                sbx = await c.connect(sandbox_id)
+            except NotFound:
+                _not_found(sandbox_id)
+            with _progress() as p:
+                task = p.add_task(f"upload {local.name}", total=size)
+
+                async def chunks():
+                    with open(local, "rb") as f:  # noqa: ASYNC230 — sequential 1 MiB reads
+                        while chunk := f.read(1 << 20):
+                            p.advance(task, len(chunk))
+                            yield chunk
+
+                await sbx.files.write(dest, chunks(), user=user, request_timeout=0)
+            out.print(f"{local} → {sandbox_id}:{dest} ({human_bytes(size)})", highlight=False)
+
+        run(go)
+
+    @app.command()
+    def download(
+        sandbox_id: str = ID_ARG,
+        remote: str = typer.Argument(..., help="File path in the sandbox."),
+        local: Path | None = typer.Argument(None, help="Local path (default: the file name, here; "
+                                                          "a directory → keep the name)."),
+        user: str | None = typer.Option(None, "--user", "-u", help="Read as this user."),
+    ):
+        """Copy a file out of a sandbox, with a progress bar."""
+        dest = local or Path(os.path.basename(remote.rstrip("/")))
+        if dest.is_dir():
+            dest = dest / os.path.basename(remote.rstrip("/"))
+
+        async def go(c: AsyncForkyard):
+            from e2b.exceptions import NotFoundException
+
+            try:
+                sbx = await c.connect(sandbox_id)
+            except NotFound:
+                _not_found(sandbox_id)
+            try:
+                entry = await sbx.files.get_info(remote, user=user)
+            except NotFoundException:
+                fail(f"{remote} does not exist in sandbox {sandbox_id}")
+            if entry.type is not None and getattr(entry.type, "value", entry.type) == "dir":
+                fail(f"{remote} is a directory; download files one by one "
+                     f"(list them with `forkyard exec {sandbox_id} -- ls {shlex.quote(remote)}`)")
+            tmp = dest.with_name(dest.name + ".part")
+            got = 0
+            try:
+                with _progress() as p, open(tmp, "wb") as f:  # noqa: ASYNC230
+                    task = p.add_task(f"download {os.path.basename(remote)}", total=entry.size)
+                    stream = await sbx.files.read(remote, format="stream", user=user)
+                    async with stream:
+                        async for chunk in stream:
+                            f.write(chunk)
+                            got += len(chunk)
+                            p.advance(task, len(chunk))
+                os.replace(tmp, dest)
+            finally:
+                if tmp.exists():
+                    tmp.unlink()
+            out.print(f"{sandbox_id}:{remote} → {dest} ({human_bytes(got)})", highlight=False)
+
+        run(go)
+
+    @app.command()
+    def logs(sandbox_id: str = ID_ARG, as_json: bool = JSON_OPT):
+        """Show a sandbox's logs (or, without a logs endpoint, its processes).
+
+        When the server has no logs endpoint this says so and lists the processes running in the sandbox, from envd."""
+
+        async def go(c: AsyncForkyard) -> int:
+            try:
+                lines = await c.logs(sandbox_id)
+            except NotFound:
+                _not_found(sandbox_id)
+            except NotSupported as e:
+                err.print(f"[yellow]{e.message}[/yellow]; no sandbox log is kept. "
+                          "Processes running in the sandbox, from envd:", highlight=False)
+                s = await c.get_sandbox(sandbox_id)
+                if s.state != "running":
+                    err.print(f"sandbox {sandbox_id} is {s.state}; `forkyard resume {sandbox_id}` to inspect it",
+                              highlight=False)
+                    return 1
+                procs = await c.sandbox(s).commands.list()
+                if as_json:
+                    print_json({"logs": None, "processes": [{"pid": p.pid, "cmd": p.cmd, "args": p.args,
+                                                             "cwd": p.cwd, "tag": p.tag} for p in procs]})
+                    return 0
+                if not procs:
+                    err.print("no process started through envd is running")
+                    return 0
+                t = Table(box=None, header_style="bold")
+                t.add_column("PID")
+                t.add_column("COMMAND")
+                t.add_column("CWD")
+                for p in procs:
+                    t.add_row(str(p.pid), shlex.join([p.cmd, *p.args]), p.cwd or "-")
+                out.print(t, highlight=False)
+                return 0
+            if as_json:
+                print_json(lines)
+            else:
+                for entry in lines:
+                    out.print(f"{entry.get('timestamp', '')} {entry.get('line', entry)}", highlight=False)
+            return 0
+
+        raise typer.Exit(run(go))
+
+    @snapshot_app.command("create")
+    def snapshot_create(
+        sandbox_id: str = ID_ARG,
+        name: str | None = typer.Option(None, "--name", help="Name to start sandboxes from (`forkyard start NAME`)."),
+        as_json: bool = JSON_OPT,
+    ):
+        """Snapshot a running sandbox (memory + files); it keeps running."""
+
+        async def go(c: AsyncForkyard):
+            try:
+                with err.status(f"snapshotting {sandbox_id}…"):
+                    s = await c.create_snapshot(sandbox_id, name)
+            except NotFound:
+                _not_found(sandbox_id)
+            if as_json:
+                print_json(s.raw)
+            else:
+                out.print(s.snapshot_id, highlight=False)
+
+        run(go)
+
+    @snapshot_app.command("list")
+    def snapshot_list(
+        sandbox_id: str | None = typer.Option(None, "--sandbox", help="Only snapshots of this sandbox."),
+        name: str | None = typer.Option(None, "--name", help="Only snapshots with this name."),
+        as_json: bool = JSON_OPT,
+    ):
+        """List snapshots, oldest first."""
+
+        async def go(c: AsyncForkyard):
+            items = await c.list_snapshots(sandbox_id, name)
+            if as_json:
+                print_json([s.raw for s in items])
+                return
+            if not items:
+                err.print("no snapshots")
+                return
+            t = Table(box=None, header_style="bold")
+            t.add_column("ID", no_wrap=True)
+            for col in ("NAMES", "SOURCE", "TEMPLATE", "SIZE", "CREATED"):
+                t.add_column(col)
+            for s in items:
+                t.add_row(s.snapshot_id, ",".join(s.names), s.sandbox_id or "-", s.template_id or "-",
+                          human_bytes(s.size_bytes), ago(s.created_at))
+            out.print(t, highlight=False)
+
+        run(go)
+
+    @snapshot_app.command("rm")
+    def snapshot_rm(snapshot_ids: list[str] = typer.Argument(..., help="Snapshot ids."), as_json: bool = JSON_OPT):
+        """Delete snapshots."""
+
+        async def go(c: AsyncForkyard) -> int:
+            results, bad = [], 0
+            for sid in snapshot_ids:
+                try:
+                    await c.delete_snapshot(sid)
+                    results.append({"snapshotID": sid, "ok": True})
+                    if not as_json:
+                        out.print(f"{sid} deleted", highlight=False)
+                except NotFound:
+                    bad += 1
+                    results.append({"snapshotID": sid, "ok": False, "error": "not found"})
+                    if not as_json:
+                        err.print(f"[red]error:[/red] snapshot {sid} not found (see `forkyard snapshot list`)",
+                                  highlight=False)
+            if as_json:
+                print_json(results)
+            return 1 if bad else 0
+
+        raise typer.Exit(run(go))
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err, transient=False)
