@@ -377,7 +377,8 @@ def test_corrupt_or_missing_chunk_fails_restore_clearly(rig, make_store, backend
         node.image(meta.snapshot_id)
 
     # A corrupt chunk in the node cache is not trusted either: dropped and fetched again.
-    meta2 = commit(st, rig.images / "c1")
+    # (A new writer: ``st`` remembers the chunk removed behind its back as present.)
+    meta2 = commit(make_store(backend_kind, "writer2"), rig.images / "c1")
     n2 = make_store(backend_kind, "third")
     n2.image(meta2.snapshot_id)
     n2.release(meta2.snapshot_id)
@@ -419,6 +420,22 @@ def test_gc_frees_only_unreferenced_chunks(rig, make_store, backend_kind):
     other = make_store(backend_kind, "other")
     assert same_tree(other.image(b.snapshot_id), rig.images / "c1")
     assert other.metrics()["gc"]["gc_runs"] == 0 and st.metrics()["gc"]["gc_chunks_freed"] == len(only_a)
+
+
+def test_commit_after_gc_uploads_freed_chunks_again(rig, make_store, backend_kind):
+    """A writer skips existence checks for chunks it committed itself — until a GC has
+    run (the GC epoch changed): then chunks the GC freed are uploaded again."""
+    st = make_store(backend_kind)
+    a = commit(st, rig.images / "c0")
+    again = commit(st, rig.images / "c0")
+    assert st.commit_stats(again.snapshot_id).new_chunks == 0
+    st.delete(a.snapshot_id)
+    st.delete(again.snapshot_id)
+    assert st.gc(grace_s=0)["chunks_freed"] > 0
+    assert st.repo.stored_bytes() == (0, 0)
+    third = commit(st, rig.images / "c0")
+    assert st.commit_stats(third.snapshot_id).new_chunks == st.commit_stats(third.snapshot_id).unique_chunks
+    assert same_tree(make_store(backend_kind, "other").image(third.snapshot_id), rig.images / "c0")
 
 
 def test_commit_waits_for_a_running_gc_and_interrupted_commits_leave_nothing(rig, make_store, backend_kind):

@@ -13,8 +13,13 @@ write the lease naming all of them; wait while a GC holds the lock; upload the c
 the repository lacks (existence check per chunk); make them durable (posix: fsync of the
 files and their directories); create the manifest exclusively (posix: temp file, fsync,
 ``link()`` to the final name, fsync of the directory; S3: ``If-None-Match: *``); drop the
-lease. A crash anywhere leaves no manifest (the snapshot does not exist) or a complete
-one; orphan chunks and leases are collected by GC.
+lease. Existence checks are skipped for chunks this process committed earlier in the
+same *GC epoch* (``locks/gc-epoch``, rewritten by every GC as soon as it holds the lock
+and before it reads leases; the commit reads it after its lease is written and no GC
+runs): such a chunk was protected by that commit's lease, then its manifest, and can only
+have been deleted by a GC, which would have changed the epoch first (chunks removed by
+hand are not noticed then). A crash anywhere leaves no manifest (the snapshot does not
+exist) or a complete one; orphan chunks and leases are collected by GC.
 
 **GC** (:meth:`Repository.gc`): take the lock (exclusive create; a lock older than
 :data:`GC_LOCK_TTL_S` is stale), read every lease younger than :data:`LEASE_TTL_S`,
@@ -53,6 +58,11 @@ GC_LOCK_TTL_S = 3600.0
 #: How long a commit waits for a running GC before giving up.
 GC_WAIT_S = 600.0
 GC_LOCK = "locks/gc.json"
+#: Rewritten (random token) by every GC as soon as it holds the lock, before it reads
+#: leases; lets a commit trust its memory of which chunks exist (see Repository.commit).
+GC_EPOCH = "locks/gc-epoch"
+#: Bound on the remembered chunk names (about 100 bytes each).
+KNOWN_MAX = 2_000_000
 
 
 def manifest_key(snapshot_id: str) -> str:
@@ -161,6 +171,8 @@ class Repository:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="repo")
         self._manifests: dict[str, Manifest] = {}
         self._lock = threading.Lock()
+        self._known: set[str] = set()  # chunks this process committed since GC epoch _known_epoch
+        self._known_epoch: bytes | None = None
         self.counters = {"commits": 0, "chunks_uploaded": 0, "chunks_reused": 0, "bytes_uploaded": 0,
                          "gc_runs": 0, "gc_chunks_freed": 0, "gc_bytes_freed": 0}
 
@@ -213,6 +225,12 @@ class Repository:
         return existed
 
     # ---- commit -----------------------------------------------------------------------
+    def _gc_epoch(self) -> bytes:
+        try:
+            return self.backend.get(GC_EPOCH)
+        except ObjectMissing:
+            return b""
+
     def _wait_for_gc(self) -> None:
         deadline = time.time() + GC_WAIT_S
         while not self._gc_lock_stale():  # True when absent
@@ -252,7 +270,11 @@ class Repository:
                                                 "chunks": sorted(where)}).encode(), exclusive=True)
             try:
                 self._wait_for_gc()
-                hashes = list(where)
+                epoch = self._gc_epoch()
+                with self._lock:
+                    if epoch != self._known_epoch or len(self._known) > KNOWN_MAX:
+                        self._known, self._known_epoch = set(), epoch
+                    hashes = [h for h in where if h not in self._known]
                 present = list(self.pool.map(lambda h: self.backend.exists(ck.chunk_key(h)), hashes))
                 missing = [h for h, p in zip(hashes, present) if not p]
 
@@ -279,6 +301,8 @@ class Repository:
                     log.warning("could not drop commit lease %s: %s", lease, e)
             with self._lock:
                 self._manifests[snapshot_id] = m
+                if self._known_epoch == epoch:
+                    self._known.update(where)
                 c = self.counters
                 c["commits"] += 1
                 c["chunks_uploaded"] += stats.new_chunks
@@ -346,6 +370,7 @@ class Repository:
                 out["seconds"] = time.perf_counter() - t0
                 return out
         try:
+            self.backend.put(GC_EPOCH, secrets.token_hex(16).encode())
             live: set[str] = set()
             now = time.time()
             for info in self.backend.list("leases/"):
