@@ -3,7 +3,6 @@ status codes from E2B's OpenAPI spec as shipped in the ``e2b`` SDK)."""
 
 from __future__ import annotations
 
-import base64
 import time
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -11,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
-from forkyard.orchestrator.errors import BadRequest, OrchestratorError
+from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -90,17 +89,7 @@ async def list_snapshots(
     """Snapshots, oldest first, filtered by source ``sandboxID`` / ``name``, paginated
     by ``limit`` and ``nextToken`` (``x-next-token`` header)."""
     metas = _orch(request).list_snapshots(sandbox_id, name)
-    start = 0
-    if next_token:
-        try:
-            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
-            if start < 0:
-                raise ValueError("negative offset")
-        except Exception as e:  # noqa: BLE001
-            raise BadRequest("invalid nextToken") from e
-    if start + limit < len(metas):
-        response.headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
-    return [schemas.snapshot_info(m) for m in metas[start : start + limit]]
+    return [schemas.snapshot_info(m) for m in schemas.paginate(metas, limit, next_token, response)]
 
 
 @router.delete("/templates/{template_id}", status_code=204)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import time
 import urllib.parse
 
@@ -98,17 +97,7 @@ async def list_sandboxes_v2(
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
     recs = _filter(_orch(request), metadata, states, template)
     recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
-    start = 0
-    if next_token:
-        try:
-            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
-            if start < 0:
-                raise ValueError("negative offset")
-        except Exception as e:  # noqa: BLE001 — any decoding failure is the client's
-            raise BadRequest("invalid nextToken") from e
-    page = recs[start : start + limit]
-    if start + limit < len(recs):
-        response.headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    page = schemas.paginate(recs, limit, next_token, response)
     return [schemas.sandbox_listed(r) for r in page]
 
 

@@ -4,11 +4,13 @@ shipped in the ``e2b`` SDK's generated models: ``NewSandbox``, ``Sandbox``,
 
 from __future__ import annotations
 
+import base64
 from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from forkyard.config import ENVD_VERSION
+from forkyard.orchestrator.errors import BadRequest
 from forkyard.orchestrator.store import SandboxRecord
 
 
@@ -156,3 +158,24 @@ def snapshot_info(meta) -> dict:
         "sizeBytes": meta.size_bytes,
         "createdAt": _iso(meta.created_at),
     }
+
+
+def paginate(items: list, limit: int, next_token: str | None, response) -> list:
+    """One page of ``items`` for E2B-style pagination: ``next_token`` is the opaque
+    token from the previous page's ``x-next-token`` header (here a base64 offset);
+    sets that header on ``response`` when more items follow.
+
+    Raises:
+        BadRequest: the token is not one this server issued.
+    """
+    start = 0
+    if next_token:
+        try:
+            start = int(base64.urlsafe_b64decode(next_token.encode()).decode())
+            if start < 0:
+                raise ValueError("negative offset")
+        except Exception as e:  # noqa: BLE001 — any decoding failure is the client's
+            raise BadRequest("invalid nextToken") from e
+    if start + limit < len(items):
+        response.headers["x-next-token"] = base64.urlsafe_b64encode(str(start + limit).encode()).decode()
+    return items[start : start + limit]
