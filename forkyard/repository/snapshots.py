@@ -210,11 +210,11 @@ class SnapshotStore:
             m = self.repo.manifest(snapshot_id) if _ID.match(snapshot_id) else None
             if m is None:
                 raise SnapshotNotFound(f"snapshot {snapshot_id} is not in the repository {self.repo.backend.location}")
-            d = self.cache.get_image(snapshot_id)
-            if d is not None and all(_size_or_none(d / f.path) == f.size for f in m.files):
-                self.cache.pin(snapshot_id, pin_s)
-                return d
+            d = self.cache.get_image(snapshot_id, pin_s=pin_s)  # pinned atomically with the lookup
             if d is not None:
+                if all(_size_or_none(d / f.path) == f.size for f in m.files):
+                    return d
+                self.cache.unpin(snapshot_id)
                 log.warning("cached image of %s does not match its manifest; materializing again", snapshot_id)
                 self.cache.drop_image(snapshot_id, force=True)
             return self._materialize(m, pin_s)
