@@ -31,14 +31,14 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DATA, templates_dir  # noqa: E402
+from _common import DATA, templates_dir
 
-from forkyard.config import Settings  # noqa: E402
-from forkyard.network.slots import NetworkManager  # noqa: E402
-from forkyard.repository.config import RepoConfig  # noqa: E402
-from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore, new_snapshot_id  # noqa: E402
-from forkyard.runtime.base import SandboxSpec  # noqa: E402
-from forkyard.runtime.gvisor.driver import GVisorDriver  # noqa: E402
+from forkyard.config import Settings
+from forkyard.network.slots import NetworkManager
+from forkyard.repository.config import RepoConfig
+from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore, new_snapshot_id
+from forkyard.runtime.base import SandboxSpec
+from forkyard.runtime.gvisor.driver import GVisorDriver
 
 MB = 1 << 20
 ROOT = DATA / "repository"
@@ -83,7 +83,7 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
         _wait_http(f"http://{slot.outer_ip}:49983/health")
         if fill_mb:
             sh("src", f"head -c {fill_mb}M /dev/urandom > /root/fill.bin")
-        time.sleep(settle_s)
+        await asyncio.sleep(settle_s)
         await drv.checkpoint("src", out / "c0", leave_running=True)
         sh("src", "head -c 1M /dev/urandom > /root/change.bin")
         await drv.checkpoint("src", out / "c1", leave_running=True)

@@ -25,12 +25,17 @@ import uuid
 from dataclasses import replace
 from pathlib import Path
 
+import _hostutil as hu
 import pytest
 
-import _hostutil as hu
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
-from forkyard.repository import ChunkCorrupt, ChunkMissing, RepositoryConfigError, SnapshotNotFound
+from forkyard.repository import (
+    ChunkCorrupt,
+    ChunkMissing,
+    RepositoryConfigError,
+    SnapshotNotFound,
+)
 from forkyard.repository.chunks import chunk_key
 from forkyard.repository.config import RepoConfig
 from forkyard.repository.repo import GC_LOCK, manifest_key
@@ -64,9 +69,8 @@ def s3_endpoint():
     import boto3
 
     port = _free_port()
-    log = open(hu.data_root() / f"moto-{PREFIX}.log", "wb") if hu.data_root().is_dir() else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -138,7 +142,7 @@ class Rig:
         src, slot = self.spec(f"{PREFIX}-src", 1)
         await self.driver.create(src)
         _http_ok(slot.outer_ip)
-        time.sleep(3)  # a just-booted sandbox still rewrites memory (see bench_repository)
+        await asyncio.sleep(3)  # a just-booted sandbox still rewrites memory (see bench_repository)
         await self.driver.checkpoint(src.sandbox_id, self.images / "c0", leave_running=True)
         self.a_sha = self.sh(src.sandbox_id, "head -c 1048576 /dev/urandom > /root/a.bin && sha256sum /root/a.bin").split()[0]
         await self.driver.checkpoint(src.sandbox_id, self.images / "c1", leave_running=True)
@@ -288,7 +292,7 @@ def test_incremental_and_fork_sharing(rig, make_store, backend_kind):
     st = make_store(backend_kind)
     first = commit(st, rig.images / "c0")
     s1 = st.commit_stats(first.snapshot_id)
-    n0, bytes0 = st.repo.stored_bytes()
+    _, bytes0 = st.repo.stored_bytes()
     assert bytes0 == s1.new_stored_bytes and s1.new_stored_bytes < s1.raw_bytes
     second = commit(st, rig.images / "c1")
     s2 = st.commit_stats(second.snapshot_id)
@@ -402,7 +406,7 @@ def test_gc_frees_only_unreferenced_chunks(rig, make_store, backend_kind):
     assert out["chunks_freed"] == 0
 
     # An in-progress commit's lease protects the chunks it will reference.
-    leased = sorted(only_a)[0]
+    leased = min(only_a)
     st.repo.backend.put("leases/inflight-0000.json",
                         json.dumps({"snapshot_id": "inflight", "created_at": time.time(), "chunks": [leased]}).encode())
     n_before, bytes_before = st.repo.stored_bytes()

@@ -11,7 +11,12 @@ from forkyard.repository.errors import (
     RepositoryConfigError,
     RepositoryError,
 )
-from forkyard.repository.snapshots import SnapshotMeta, SnapshotNotFound, SnapshotStore, new_snapshot_id
+from forkyard.repository.snapshots import (
+    SnapshotMeta,
+    SnapshotNotFound,
+    SnapshotStore,
+    new_snapshot_id,
+)
 
 __all__ = [
     "ChunkCorrupt", "ChunkError", "ChunkMissing", "RepositoryConfigError", "RepositoryError",

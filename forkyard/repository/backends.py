@@ -20,11 +20,15 @@ import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
-from forkyard.repository.errors import ObjectMissing, RepositoryConfigError, RepositoryError
+from forkyard.repository.errors import (
+    ObjectMissing,
+    RepositoryConfigError,
+    RepositoryError,
+)
 
 _TMP = ".tmp-"
 

@@ -21,6 +21,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import blake3
 import zstandard
@@ -70,7 +71,7 @@ class MappedFile:
     an empty file). Use as a context manager."""
 
     def __init__(self, path: Path):
-        self._f = open(path, "rb")
+        self._f = open(path, "rb")  # noqa: SIM115 — closed by close()
         size = os.fstat(self._f.fileno()).st_size
         self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
         self.view = memoryview(self._mm) if self._mm is not None else memoryview(b"")
@@ -81,7 +82,7 @@ class MappedFile:
             self._mm.close()
         self._f.close()
 
-    def __enter__(self) -> "MappedFile":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -46,7 +46,7 @@ class RepoConfig:
     gc_grace_s: float = DEFAULT_GC_GRACE_S
 
     @classmethod
-    def from_env(cls, default_dir: Path, env: dict[str, str] | None = None) -> "RepoConfig":
+    def from_env(cls, default_dir: Path, env: dict[str, str] | None = None) -> RepoConfig:
         """Settings from ``env`` (default ``os.environ``); ``default_dir`` is the posix
         repository used when ``FORKYARD_REPO`` is unset.
 

@@ -46,7 +46,12 @@ from pathlib import Path
 
 from forkyard.repository import chunks as ck
 from forkyard.repository.backends import Backend
-from forkyard.repository.errors import ChunkCorrupt, ChunkMissing, ObjectMissing, RepositoryError
+from forkyard.repository.errors import (
+    ChunkCorrupt,
+    ChunkMissing,
+    ObjectMissing,
+    RepositoryError,
+)
 
 log = logging.getLogger("forkyard.repository")
 
@@ -129,7 +134,7 @@ class Manifest:
         }, separators=(",", ":")).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "Manifest":
+    def from_json(cls, data: bytes) -> Manifest:
         """Parse a manifest.
 
         Raises:
