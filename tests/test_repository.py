@@ -27,6 +27,7 @@ from pathlib import Path
 
 import _hostutil as hu
 import pytest
+from conftest import TEST_ROOT, ServerProc
 
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
@@ -493,3 +494,80 @@ async def test_runsc_restores_from_materialized_s3_image(rig, make_store, s3_end
         assert rig.sh(kid.sandbox_id, "sha256sum /root/a.bin").split()[0] == rig.a_sha
     finally:
         await rig.stop(kid.sandbox_id)
+
+
+# ------------------------------------------------------------ server on S3, end to end
+
+
+class S3Server(ServerProc):
+    """A ``forkyard serve`` whose repository is the test S3 bucket (own network prefix)."""
+
+    def __init__(self, data_dir: Path, extra_env: dict[str, str]):
+        super().__init__(data_dir, TEST_ROOT / "templates")
+        self.extra_env = extra_env
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env.update(FORKYARD_NET_PREFIX=SERVER_PREFIX, FORKYARD_OUTER_NET=SERVER_OUTER_NET, **self.extra_env)
+        return env
+
+
+SERVER_PREFIX = "fs" + "abcdefghij"[_N]
+SERVER_OUTER_NET = f"10.{180 + _N}.0.0/16"
+
+
+def test_server_refuses_s3_without_region(tmp_path):
+    srv = S3Server(tmp_path / "data", {"FORKYARD_REPO": f"s3://{BUCKET}/x", "FORKYARD_S3_ENDPOINT": "http://127.0.0.1:1",
+                                       "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                                       "FORKYARD_S3_REGION": ""})
+    (tmp_path / "data").mkdir()
+    with pytest.raises(RuntimeError, match="exited"):
+        srv.start()
+    assert "FORKYARD_S3_REGION" in srv.log.read_text()
+
+
+def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint):
+    """The real server on an S3 repository: pause, wipe the node cache, resume (image
+    materialized from S3), snapshot, wipe again, create from the snapshot."""
+    from e2b import Sandbox
+
+    prefix = uuid.uuid4().hex[:12]
+    data = TEST_ROOT / f"server-{SERVER_PREFIX}"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    srv = S3Server(data, {"FORKYARD_REPO": f"s3://{BUCKET}/{prefix}", "FORKYARD_S3_ENDPOINT": s3_endpoint,
+                          "FORKYARD_S3_REGION": REGION, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                          "FORKYARD_CACHE_BYTES": str(256 * MB)})
+    srv.start()
+    opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+    cache = data / "snapshots" / "cache"
+    s3 = s3_client(s3_endpoint)
+
+    def keys(sub: str) -> list[str]:
+        return [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/{sub}").get("Contents", [])]
+
+    try:
+        sbx = Sandbox.create("base", timeout=120, **opts)
+        sbx.files.write("/home/user/note", "kept in S3")
+        assert sbx.pause() is True
+        assert len(keys("manifests/")) == 1 and keys("chunks/")
+        shutil.rmtree(cache)  # this node forgets everything; the repository is the truth
+        same = Sandbox.connect(sbx.sandbox_id, **opts)
+        assert same.files.read("/home/user/note") == "kept in S3"
+        assert list((cache / "chunks").rglob("*")), "resume did not fetch chunks into the cache"
+        info = same.create_snapshot()
+        shutil.rmtree(cache)
+        child = Sandbox.create(info.snapshot_id, timeout=60, **opts)
+        assert child.files.read("/home/user/note") == "kept in S3"
+        child.kill()
+        Sandbox.delete_snapshot(info.snapshot_id, **opts)
+        assert keys("manifests/") == []  # the pause image went at resume, the snapshot now
+        same.kill()
+    finally:
+        try:
+            if srv.proc and srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+            NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
+            shutil.rmtree(data, ignore_errors=True)
