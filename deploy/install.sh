@@ -48,18 +48,10 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import forkyard, e2b, pytest' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
+if ! .venv/bin/python -c 'import forkyard, e2b, pytest, blake3, fastcdc.fastcdc_cy, moto.server' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
   say "pip install -e .[test] into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
   touch .venv/.stamp
-fi
-
-# Snapshot repository (forkyard/repository) and the S3 server its tests start on
-# loopback (moto_server: a real HTTP S3 endpoint, installed from PyPI).
-if ! .venv/bin/python -c 'import fastcdc.fastcdc_cy, blake3, zstandard, boto3, moto.server' 2>/dev/null; then
-  say "pip install repository packages into .venv"
-  .venv/bin/python -m pip install -q --disable-pip-version-check \
-    'fastcdc>=1.7' 'blake3>=1.0' 'zstandard>=0.22' 'boto3>=1.34' 'moto[server]>=5.1'
 fi
 
 say "building envd"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Depends, Request
 
 from forkyard.api.auth import require_key
@@ -21,3 +23,10 @@ async def list_templates(request: Request):
     """Templates on this node in E2B's ``Template`` shape: rootfs templates (``base``,
     imported images) and built templates (snapshots of template builds)."""
     return template_entries(request)
+
+
+@router.get("/metrics/repository", dependencies=[Depends(require_key)])
+async def repository_metrics(request: Request):
+    """Snapshot repository and node-cache counters (cache hits/misses, bytes fetched
+    and uploaded, GC runs) as returned by ``Orchestrator.repository_metrics``."""
+    return await asyncio.to_thread(request.app.state.orchestrator.repository_metrics)

@@ -139,7 +139,7 @@ class LifecycleMixin:
                 raise Conflict(f"sandbox {sandbox_id} is already running")
             if rec.state != "paused":
                 raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
-            image = self.snapshots.get(rec.image_id or "")
+            image = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
             if image is None:
                 raise CreateFailed(f"paused state of sandbox {sandbox_id} is missing from the repository")
             rec.state = "resuming"
@@ -154,7 +154,7 @@ class LifecycleMixin:
                 raise
             rec.image_id = None
             self.store.put(rec)
-        self._gc_images()
+        await self._gc_images()
         return rec
 
     # ---- snapshots --------------------------------------------------------------------
@@ -260,5 +260,5 @@ class LifecycleMixin:
         try:
             results = await asyncio.gather(*(one(k) for k in kids))
         finally:
-            self._gc_images()
+            await self._gc_images()
         return list(results)

@@ -160,7 +160,7 @@ class Orchestrator(LifecycleMixin):
             for d in self.settings.sandboxes_dir.iterdir():
                 if d.name not in self._slots:
                     shutil.rmtree(d, ignore_errors=True)
-        self._gc_images()
+        await self._gc_images()
 
     # ---- queries ------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRecord:
@@ -292,7 +292,7 @@ class Orchestrator(LifecycleMixin):
         """
         timeout_s = self._check_timeout(timeout_s)
         tmpl = registry.resolve(self.settings, template_id)
-        snap = self.snapshots.find(template_id) if tmpl is None else None
+        snap = await asyncio.to_thread(self.snapshots.find, template_id) if tmpl is None else None
         if snap is None and tmpl is None:
             raise NotFound(f"template {template_id!r} not found")
         now = time.time()
@@ -354,15 +354,19 @@ class Orchestrator(LifecycleMixin):
             await self._teardown(rec.id, rec.slot)
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
-        self._gc_images()
+        await self._gc_images()
 
     def repository_metrics(self) -> dict:
         """Snapshot repository and node-cache metrics (cache hits/misses, bytes fetched
         and uploaded, GC); see :meth:`SnapshotStore.metrics` for the shape."""
         return self.snapshots.metrics()
 
-    def _gc_images(self) -> None:
-        """Delete pause/fork images no sandbox row refers to any more."""
+    async def _gc_images(self) -> None:
+        """Delete pause/fork images no sandbox row refers to any more (repository
+        calls run in a thread: on S3 each is a network round trip)."""
+        await asyncio.to_thread(self._gc_images_sync)
+
+    def _gc_images_sync(self) -> None:
         referenced = {r.image_id for r in self.store.all() if r.image_id}
         for meta in self.snapshots.list():
             if meta.kind in ("pause", "fork") and meta.snapshot_id not in referenced:
