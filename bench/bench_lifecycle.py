@@ -2,7 +2,7 @@
 
 Prints p50/p95 (ms) of pause, resume, snapshot of an idle sandbox and of one that has
 just written 100 MB, fork ×1/×4/×16 (until every child's envd answers) — and the raw
-``runsc checkpoint --leave-running`` / ``runsc restore`` of a sandbox of the same
+``runsc checkpoint --leave-running`` / ``runsc restore --detach`` of a sandbox of the same
 template, plus raw checkpoint + N parallel restores, with ratios.
 
 Usage: ``python bench/bench_lifecycle.py [-n 10] [--forks 5]``.
@@ -40,12 +40,16 @@ async def _healthy(ip: str) -> None:
 
 
 async def raw(rootfs: Path, n: int, forks: int, fan: list[int]) -> dict[str, list[float]]:
-    """Raw runsc timings (ms) on an envd sandbox: checkpoint, restore (until envd
-    answers), and checkpoint + k parallel restores for each k in ``fan``."""
+    """Raw runsc timings (ms) on an envd sandbox: checkpoint, restore (until
+    ``runsc restore --detach`` returns), and checkpoint + k parallel restores for each
+    k in ``fan``."""
     settings = Settings(data_dir=DATA / "raw")
     net = NetworkManager(settings, outer_net="10.241.0.0/16", prefix="fbr")
     net.setup_host()
     drv = GVisorDriver(settings)
+    ids = ["src", "kid", *(f"k{j:02d}x" for j in range(max(fan)))]
+    for sid in ids:  # leftovers of an interrupted earlier run
+        await drv.destroy(sid, settings.sandboxes_dir / sid)
     slots = [net.allocate(i) for i in range(max(fan) + 1)]
 
     def spec(sid: str, i: int) -> SandboxSpec:
@@ -64,7 +68,6 @@ async def raw(rootfs: Path, n: int, forks: int, fan: list[int]) -> dict[str, lis
             out["ckpt"].append((time.perf_counter() - t) * 1000)
             t = time.perf_counter()
             await drv.restore(spec("kid", 1), img)
-            await _healthy(slots[1].outer_ip)
             out["restore"].append((time.perf_counter() - t) * 1000)
             await drv.destroy("kid", settings.sandboxes_dir / "kid")
         for k in fan:
@@ -75,14 +78,13 @@ async def raw(rootfs: Path, n: int, forks: int, fan: list[int]) -> dict[str, lis
                 await drv.checkpoint("src", img, leave_running=True)
 
                 async def one(j: int) -> None:
-                    await drv.restore(spec(f"k{j}", j + 1), img)
-                    await _healthy(slots[j + 1].outer_ip)
+                    await drv.restore(spec(f"k{j:02d}x", j + 1), img)
 
                 await asyncio.gather(*(one(j) for j in range(k)))
                 out[f"fork{k}"].append((time.perf_counter() - t) * 1000)
-                await asyncio.gather(*(drv.destroy(f"k{j}", settings.sandboxes_dir / f"k{j}") for j in range(k)))
+                await asyncio.gather(*(drv.destroy(f"k{j:02d}x", settings.sandboxes_dir / f"k{j:02d}x") for j in range(k)))
     finally:
-        for sid in ["src", "kid", *(f"k{j}" for j in range(max(fan)))]:
+        for sid in ids:
             await drv.destroy(sid, settings.sandboxes_dir / sid)
         for s in slots:
             net.release(s.index)
@@ -141,7 +143,7 @@ def main() -> None:
 
     print(f"\nforkyard lifecycle benchmark, n={args.n}, forks n={args.forks}")
     print(row("raw runsc checkpoint --leave-running", rawt["ckpt"]))
-    print(row("raw runsc restore (until envd answers)", rawt["restore"]))
+    print(row("raw runsc restore --detach", rawt["restore"]))
     for k in fan:
         print(row(f"raw checkpoint + {k} parallel restores", rawt[f"fork{k}"]))
     print(row("pause", res["pause"], rawt["ckpt"]))
