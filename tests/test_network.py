@@ -33,6 +33,7 @@ def nm():
         manager.release(idx)
     assert hu.netns_names() == []
     assert hu.host_links() == []
+    manager.teardown_host()
 
 
 @pytest.fixture

@@ -46,6 +46,7 @@ def nm(settings):
         manager.release(idx)
     assert hu.netns_names() == []
     assert hu.host_links() == []
+    manager.teardown_host()
 
 
 @pytest.fixture(scope="module")
