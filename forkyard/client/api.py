@@ -214,10 +214,15 @@ class AsyncForkyard:
                 {urllib.parse.quote(k): urllib.parse.quote(v) for k, v in metadata.items()})
         if template:
             params["template"] = template
-        out: list[SandboxInfo] = []
+        return [SandboxInfo.from_json(d) for d in await self._all_pages("/v2/sandboxes", params, "list sandboxes")]
+
+    async def _all_pages(self, path: str, params: dict[str, str], what: str) -> list[dict]:
+        """GET every page of an E2B-paginated listing (``nextToken`` query /
+        ``x-next-token`` header) and return the concatenated JSON items."""
+        out: list[dict] = []
         while True:
-            r = await self._request("GET", "/v2/sandboxes", params=params, what="list sandboxes")
-            out += [SandboxInfo.from_json(d) for d in r.json()]
+            r = await self._request("GET", path, params=params, what=what)
+            out += r.json()
             token = r.headers.get("x-next-token")
             if not token:
                 return out
@@ -331,14 +336,7 @@ class AsyncForkyard:
             params["sandboxID"] = sandbox_id
         if name:
             params["name"] = name
-        out: list[SnapshotInfo] = []
-        while True:
-            r = await self._request("GET", "/snapshots", params=params, what="list snapshots")
-            out += [SnapshotInfo.from_json(d) for d in r.json()]
-            token = r.headers.get("x-next-token")
-            if not token:
-                return out
-            params["nextToken"] = token
+        return [SnapshotInfo.from_json(d) for d in await self._all_pages("/snapshots", params, "list snapshots")]
 
     async def delete_snapshot(self, snapshot_id: str) -> None:
         """Delete a snapshot (``DELETE /templates/{id}``). Raises :class:`NotFound`."""
