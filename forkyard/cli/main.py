@@ -112,9 +112,38 @@ _admin.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry
-    """Console entry point."""
-    app()
+    """Console entry point: run the Typer app, then leave without interpreter finalization.
+
+    The e2b SDK talks to envd through pyqwest, whose tokio threads may still be handing a
+    finished response back to Python when the interpreter finalizes; CPython 3.11 then
+    ``pthread_exit``s that Rust thread and glibc aborts the process (exit 134 after the
+    command already succeeded or failed cleanly; see curioswitch/pyqwest#164). Every
+    command has finished its work and closed its clients when ``app()`` returns, so we
+    flush stdout/stderr and ``os._exit`` with the command's exit code instead.
+    """
+    import os
+
+    code: int = 0
+    try:
+        app()
+    except SystemExit as e:
+        if e.code is None:
+            code = 0
+        elif isinstance(e.code, int):
+            code = e.code
+        else:  # sys.exit("message") prints the message and exits 1
+            print(e.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 — a closed pipe must not change the exit code
+                pass
+    os._exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()
