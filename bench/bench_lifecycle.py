@@ -1,9 +1,12 @@
-"""Lifecycle benchmark: forkyard (real e2b SDK) vs raw runsc, same rootfs, same run.
+"""Lifecycle benchmark: forkyard (real e2b SDK / REST) vs raw runsc on the same sandbox.
 
 Prints p50/p95 (ms) of pause, resume, snapshot of an idle sandbox and of one that has
-just written 100 MB, fork ×1/×4/×16 (until every child's envd answers) — and the raw
-``runsc checkpoint --leave-running`` / ``runsc restore --detach`` of a sandbox of the same
-template, plus raw checkpoint + N parallel restores, with ratios.
+just written 100 MB (API latency, and how long the source was stopped — the server's
+``Server-Timing`` ``checkpoint`` phase), fork ×1/×4/×16 (until every child's envd
+answers) — and, interleaved in the same run on the *same* sandbox the API operates on,
+raw ``runsc checkpoint --leave-running`` (with the server's runsc root) and raw
+``runsc restore --detach`` of that image into pre-made network slots (until each
+restore returns), plus raw checkpoint + N parallel restores, with ratios.
 
 Usage: ``python bench/bench_lifecycle.py [-n 10] [--forks 5]``.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import time
@@ -27,69 +31,76 @@ from forkyard.network.slots import NetworkManager  # noqa: E402
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
 from forkyard.runtime.gvisor.driver import GVisorDriver  # noqa: E402
 
-
-async def _healthy(ip: str) -> None:
-    async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-        for _ in range(2000):
-            try:
-                if (await c.get(f"http://{ip}:49983/health", timeout=1)).status_code < 300:
-                    return
-            except httpx.HTTPError:
-                await asyncio.sleep(0.005)
-    raise RuntimeError(f"envd at {ip} never answered")
+FAN = [1, 4, 16]
 
 
-async def raw(rootfs: Path, n: int, forks: int, fan: list[int]) -> dict[str, list[float]]:
-    """Raw runsc timings (ms) on an envd sandbox: checkpoint, restore (until
-    ``runsc restore --detach`` returns), and checkpoint + k parallel restores for each
-    k in ``fan``."""
-    settings = Settings(data_dir=DATA / "raw")
-    net = NetworkManager(settings, outer_net="10.241.0.0/16", prefix="fbr")
-    net.setup_host()
-    drv = GVisorDriver(settings)
-    ids = ["src", "kid", *(f"k{j:02d}x" for j in range(max(fan)))]
-    for sid in ids:  # leftovers of an interrupted earlier run
-        await drv.destroy(sid, settings.sandboxes_dir / sid)
-    slots = [net.allocate(i) for i in range(max(fan) + 1)]
+class Raw:
+    """Raw runsc operations: checkpoint of a server sandbox, restores into own slots."""
 
-    def spec(sid: str, i: int) -> SandboxSpec:
-        return SandboxSpec(sandbox_id=sid, rootfs=rootfs, netns_path=slots[i].netns_path, vcpus=2,
-                           memory_mb=512, hostname="raw", workdir=settings.sandboxes_dir / sid)
+    def __init__(self, rootfs: Path):
+        self.rootfs = rootfs
+        self.settings = Settings(data_dir=DATA / "raw")
+        self.net = NetworkManager(self.settings, outer_net="10.241.0.0/16", prefix="fbr")
+        self.drv = GVisorDriver(self.settings)
+        self.server_drv = GVisorDriver(Settings(data_dir=DATA / "server"))
+        self.ids = [f"k{j:02d}x" for j in range(max(FAN))]
+        self.img = self.settings.data_dir / "img"
+        self.slots = []
 
-    out: dict[str, list[float]] = {"ckpt": [], "restore": []}
-    img = settings.data_dir / "img"
-    try:
-        await drv.create(spec("src", 0))
-        await _healthy(slots[0].outer_ip)
-        for i in range(n):
-            shutil.rmtree(img, ignore_errors=True)
-            t = time.perf_counter()
-            await drv.checkpoint("src", img, leave_running=True)
-            out["ckpt"].append((time.perf_counter() - t) * 1000)
-            t = time.perf_counter()
-            await drv.restore(spec("kid", 1), img)
-            out["restore"].append((time.perf_counter() - t) * 1000)
-            await drv.destroy("kid", settings.sandboxes_dir / "kid")
-        for k in fan:
-            out[f"fork{k}"] = []
-            for _ in range(forks):
-                shutil.rmtree(img, ignore_errors=True)
-                t = time.perf_counter()
-                await drv.checkpoint("src", img, leave_running=True)
+    async def setup(self) -> None:
+        self.net.setup_host()
+        for sid in self.ids:  # leftovers of an interrupted earlier run
+            await self.drv.destroy(sid, self.settings.sandboxes_dir / sid)
+        self.slots = [self.net.allocate(i) for i in range(max(FAN))]
 
-                async def one(j: int) -> None:
-                    await drv.restore(spec(f"k{j:02d}x", j + 1), img)
+    async def teardown(self) -> None:
+        for sid in self.ids:
+            await self.drv.destroy(sid, self.settings.sandboxes_dir / sid)
+        for s in self.slots:
+            self.net.release(s.index)
+        self.net.teardown_host()
+        shutil.rmtree(self.img, ignore_errors=True)
 
-                await asyncio.gather(*(one(j) for j in range(k)))
-                out[f"fork{k}"].append((time.perf_counter() - t) * 1000)
-                await asyncio.gather(*(drv.destroy(f"k{j:02d}x", settings.sandboxes_dir / f"k{j:02d}x") for j in range(k)))
-    finally:
-        for sid in ids:
-            await drv.destroy(sid, settings.sandboxes_dir / sid)
-        for s in slots:
-            net.release(s.index)
-        net.teardown_host()
-    return out
+    async def checkpoint(self, sandbox_id: str) -> float:
+        shutil.rmtree(self.img, ignore_errors=True)
+        os.sync()
+        t = time.perf_counter()
+        await self.server_drv.checkpoint(sandbox_id, self.img, leave_running=True)
+        return (time.perf_counter() - t) * 1000
+
+    async def restores(self, k: int) -> float:
+        def spec(j: int) -> SandboxSpec:
+            sid = self.ids[j]
+            return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, netns_path=self.slots[j].netns_path, vcpus=2,
+                               memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
+
+        t = time.perf_counter()
+        await asyncio.gather(*(self.drv.restore(spec(j), self.img) for j in range(k)))
+        ms = (time.perf_counter() - t) * 1000
+        await asyncio.gather(*(self.drv.destroy(self.ids[j], self.settings.sandboxes_dir / self.ids[j])
+                               for j in range(k)))
+        return ms
+
+
+def settle(api: httpx.Client) -> None:
+    """Wait (≤ 30 s) until the server has rebuilt its spare network slots after the
+    last burst, then 0.5 s more: each fork starts from a quiet node."""
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        node = api.get("/metrics/node").json()
+        if len(node["spareSlots"]) >= 16 or not node["spareSlots"] and time.time() > deadline - 25:
+            break
+        time.sleep(0.2)
+    time.sleep(0.5)
+
+
+def server_timing(r: httpx.Response, phase: str) -> float:
+    """Duration (ms) of ``phase`` in the response's ``Server-Timing`` header."""
+    for part in r.headers.get("server-timing", "").split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if name == phase:
+            return float(dur)
+    raise AssertionError(f"no {phase!r} in Server-Timing: {r.headers.get('server-timing')!r}")
 
 
 def main() -> None:
@@ -97,39 +108,55 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=10, help="iterations for pause/resume/snapshot")
     ap.add_argument("--forks", type=int, default=5, help="iterations per fork size")
     args = ap.parse_args()
-    fan = [1, 4, 16]
     templates = templates_dir()
-    rawt = asyncio.run(raw(templates / "base" / "rootfs", args.n, args.forks, fan))
-
+    loop = asyncio.new_event_loop()
+    raw = Raw(templates / "base" / "rootfs")
+    loop.run_until_complete(raw.setup())
     proc, url, key = start_server(templates)
     from e2b import Sandbox
 
     api = httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120)
-    res: dict[str, list[float]] = {k: [] for k in ("pause", "resume", "snap_idle", "snap_100mb", *(f"fork{k}" for k in fan))}
+    keys = ("ckpt", "restore", "pause", "resume", "snap_idle", "snap_100mb", "stop_idle", "stop_100mb",
+            "raw_snap_idle", "raw_snap_100mb", *(f"fork{k}" for k in FAN), *(f"raw_fork{k}" for k in FAN))
+    res: dict[str, list[float]] = {k: [] for k in keys}
+
+    def snapshot(sid: str, key: str) -> None:
+        res[f"raw_{key}"].append(loop.run_until_complete(raw.checkpoint(sid)))
+        t = time.perf_counter()
+        os.sync()  # no write-back of the raw image left to slow the API's checkpoint
+        r = api.post(f"/sandboxes/{sid}/snapshots", json={})
+        res[key].append((time.perf_counter() - t) * 1000)
+        assert r.status_code == 201, r.text
+        res[key.replace("snap", "stop")].append(server_timing(r, "checkpoint"))
+        Sandbox.delete_snapshot(r.json()["snapshotID"])
+
     try:
         sbx = Sandbox.create("base", timeout=3600)
+        sid = sbx.sandbox_id
         for _ in range(args.n):
+            res["ckpt"].append(loop.run_until_complete(raw.checkpoint(sid)))
+            res["restore"].append(loop.run_until_complete(raw.restores(1)))
+            os.sync()
             t = time.perf_counter()
             sbx.pause()
             res["pause"].append((time.perf_counter() - t) * 1000)
+            time.sleep(1)  # the pause's background commit + teardown finish first
             t = time.perf_counter()
-            r = api.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 3600})
+            r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 3600})
             res["resume"].append((time.perf_counter() - t) * 1000)
             assert r.status_code == 201, r.text
-        sbx = Sandbox.connect(sbx.sandbox_id)
+        sbx = Sandbox.connect(sid)
         for i in range(args.n):
-            t = time.perf_counter()
-            info = sbx.create_snapshot()
-            res["snap_idle"].append((time.perf_counter() - t) * 1000)
-            Sandbox.delete_snapshot(info.snapshot_id)
-            sbx.commands.run(f"head -c 100M /dev/urandom > /tmp/blob{i % 2}")
-            t = time.perf_counter()
-            info = sbx.create_snapshot()
-            res["snap_100mb"].append((time.perf_counter() - t) * 1000)
-            Sandbox.delete_snapshot(info.snapshot_id)
-        sbx.commands.run("rm -f /tmp/blob*")
-        for k in fan:
+            snapshot(sid, "snap_idle")
+            sbx.commands.run("head -c 100M /dev/urandom > /tmp/blob")
+            snapshot(sid, "snap_100mb")
+            sbx.commands.run("rm -f /tmp/blob*")
+        for k in FAN:
             for _ in range(args.forks):
+                settle(api)
+                ck = loop.run_until_complete(raw.checkpoint(sid))
+                res[f"raw_fork{k}"].append(ck + loop.run_until_complete(raw.restores(k)))
+                os.sync()
                 t = time.perf_counter()
                 kids = sbx.fork(count=k, timeout=120)
                 res[f"fork{k}"].append((time.perf_counter() - t) * 1000)
@@ -140,18 +167,24 @@ def main() -> None:
         sbx.kill()
     finally:
         stop_server(proc)
+        loop.run_until_complete(raw.teardown())
+        loop.close()
 
-    print(f"\nforkyard lifecycle benchmark, n={args.n}, forks n={args.forks}")
-    print(row("raw runsc checkpoint --leave-running", rawt["ckpt"]))
-    print(row("raw runsc restore --detach", rawt["restore"]))
-    for k in fan:
-        print(row(f"raw checkpoint + {k} parallel restores", rawt[f"fork{k}"]))
-    print(row("pause", res["pause"], rawt["ckpt"]))
-    print(row("resume", res["resume"], rawt["restore"]))
-    print(row("snapshot (idle)", res["snap_idle"], rawt["ckpt"]))
-    print(row("snapshot (after 100 MB write)", res["snap_100mb"], rawt["ckpt"]))
-    for k in fan:
-        print(row(f"fork x{k} (all children answer)", res[f"fork{k}"], rawt[f"fork{k}"]))
+    print(f"\nforkyard lifecycle benchmark, n={args.n}, forks n={args.forks} (raw ops on the same sandbox)")
+    print(row("raw runsc checkpoint --leave-running", res["ckpt"]))
+    print(row("raw runsc restore --detach", res["restore"]))
+    for k in FAN:
+        print(row(f"raw checkpoint + {k} parallel restores", res[f"raw_fork{k}"]))
+    print(row("pause", res["pause"], res["ckpt"]))
+    print(row("resume (1 s after the pause)", res["resume"], res["restore"]))
+    print(row("raw checkpoint, idle (snapshot loop)", res["raw_snap_idle"]))
+    print(row("snapshot (idle)", res["snap_idle"], res["raw_snap_idle"]))
+    print(row("  source stopped (Server-Timing)", res["stop_idle"], res["raw_snap_idle"]))
+    print(row("raw checkpoint, 100 MB just written", res["raw_snap_100mb"]))
+    print(row("snapshot (after 100 MB write)", res["snap_100mb"], res["raw_snap_100mb"]))
+    print(row("  source stopped (Server-Timing)", res["stop_100mb"], res["raw_snap_100mb"]))
+    for k in FAN:
+        print(row(f"fork x{k} (all children answer)", res[f"fork{k}"], res[f"raw_fork{k}"]))
 
 
 if __name__ == "__main__":

@@ -114,6 +114,23 @@ class ServerProc:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60)
 
+    def leftovers(self) -> dict[str, list[str]]:
+        """:func:`host_leftovers` of this running server, its spare slots excepted (the
+        host is listed first: a spare built meanwhile is already in the server's list)."""
+        found = host_leftovers()
+        with self.api() as c:
+            spare = set(c.get("/metrics/node").json()["spareSlots"])
+        found["netns"] = [n for n in found["netns"] if int(n[len(NET_PREFIX):].rstrip("s")) not in spare]
+        found["veth"] = [n for n in found["veth"] if int(n[len(NET_PREFIX) + 1:]) not in spare]
+        return found
+
+    def settle(self, timeout_s: float = 30) -> None:
+        """Wait until no pause is still committing in the background."""
+        deadline = time.time() + timeout_s
+        with self.api() as c:
+            while c.get("/metrics/node").json()["pausesInFlight"] and time.time() < deadline:
+                time.sleep(0.05)
+
     def kill_all(self) -> None:
         with self.api() as c:
             for s in c.get("/v2/sandboxes").json():

@@ -147,3 +147,26 @@ def test_ten_concurrent_sandboxes(server):
 def test_metrics(sandbox):
     m = sandbox.get_metrics()
     assert m and m[-1].mem_total > 0
+
+
+def test_spare_network_slots_are_used_and_refilled(server):
+    """The server keeps network slots built ahead; a create takes one and the pool refills."""
+    def spares() -> list[int]:
+        with server.api() as c:
+            r = c.get("/metrics/node")
+        assert r.status_code == 200, r.text
+        return r.json()["spareSlots"]
+
+    deadline = time.time() + 30
+    while len(before := spares()) < 16 and time.time() < deadline:
+        time.sleep(0.2)
+    assert len(before) == 16, before
+    sbx = Sandbox.create("base", timeout=60)
+    try:
+        assert before[0] not in spares()  # the sandbox runs in the first spare slot
+        deadline = time.time() + 30
+        while len(after := spares()) < 16 and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(after) == 16 and before[0] not in after
+    finally:
+        sbx.kill()

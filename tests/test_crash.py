@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import CLEAN, SERVER_DIR, host_leftovers
+from conftest import CLEAN, SERVER_DIR
 from e2b import Sandbox
 from test_lifecycle import state_of, value, with_counter
 
@@ -61,6 +61,33 @@ def test_kill9_mid_operation(server, op, delay):
     finally:
         server.kill_all()
     deadline = time.time() + 20  # an interrupted runsc checkpoint may still be exiting
-    while host_leftovers() != CLEAN and time.time() < deadline:
+    while server.leftovers() != CLEAN and time.time() < deadline:
         time.sleep(0.5)
-    assert host_leftovers() == CLEAN
+    assert server.leftovers() == CLEAN
+
+
+def test_kill9_after_pause_reply(server):
+    """The pause reply goes out before the image is committed; a kill -9 right after the
+    204 must still leave the sandbox paused (restart commits the staged image)."""
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        with_counter(sbx)
+        assert value(server, sbx, set_to=5) == 5
+        sbx.commands.run("head -c 100M /dev/urandom > /home/user/blob")
+        with server.api() as c:
+            r = c.post(f"/sandboxes/{sbx.sandbox_id}/pause", timeout=60)
+        server.stop(sig_kill=True)  # the background commit of ~100 MB is in flight
+        assert r.status_code == 204, r.text
+        assert "checkpoint;dur=" in r.headers.get("server-timing", "")
+        server.start()
+        assert state_of(server, sbx.sandbox_id) == "paused"
+        same = Sandbox.connect(sbx.sandbox_id)
+        assert value(server, same) == 5
+        assert same.commands.run("wc -c < /home/user/blob").stdout.strip() == str(100 << 20)
+        assert not [p for p in (SERVER_DIR / "snapshots").iterdir() if p.name.startswith(".staging")]
+    finally:
+        server.kill_all()
+    deadline = time.time() + 20
+    while server.leftovers() != CLEAN and time.time() < deadline:
+        time.sleep(0.5)
+    assert server.leftovers() == CLEAN

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import httpx
 import pytest
+from conftest import CLEAN, SERVER_DIR
 from e2b import Sandbox
 
 # A value held only in a running process's memory: GET /set/V stores V, any other
@@ -191,3 +193,52 @@ def test_ttl_auto_pause_and_auto_delete(server):
         assert again.commands.run("echo back").stdout.strip() == "back"
     finally:
         paused.kill()
+
+
+def sqlite_image_id(sandbox_id: str) -> str | None:
+    """The image id the server's state row holds for ``sandbox_id`` (its pause image)."""
+    db = sqlite3.connect(SERVER_DIR / "state.db")
+    try:
+        row = db.execute("SELECT image_id FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
+    finally:
+        db.close()
+    return row[0] if row else None
+
+
+def test_resume_and_kill_right_after_pause_reply(server):
+    """Pause answers before its image is committed; a resume or kill that follows at
+    once waits for that background work instead of racing it."""
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        with_counter(sbx)
+        assert value(server, sbx, set_to=11) == 11
+        sbx.commands.run("head -c 50M /dev/urandom > /home/user/blob")  # a commit that takes a while
+        with server.api() as c:
+            r = c.post(f"/sandboxes/{sbx.sandbox_id}/pause")
+            assert r.status_code == 204, r.text
+            phases = r.headers["server-timing"]
+            assert "freeze;dur=" in phases and "checkpoint;dur=" in phases
+            assert state_of(server, sbx.sandbox_id) == "paused"
+            assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
+            r = c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 300})
+            assert r.status_code == 201, r.text
+        same = Sandbox.connect(sbx.sandbox_id)
+        assert value(server, same) == 11
+        assert same.commands.run("wc -c < /home/user/blob").stdout.strip() == str(50 << 20)
+        with server.api() as c:
+            assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
+            pause_id = sqlite_image_id(sbx.sandbox_id)
+            manifest = SERVER_DIR / "snapshots" / "repository" / "manifests" / f"{pause_id}.json"
+            deadline = time.time() + 20
+            while not manifest.exists() and time.time() < deadline:
+                time.sleep(0.05)
+            assert manifest.exists(), "the background commit never wrote the pause manifest"
+            assert c.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 204
+        assert state_of(server, sbx.sandbox_id) is None
+        deadline = time.time() + 10
+        while server.leftovers() != CLEAN and time.time() < deadline:
+            time.sleep(0.2)
+        assert server.leftovers() == CLEAN
+        assert not manifest.exists()  # the killed sandbox's pause image is gone too
+    finally:
+        server.kill_all()

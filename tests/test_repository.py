@@ -550,6 +550,7 @@ def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint)
         sbx = Sandbox.create("base", timeout=120, **opts)
         sbx.files.write("/home/user/note", "kept in S3")
         assert sbx.pause() is True
+        srv.settle()  # the pause answers before its image is committed
         assert len(keys("manifests/")) == 1 and keys("chunks/")
         shutil.rmtree(cache)  # this node forgets everything; the repository is the truth
         same = Sandbox.connect(sbx.sandbox_id, **opts)

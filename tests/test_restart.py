@@ -36,4 +36,4 @@ def test_restart_after_sigkill_cleans_unknown_sandbox(server):
     assert host_leftovers()["runsc"], "the sandbox should still run while the server is down"
     server.start()
     assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
-    assert host_leftovers() == CLEAN
+    assert server.leftovers() == CLEAN

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
+from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
 
@@ -22,9 +23,11 @@ def _orch(request: Request) -> Orchestrator:
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(request: Request, sandbox_id: str):
-    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused."""
+    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused.
+    ``Server-Timing``: ``freeze`` and ``checkpoint`` (ms)."""
+    phases = timing.start()
     await _orch(request).pause(sandbox_id)
-    return Response(status_code=204)
+    return Response(status_code=204, headers=timing.header(phases))
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
@@ -59,6 +62,7 @@ async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody |
 async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None = None):
     """Fork into ``count`` children: 201 with one ``{sandbox}`` or ``{error}`` per child."""
     body = body or schemas.ForkBody()
+    phases = timing.start()
     results = await _orch(request).fork(sandbox_id, body.count, body.timeout)
     out = []
     for r in results:
@@ -67,14 +71,16 @@ async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None 
             out.append({"error": schemas.error(status, str(r))})
         else:
             out.append({"sandbox": schemas.sandbox_created(r)})
-    return JSONResponse(out, status_code=201)
+    return JSONResponse(out, status_code=201, headers=timing.header(phases))
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
 async def create_snapshot(request: Request, sandbox_id: str, body: schemas.SnapshotBody | None = None):
-    """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``."""
+    """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``.
+    ``Server-Timing``: ``checkpoint`` (how long the source was stopped) and ``commit`` (ms)."""
+    phases = timing.start()
     meta = await _orch(request).snapshot(sandbox_id, body.name if body else None)
-    return JSONResponse(schemas.snapshot_info(meta), status_code=201)
+    return JSONResponse(schemas.snapshot_info(meta), status_code=201, headers=timing.header(phases))
 
 
 @router.get("/snapshots")

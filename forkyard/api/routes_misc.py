@@ -30,3 +30,10 @@ async def repository_metrics(request: Request):
     """Snapshot repository and node-cache counters (cache hits/misses, bytes fetched
     and uploaded, GC runs) as returned by ``Orchestrator.repository_metrics``."""
     return await asyncio.to_thread(request.app.state.orchestrator.repository_metrics)
+
+
+@router.get("/metrics/node", dependencies=[Depends(require_key)])
+async def node_metrics(request: Request):
+    """This node's sandbox counts and pre-built spare network slots, as returned by
+    ``Orchestrator.node_metrics``."""
+    return request.app.state.orchestrator.node_metrics()

@@ -48,15 +48,20 @@ async def init(
     access_token: str | None,
     current_token: str | None = None,
     default_user: str = "user",
+    wait_s: float = 0.0,
 ) -> None:
     """Send ``POST /init`` with the sandbox's env vars and access token.
 
     ``current_token`` is the token envd already holds (a restored checkpoint keeps its
     source's token; envd only accepts a new one from a caller that knows the old one).
-    ``default_user`` is the user of requests that name none.
+    ``default_user`` is the user of requests that name none. With ``wait_s`` > 0 a
+    refused connection (envd not listening yet) is retried every 10 ms for up to
+    ``wait_s`` seconds, so a just-started sandbox needs no separate ``/health`` poll;
+    the request is never sent twice once a connection was made.
 
     Raises:
         httpx.HTTPError: connection failure or non-2xx answer.
+        TimeoutError: envd refused connections for ``wait_s`` seconds.
     """
     body: dict = {
         "envVars": env_vars,
@@ -66,7 +71,17 @@ async def init(
     if access_token:
         body["accessToken"] = access_token
     headers = {"X-Access-Token": current_token} if current_token else {}
-    r = await client.post(f"{envd_url(outer_ip)}/init", json=body, headers=headers, timeout=5.0)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = await client.post(f"{envd_url(outer_ip)}/init", json=body, headers=headers, timeout=5.0)
+            break
+        except httpx.ConnectError as e:
+            if time.monotonic() >= deadline:
+                if wait_s > 0:
+                    raise TimeoutError(f"envd did not accept connections in {wait_s:.0f} s: {e!r}") from e
+                raise
+            await asyncio.sleep(0.01)
     r.raise_for_status()
 
 

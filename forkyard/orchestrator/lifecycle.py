@@ -2,26 +2,30 @@
 
 State machine (shared/DESIGN.md §4), each transition persisted before it acts:
 
-* running → pausing → paused (checkpoint that stops the sandbox; image committed as a
-  ``pause`` snapshot; slot freed) → resuming → running (restore, same id);
+* running → pausing → paused (freeze, checkpoint into staging; the reply goes out
+  here) → background: image committed as a ``pause`` snapshot, frozen runtime
+  destroyed, slot freed → resuming → running (restore, same id);
 * running → snapshotting → running (``checkpoint --leave-running``; ``snapshot``);
 * running → forking → running, plus ``count`` children creating → running, each
-  restored from one ``fork`` image taken once.
+  restored from one staged image taken once (never committed: nothing needs it after).
 
 Commit of every image goes through :class:`~forkyard.repository.snapshots.SnapshotStore`
 (staging → fsync → rename), so a crash never leaves a half-written snapshot visible.
-Pause/fork images that no sandbox needs any more are deleted at once (a restore reads
-the whole image; measured: deleting it afterwards does not affect the restored sandbox).
+Pause images that no sandbox needs any more are deleted at once (a restore reads the
+whole image; measured: deleting it afterwards does not affect the restored sandbox).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import secrets
 import time
+from pathlib import Path
 
+from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
@@ -35,8 +39,11 @@ SNAPSHOT_KEY = "forkyard.snapshotID"
 #: E2B fork limits (``POST /sandboxes/{id}/fork``): count 1…100 (default 1), timeout default 15 s.
 MAX_FORKS = 100
 FORK_DEFAULT_TIMEOUT_S = 15
-#: Parallel restores during a fork (2 cores here; runsc restore is mostly I/O + setup).
-FORK_PARALLELISM = 8
+#: Parallel restores during a fork (``FORKYARD_FORK_PARALLELISM``). Measured on 2 cores,
+#: fork ×16: 4 → ~1.91 s, 8 → ~1.77–1.99 s, 16 → ~1.80 s (bench/bench_lifecycle.py).
+FORK_PARALLELISM = int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16"))
+#: File in a pause's staging directory: the checkpoint finished, the image is complete.
+PAUSE_MARKER = "checkpointed"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
@@ -53,39 +60,75 @@ class LifecycleMixin:
             raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
         return rec
 
-    async def _checkpoint(self, rec: SandboxRecord, kind: str, leave_running: bool,
-                          names: list[str] | None = None, snapshot_id: str | None = None) -> SnapshotMeta:
-        """Checkpoint ``rec`` into a staging dir and commit it as ``kind``.
+    def _meta_for(self, rec: SandboxRecord, kind: str, snapshot_id: str,
+                  names: list[str] | None = None) -> SnapshotMeta:
+        """The :class:`SnapshotMeta` a checkpoint of ``rec`` is committed under."""
+        return SnapshotMeta(
+            snapshot_id=snapshot_id, kind=kind, template_id=rec.template_id, source_sandbox_id=rec.id,
+            vcpus=rec.vcpus, memory_mb=rec.memory_mb, env_vars=dict(rec.env_vars),
+            metadata=dict(rec.metadata), names=list(names or []),
+            envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
+        )
+
+    async def _stage(self, rec: SandboxRecord, snapshot_id: str) -> Path:
+        """``runsc checkpoint --leave-running`` of ``rec`` into a fresh staging directory
+        (image in ``<it>/image``); records the ``checkpoint`` phase (ms) for
+        ``Server-Timing`` — the time the sentry holds the sandbox's tasks stopped.
 
         Raises:
-            CreateFailed: runsc failed; the staging dir is removed.
+            CreateFailed: runsc failed; the staging directory is removed.
         """
-        sid = snapshot_id or new_snapshot_id()
-        staging = self.snapshots.staging(sid)
+        staging = self.snapshots.staging(snapshot_id)
+        t0 = time.perf_counter()
         try:
-            await self.driver.checkpoint(rec.id, staging / "image", leave_running=leave_running)
-            meta = SnapshotMeta(
-                snapshot_id=sid, kind=kind, template_id=rec.template_id, source_sandbox_id=rec.id,
-                vcpus=rec.vcpus, memory_mb=rec.memory_mb, env_vars=rec.env_vars,
-                metadata={k: v for k, v in rec.metadata.items()}, names=list(names or []),
-                envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
-            )
-            return await asyncio.to_thread(self.snapshots.commit, staging, meta)
+            await self.driver.checkpoint(rec.id, staging / "image", leave_running=True)
         except BaseException as e:
             self.snapshots.discard(staging)
             if isinstance(e, Exception):
                 raise CreateFailed(f"checkpoint of sandbox {rec.id} failed: {e}") from e
             raise
+        timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
+        return staging
+
+    async def _commit(self, staging: Path, meta: SnapshotMeta) -> SnapshotMeta:
+        """Commit a staged image to the repository (in a thread); records ``commit`` (ms).
+
+        Raises:
+            CreateFailed: the repository failed; the staging directory is removed.
+        """
+        t0 = time.perf_counter()
+        try:
+            meta = await asyncio.to_thread(self.snapshots.commit, staging, meta)
+        except BaseException as e:
+            self.snapshots.discard(staging)
+            if isinstance(e, Exception):
+                raise CreateFailed(f"commit of snapshot {meta.snapshot_id} failed: {e}") from e
+            raise
+        timing.record("commit", (time.perf_counter() - t0) * 1000)
+        return meta
+
+    async def _settle(self, sandbox_id: str) -> None:
+        """Wait until a pause's background commit/teardown of ``sandbox_id`` is done
+        (its outcome is already in the store); call with the sandbox's lock held."""
+        task = self._pending.get(sandbox_id)
+        if task is not None:
+            await asyncio.wait([task])
 
     # ---- pause / resume ---------------------------------------------------------------
     async def pause(self, sandbox_id: str) -> SandboxRecord:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
-        Crash-safe order: freeze the sandbox, checkpoint it *leaving it frozen*, commit
-        the image, persist ``paused``, then destroy the runtime. A crash before the
-        commit leaves a frozen sandbox that restart thaws (running); after it, the
-        committed image (paused). Never neither.
+        Answers once the sandbox is frozen and its checkpoint image is on local disk
+        (~ ``runsc pause`` + ``runsc checkpoint``); committing the image to the
+        repository and destroying the frozen runtime continue in the background
+        (:meth:`_finish_pause`; resume, kill and shutdown wait for them).
+
+        Crash-safe order: persist ``pausing``; freeze; checkpoint leaving it frozen;
+        mark the staged image complete; persist ``paused``; commit; destroy. A crash
+        before ``paused`` leaves a frozen sandbox that restart thaws (running); after it,
+        restart commits the marked image (paused) or, failing that, thaws the still
+        frozen sandbox (running). Never neither.
 
         Raises:
             NotFound: unknown sandbox.
@@ -98,8 +141,11 @@ class LifecycleMixin:
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
             try:
+                t0 = time.perf_counter()
                 await self.driver.freeze(rec.id)
-                await self._checkpoint(rec, "pause", leave_running=True, snapshot_id=sid)
+                timing.record("freeze", (time.perf_counter() - t0) * 1000)
+                staging = await self._stage(rec, sid)
+                (staging / PAUSE_MARKER).touch()
             except Exception as e:
                 rec.state, rec.image_id = "running", None
                 self.store.put(rec)
@@ -116,11 +162,55 @@ class LifecycleMixin:
                 if isinstance(e, CreateFailed):
                     raise
                 raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
-            slot = rec.slot
-            rec.state, rec.slot, rec.paused_at = "paused", None, time.time()
+            # The slot stays recorded (and allocated) until the frozen runtime is gone.
+            rec.state, rec.paused_at = "paused", time.time()
             self.store.put(rec)
-            await self._teardown(rec.id, slot)
+            slot = self._slots.pop(rec.id, None)
+            meta = self._meta_for(rec, "pause", sid)
+            self._pending[rec.id] = asyncio.create_task(
+                self._finish_pause(rec.id, staging, meta, slot), name=f"pause-{rec.id}")
             return rec
+
+    async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta, slot) -> None:
+        """Background half of :meth:`pause`: commit the staged image, then destroy the
+        frozen runtime and release its slot. When the commit fails the sandbox is
+        thawed and running again (nothing lost; logged)."""
+        try:
+            try:
+                await self._commit(staging, meta)
+            except Exception as e:  # noqa: BLE001
+                log.error("pause of %s could not be committed (%s); resuming it in place", sandbox_id, e)
+                await self._unfreeze_after_failed_pause(sandbox_id, slot)
+                return
+            await self._teardown(sandbox_id, slot.index if slot is not None else None)
+            cur = self.store.get(sandbox_id)
+            if cur is not None and cur.state == "paused":
+                cur.slot = None
+                self.store.put(cur)
+        except Exception as e:  # noqa: BLE001 — a background task must not die silently
+            log.error("finishing the pause of %s failed: %s", sandbox_id, e)
+        finally:
+            self._pending.pop(sandbox_id, None)
+
+    async def _unfreeze_after_failed_pause(self, sandbox_id: str, slot) -> None:
+        cur = self.store.get(sandbox_id)
+        try:
+            if await self.driver.is_frozen(sandbox_id):
+                await self.driver.thaw(sandbox_id)
+            alive = await self.driver.is_running(sandbox_id)
+        except Exception as e:  # noqa: BLE001
+            log.error("thaw of %s failed: %s", sandbox_id, e)
+            alive = False
+        if cur is None:
+            return
+        if alive and slot is not None:
+            self._slots[sandbox_id] = slot
+            cur.state, cur.image_id, cur.paused_at = "running", None, None
+            self.store.put(cur)
+            return
+        log.error("sandbox %s was lost: its pause was not committed and its runtime is gone", sandbox_id)
+        await self._teardown(sandbox_id, cur.slot)
+        self.store.delete(sandbox_id)
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
         """Restore a paused sandbox under the same id; processes, memory and files
@@ -134,6 +224,7 @@ class LifecycleMixin:
         if timeout_s is not None:
             timeout_s = self._check_timeout(timeout_s)
         async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
             rec = self.get(sandbox_id)
             if rec.state == "running":
                 raise Conflict(f"sandbox {sandbox_id} is already running")
@@ -176,7 +267,9 @@ class LifecycleMixin:
             rec.state = "snapshotting"
             self.store.put(rec)
             try:
-                return await self._checkpoint(rec, "snapshot", leave_running=True, names=[name] if name else [])
+                sid = new_snapshot_id()
+                staging = await self._stage(rec, sid)
+                return await self._commit(staging, self._meta_for(rec, "snapshot", sid, [name] if name else []))
             finally:
                 rec.state = "running"
                 self.store.put(rec)
@@ -225,10 +318,13 @@ class LifecycleMixin:
             src.state = "forking"
             self.store.put(src)
             try:
-                image = await self._checkpoint(src, "fork", leave_running=True)
+                staging = await self._stage(src, new_snapshot_id())
             finally:
                 src.state = "running"
                 self.store.put(src)
+        # Children restore straight from the staged image: a fork image is never needed
+        # after its children run, so it is not committed to the repository.
+        image = self._meta_for(src, "fork", staging.name.removeprefix(".staging-"))
         now = time.time()
         kids = []
         for _ in range(count):
@@ -239,26 +335,32 @@ class LifecycleMixin:
                 vcpus=src.vcpus, memory_mb=src.memory_mb, started_at=now, end_at=now + timeout_s,
                 auto_pause=src.auto_pause,
                 metadata={**src.metadata, PARENT_KEY: src.id, SNAPSHOT_KEY: image.snapshot_id},
-                env_vars=dict(src.env_vars), image_id=image.snapshot_id, timeout_s=timeout_s,
+                env_vars=dict(src.env_vars), image_id=None, timeout_s=timeout_s,
                 envd_access_token=secrets.token_urlsafe(24) if src.envd_access_token else None,
             )
             self.store.put(kid)
             kids.append(kid)
         sem = asyncio.Semaphore(FORK_PARALLELISM)
 
+        child_phases: list[dict[str, float]] = []
+
         async def one(kid: SandboxRecord) -> SandboxRecord | Exception:
             async with sem:
+                phases: dict[str, float] = {}
+                child_phases.append(phases)
                 try:
-                    await self._start(kid, image, src.envd_access_token)
+                    await self._start(kid, image, src.envd_access_token, image_dir=staging / "image", phases=phases)
                 except Exception as e:  # noqa: BLE001 — reported per child
                     self.store.delete(kid.id)
                     return e
-                kid.image_id = None
-                self.store.put(kid)
                 return kid
 
+        t0 = time.perf_counter()
         try:
             results = await asyncio.gather(*(one(k) for k in kids))
         finally:
-            await self._gc_images()
+            self.snapshots.discard(staging)
+        timing.record("children", (time.perf_counter() - t0) * 1000)
+        for name in ("slot", "runtime", "envd"):  # slowest child's phase
+            timing.record(f"{name}-max", max((p.get(name, 0.0) for p in child_phases), default=0.0))
         return list(results)

@@ -17,6 +17,7 @@ import shutil
 import string
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 
@@ -38,6 +39,10 @@ DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 MAX_SLOTS = 16384
 ENVD_READY_TIMEOUT_S = 20.0
+#: Network slots kept built ahead of demand (``FORKYARD_SPARE_SLOTS``): a start takes
+#: one instead of spending ~25 ms of CPU creating netns, veths and NAT rules (E2B's
+#: orchestrator keeps a similar pool of network slots).
+SPARE_SLOTS = int(os.environ.get("FORKYARD_SPARE_SLOTS", "16"))
 #: How long paused sandboxes are kept before deletion (``FORKYARD_PAUSED_RETENTION_S``).
 PAUSED_RETENTION_S = int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600)))
 
@@ -76,6 +81,13 @@ class Orchestrator(LifecycleMixin):
         #: paused, died); the API's proxy closes its connections to it there.
         self.on_gone: list = []
         self._expiring: set[str] = set()
+        #: Background halves of pauses (commit + teardown), by sandbox id.
+        self._pending: dict[str, asyncio.Task] = {}
+        self._spares: list[Slot] = []
+        self._building: set[int] = set()
+        self._spare_task: asyncio.Task | None = None
+        self._starting = 0
+        self._closing = False
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -84,9 +96,22 @@ class Orchestrator(LifecycleMixin):
         await asyncio.to_thread(self.network.setup_host)
         await self._reconcile()
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+        self._refill_spares()
 
     async def stop(self) -> None:
-        """Stop background work. Running sandboxes are left running for re-adoption."""
+        """Stop background work (pauses in flight are finished first). Running sandboxes
+        are left running for re-adoption."""
+        self._closing = True
+        if self._pending:
+            await asyncio.wait(list(self._pending.values()), timeout=60)
+        if self._spare_task:  # finishes the slot it is building, then stops
+            await asyncio.wait([self._spare_task])
+        while self._spares:
+            slot = self._spares.pop()
+            try:
+                await asyncio.to_thread(self.network.release, slot.index)
+            except Exception as e:  # noqa: BLE001
+                log.error("release of spare slot %s failed: %s", slot.index, e)
         if self._ttl_task:
             self._ttl_task.cancel()
             try:
@@ -122,6 +147,7 @@ class Orchestrator(LifecycleMixin):
         committed pause snapshot become paused; paused rows stay paused while their
         snapshot exists; everything else — rows, runtime containers, netns, workdirs,
         staging directories — is removed."""
+        await self._commit_interrupted_pauses()
         for name in self.snapshots.cleanup_staging():
             log.info("removed uncommitted snapshot staging %s", name)
         live_ids = set(await self.driver.list_ids())
@@ -130,7 +156,9 @@ class Orchestrator(LifecycleMixin):
             committed = self.snapshots.get(rec.image_id) if rec.image_id else None
             if rec.state == "pausing" and committed is not None:
                 rec.state = "paused"  # the crash came after the commit: the image is the truth
-            if rec.state in ("running", "snapshotting", "forking", "pausing", "resuming") and await self._adoptable(rec, live_ids):
+            busy = ("running", "snapshotting", "forking", "pausing", "resuming")
+            # paused without a committed image: its commit failed; the frozen sandbox may live
+            if (rec.state in busy or (rec.state == "paused" and committed is None)) and await self._adoptable(rec, live_ids):
                 rec.state, rec.image_id, rec.paused_at = "running", None, None
                 self.store.put(rec)
                 keep.add(rec.id)
@@ -162,6 +190,24 @@ class Orchestrator(LifecycleMixin):
                     shutil.rmtree(d, ignore_errors=True)
         await self._gc_images()
 
+    async def _commit_interrupted_pauses(self) -> None:
+        """Commit the staged images of pauses whose reply went out but whose background
+        commit a crash interrupted (``paused`` rows without a committed image whose
+        staging directory carries the checkpoint-complete marker)."""
+        from forkyard.orchestrator.lifecycle import PAUSE_MARKER
+
+        for rec in self.store.all():
+            if rec.state != "paused" or not rec.image_id or self.snapshots.get(rec.image_id) is not None:
+                continue
+            staging = self.snapshots.staging_path(rec.image_id)
+            if not (staging / PAUSE_MARKER).is_file():
+                continue
+            try:
+                await asyncio.to_thread(self.snapshots.commit, staging, self._meta_for(rec, "pause", rec.image_id))
+                log.info("committed the interrupted pause of sandbox %s", rec.id)
+            except Exception as e:  # noqa: BLE001 — reconcile then thaws it if it still lives
+                log.error("committing the interrupted pause of %s failed: %s", rec.id, e)
+
     # ---- queries ------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRecord:
         """The live (running or paused, possibly mid-operation) sandbox ``sandbox_id``.
@@ -190,25 +236,86 @@ class Orchestrator(LifecycleMixin):
         return slot.outer_ip, port
 
     # ---- create / start / kill ----------------------------------------------------
-    async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
-        async with self._slot_lock:
-            # Round-robin, so a just-freed outer address (and any conntrack/ARP state
-            # or pooled client connection tied to it) is not reused at once.
-            used = {r.slot for r in self.store.all() if r.slot is not None}
-            for step in range(MAX_SLOTS):
-                idx = (self._next_slot + step) % MAX_SLOTS
-                if idx not in used:
-                    break
-            else:
-                raise CreateFailed("no free network slot on this node")
-            self._next_slot = (idx + 1) % MAX_SLOTS
-            rec.slot = idx
-            self.store.put(rec)
-        return await asyncio.to_thread(self.network.allocate, idx)
+    def _pick_index(self) -> int:
+        """Next free slot index, round-robin, so a just-freed outer address (and any
+        conntrack/ARP state or pooled client connection tied to it) is not reused at
+        once. Caller holds ``_slot_lock``.
 
-    async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None) -> None:
+        Raises:
+            CreateFailed: all :data:`MAX_SLOTS` are taken.
+        """
+        used = {r.slot for r in self.store.all() if r.slot is not None}
+        used |= {s.index for s in self._spares} | self._building
+        for step in range(MAX_SLOTS):
+            idx = (self._next_slot + step) % MAX_SLOTS
+            if idx not in used:
+                self._next_slot = (idx + 1) % MAX_SLOTS
+                return idx
+        raise CreateFailed("no free network slot on this node")
+
+    async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
+        """A spare slot when one is ready, else one built now; recorded in ``rec``."""
+        async with self._slot_lock:
+            spare = self._spares.pop(0) if self._spares else None
+            rec.slot = spare.index if spare is not None else self._pick_index()
+            self.store.put(rec)
+        self._refill_spares()
+        if spare is not None:
+            return spare
+        return await asyncio.to_thread(self.network.allocate, rec.slot)
+
+    def _refill_spares(self) -> None:
+        if SPARE_SLOTS > 0 and not self._closing and (self._spare_task is None or self._spare_task.done()):
+            self._spare_task = asyncio.create_task(self._fill_spares(), name="spare-slots")
+
+    async def _fill_spares(self) -> None:
+        """Build slots until :data:`SPARE_SLOTS` are ready, yielding to starts in flight
+        (they need the CPU now; spares are for the next burst)."""
+        while len(self._spares) < SPARE_SLOTS and not self._closing:
+            while self._starting and not self._closing:
+                await asyncio.sleep(0.05)
+            if self._closing:
+                return
+            async with self._slot_lock:
+                try:
+                    idx = self._pick_index()
+                except CreateFailed:
+                    return
+                self._building.add(idx)
+            try:
+                slot = await asyncio.to_thread(self.network.allocate, idx)
+            except Exception as e:  # noqa: BLE001 — starts build their own slot meanwhile
+                log.warning("building spare network slot %s failed: %s", idx, e)
+                await asyncio.to_thread(self._release_quietly, idx)
+                return
+            finally:
+                self._building.discard(idx)
+            self._spares.append(slot)
+
+    def _release_quietly(self, index: int) -> None:
+        try:
+            self.network.release(index)
+        except Exception as e:  # noqa: BLE001
+            log.error("release of slot %s failed: %s", index, e)
+
+    def node_metrics(self) -> dict:
+        """``{"sandboxes": {"running": n, "paused": n}, "spareSlots": [index, …],
+        "pausesInFlight": n}`` (spare slots include those being built; pauses in flight
+        have answered but are still committing their image / releasing the runtime)."""
+        counts = {"running": 0, "paused": 0}
+        for r in self.list():
+            if r.state in counts:
+                counts[r.state] += 1
+        return {"sandboxes": counts, "spareSlots": sorted({s.index for s in self._spares} | self._building),
+                "pausesInFlight": len(self._pending)}
+
+    async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
+                     image_dir: Path | None = None, phases: dict[str, float] | None = None) -> None:
         """Allocate a slot, start ``rec`` fresh (``image`` None) or restore it from
-        ``image``, wait for envd and send ``/init``. Persists ``rec`` as running.
+        ``image`` (read from ``image_dir`` when given — a staged, uncommitted fork image —
+        else from the repository), wait for envd and send ``/init``. Persists ``rec`` as
+        running. ``phases`` (when given) receives ``slot``, ``runtime`` and ``envd``
+        durations in ms.
 
         Raises:
             CreateFailed / NotFound: the runtime, the network or envd failed; the slot,
@@ -217,8 +324,13 @@ class Orchestrator(LifecycleMixin):
         tmpl = registry.resolve(self.settings, rec.template_id)
         if tmpl is None:
             raise NotFound(f"template {rec.template_id!r} of sandbox {rec.id} not found")
+        phases = {} if phases is None else phases
+        t0 = time.perf_counter()
+        self._starting += 1
         try:
             slot = await self._alloc_slot(rec)
+            t1 = time.perf_counter()
+            phases["slot"] = (t1 - t0) * 1000
             workdir = self.settings.sandboxes_dir / rec.id
             shutil.rmtree(workdir, ignore_errors=True)
             workdir.mkdir(parents=True)
@@ -228,6 +340,8 @@ class Orchestrator(LifecycleMixin):
             )
             if image is None:
                 await self.driver.create(spec)
+            elif image_dir is not None:
+                await self.driver.restore(spec, image_dir)
             else:
                 # Materializes the image from the repository when this node lacks it.
                 path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
@@ -235,22 +349,28 @@ class Orchestrator(LifecycleMixin):
                     await self.driver.restore(spec, path)
                 finally:
                     self.snapshots.release(image.snapshot_id)
-            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            t2 = time.perf_counter()
+            phases["runtime"] = (t2 - t1) * 1000
             if image is None or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
                 # A template build records its final USER on its snapshot (forkyard.templates.build).
                 user = (image.metadata.get("forkyard.defaultUser") if image else None) or "user"
                 await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token,
-                                       default_user=user)
+                                       default_user=user, wait_s=ENVD_READY_TIMEOUT_S)
+            else:
+                await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            phases["envd"] = (time.perf_counter() - t2) * 1000
         except BaseException as e:
             log.warning("start of %s failed: %s", rec.id, e)
             await asyncio.shield(self._teardown(rec.id, rec.slot))
             rec.slot = None
             if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
                 raise
-            if image is not None and self.snapshots.get(image.snapshot_id) is None:
+            if image is not None and image_dir is None and self.snapshots.get(image.snapshot_id) is None:
                 raise NotFound(f"snapshot {image.snapshot_id} was deleted while sandbox {rec.id} was being restored from it") from e
             what = "restoring" if image else "creating"
             raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {e or repr(e)}") from e
+        finally:
+            self._starting -= 1
         self._slots[rec.id] = slot
         rec.slot = slot.index
         rec.state = "running"
@@ -348,6 +468,7 @@ class Orchestrator(LifecycleMixin):
             NotFound: unknown or already killed sandbox.
         """
         async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
             rec = self.get(sandbox_id)
             rec.state = "killing"
             self.store.put(rec)

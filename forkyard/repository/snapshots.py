@@ -148,10 +148,14 @@ class SnapshotStore:
     # ---- staging / commit -------------------------------------------------------------
     def staging(self, snapshot_id: str) -> Path:
         """Fresh staging directory; the runtime writes the image into ``<it>/image``."""
-        path = self.root / f".staging-{snapshot_id}"
+        path = self.staging_path(snapshot_id)
         shutil.rmtree(path, ignore_errors=True)
         (path / "image").mkdir(parents=True)
         return path
+
+    def staging_path(self, snapshot_id: str) -> Path:
+        """Where :meth:`staging` put ``snapshot_id``'s staging directory (it may be gone)."""
+        return self.root / f".staging-{snapshot_id}"
 
     def commit(self, staging: Path, meta: SnapshotMeta) -> SnapshotMeta:
         """Store ``<staging>/image`` in the repository as ``meta.snapshot_id`` (chunks,

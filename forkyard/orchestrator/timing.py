@@ -1,0 +1,30 @@
+"""Per-request phase durations for the ``Server-Timing`` response header (W3C Server
+Timing: ``name;dur=<ms>``), so clients and ``bench/`` can see, for example, how long a
+snapshot stopped its source sandbox without instrumenting the server."""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+_current: ContextVar[list[tuple[str, float]] | None] = ContextVar("forkyard_timings", default=None)
+
+
+def start() -> list[tuple[str, float]]:
+    """Begin collecting for the current request; returns the list phases are appended to."""
+    phases: list[tuple[str, float]] = []
+    _current.set(phases)
+    return phases
+
+
+def record(name: str, ms: float) -> None:
+    """Add phase ``name`` lasting ``ms`` milliseconds (no-op outside a collecting request)."""
+    phases = _current.get()
+    if phases is not None:
+        phases.append((name, ms))
+
+
+def header(phases: list[tuple[str, float]]) -> dict[str, str]:
+    """``{"Server-Timing": "checkpoint;dur=54.1, …"}`` or ``{}`` when nothing was recorded."""
+    if not phases:
+        return {}
+    return {"Server-Timing": ", ".join(f"{n};dur={ms:.1f}" for n, ms in phases)}
