@@ -125,10 +125,13 @@ class ServerProc:
         return found
 
     def settle(self, timeout_s: float = 30) -> None:
-        """Wait until no pause is still committing in the background."""
+        """Wait until no pause is still committing and no image GC runs in the background."""
         deadline = time.time() + timeout_s
         with self.api() as c:
-            while c.get("/metrics/node").json()["pausesInFlight"] and time.time() < deadline:
+            while time.time() < deadline:
+                node = c.get("/metrics/node").json()
+                if not node["pausesInFlight"] and not node["gcInFlight"]:
+                    return
                 time.sleep(0.05)
 
     def kill_all(self) -> None:

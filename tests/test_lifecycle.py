@@ -217,7 +217,7 @@ def test_resume_and_kill_right_after_pause_reply(server):
             r = c.post(f"/sandboxes/{sbx.sandbox_id}/pause")
             assert r.status_code == 204, r.text
             phases = r.headers["server-timing"]
-            assert "freeze;dur=" in phases and "checkpoint;dur=" in phases
+            assert "checkpoint;dur=" in phases
             assert state_of(server, sbx.sandbox_id) == "paused"
             assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
             r = c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 300})
@@ -239,6 +239,7 @@ def test_resume_and_kill_right_after_pause_reply(server):
         while server.leftovers() != CLEAN and time.time() < deadline:
             time.sleep(0.2)
         assert server.leftovers() == CLEAN
+        server.settle()
         assert not manifest.exists()  # the killed sandbox's pause image is gone too
     finally:
         server.kill_all()

@@ -64,8 +64,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint():
+def _start_moto() -> tuple[subprocess.Popen, str]:
     """A ``moto_server`` process on a free loopback port with bucket :data:`BUCKET`."""
     import boto3
 
@@ -87,6 +86,13 @@ def s3_endpoint():
             time.sleep(0.2)
     boto3.client("s3", endpoint_url=url, region_name=REGION, aws_access_key_id=KEY,
                  aws_secret_access_key=SECRET).create_bucket(Bucket=BUCKET)
+    return proc, url
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A ``moto_server`` process on a free loopback port with bucket :data:`BUCKET`."""
+    proc, url = _start_moto()
     yield url
     proc.terminate()
     try:
@@ -562,6 +568,7 @@ def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint)
         assert child.files.read("/home/user/note") == "kept in S3"
         child.kill()
         Sandbox.delete_snapshot(info.snapshot_id, **opts)
+        srv.settle()
         assert keys("manifests/") == []  # the pause image went at resume, the snapshot now
         same.kill()
     finally:
@@ -570,5 +577,50 @@ def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint)
                 srv.kill_all()
         finally:
             srv.stop()
+            NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
+            shutil.rmtree(data, ignore_errors=True)
+
+
+def test_pause_survives_an_unreachable_repository(base_template):
+    """The S3 repository goes away: pause still answers (the image is staged on local
+    disk), its commit fails and is logged, and resume restores from the staged image —
+    process and files intact. Killing the sandbox then removes the staged image."""
+    from e2b import Sandbox
+
+    moto, url = _start_moto()
+    data = TEST_ROOT / f"server-{SERVER_PREFIX}-down"
+    shutil.rmtree(data, ignore_errors=True)
+    data.mkdir(parents=True)
+    srv = S3Server(data, {"FORKYARD_REPO": f"s3://{BUCKET}/{uuid.uuid4().hex[:12]}", "FORKYARD_S3_ENDPOINT": url,
+                          "FORKYARD_S3_REGION": REGION, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET})
+    srv.start()
+    opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
+    try:
+        sbx = Sandbox.create("base", timeout=120, **opts)
+        sbx.files.write("/home/user/note", "staged")
+        bg = sbx.commands.run("sleep 600", background=True)
+        moto.kill()
+        moto.wait(10)
+        assert sbx.pause() is True
+        srv.settle(120)
+        assert "commit failed" in srv.log.read_text()
+        staged = [p.name for p in (data / "snapshots").iterdir() if p.name.startswith(".staging-")]
+        assert len(staged) == 1, staged
+        same = Sandbox.connect(sbx.sandbox_id, **opts)  # the repository is still down
+        assert same.files.read("/home/user/note") == "staged"
+        assert bg.pid in [p.pid for p in same.commands.list()]
+        assert not [p for p in (data / "snapshots").iterdir() if p.name.startswith(".staging-")]
+        assert same.pause() is True
+        srv.settle(120)
+        same.kill()
+        assert not [p for p in (data / "snapshots").iterdir() if p.name.startswith(".staging-")]
+    finally:
+        try:
+            if srv.proc and srv.proc.poll() is None:
+                srv.kill_all()
+        finally:
+            srv.stop()
+            if moto.poll() is None:
+                moto.kill()
             NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
             shutil.rmtree(data, ignore_errors=True)

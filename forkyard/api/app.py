@@ -18,6 +18,7 @@ from forkyard.api.routes_misc import router as misc_router
 from forkyard.api.routes_sandboxes import router as sandboxes_router
 from forkyard.api.routes_templates import router as templates_router
 from forkyard.config import Settings
+from forkyard.repository.errors import RepositoryError
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
 from forkyard.orchestrator.store import Store
@@ -74,6 +75,12 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
             loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
         return JSONResponse(schemas.error(400, "; ".join(parts) or "invalid request"), status_code=400)
+
+    @api.exception_handler(RepositoryError)
+    async def _repository_error(request: Request, exc: RepositoryError):
+        log.error("snapshot repository error on %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(schemas.error(503, f"snapshot repository unavailable: {exc}; retry when it is "
+                                               "reachable again (see GET /metrics/repository)"), status_code=503)
 
     @api.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

@@ -24,7 +24,7 @@ def _orch(request: Request) -> Orchestrator:
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(request: Request, sandbox_id: str):
     """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused.
-    ``Server-Timing``: ``freeze`` and ``checkpoint`` (ms)."""
+    ``Server-Timing``: ``checkpoint`` (ms)."""
     phases = timing.start()
     await _orch(request).pause(sandbox_id)
     return Response(status_code=204, headers=timing.header(phases))

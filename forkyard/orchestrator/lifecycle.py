@@ -2,9 +2,9 @@
 
 State machine (shared/DESIGN.md §4), each transition persisted before it acts:
 
-* running → pausing → paused (freeze, checkpoint into staging; the reply goes out
-  here) → background: image committed as a ``pause`` snapshot, frozen runtime
-  destroyed, slot freed → resuming → running (restore, same id);
+* running → pausing → paused (checkpoint that stops the sandbox, image staged; the
+  reply goes out here) → background: image committed as a ``pause`` snapshot, stopped
+  runtime destroyed, slot freed → resuming → running (restore, same id);
 * running → snapshotting → running (``checkpoint --leave-running``; ``snapshot``);
 * running → forking → running, plus ``count`` children creating → running, each
   restored from one staged image taken once (never committed: nothing needs it after).
@@ -90,17 +90,19 @@ class LifecycleMixin:
         timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
         return staging
 
-    async def _commit(self, staging: Path, meta: SnapshotMeta) -> SnapshotMeta:
+    async def _commit(self, staging: Path, meta: SnapshotMeta, keep_on_error: bool = False) -> SnapshotMeta:
         """Commit a staged image to the repository (in a thread); records ``commit`` (ms).
 
         Raises:
-            CreateFailed: the repository failed; the staging directory is removed.
+            CreateFailed: the repository failed; the staging directory is removed
+                unless ``keep_on_error``.
         """
         t0 = time.perf_counter()
         try:
             meta = await asyncio.to_thread(self.snapshots.commit, staging, meta)
         except BaseException as e:
-            self.snapshots.discard(staging)
+            if not keep_on_error:
+                self.snapshots.discard(staging)
             if isinstance(e, Exception):
                 raise CreateFailed(f"commit of snapshot {meta.snapshot_id} failed: {e}") from e
             raise
@@ -119,19 +121,23 @@ class LifecycleMixin:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
-        Answers once the sandbox is frozen and its checkpoint image is on local disk
-        (~ ``runsc pause`` + ``runsc checkpoint``); committing the image to the
-        repository and destroying the frozen runtime continue in the background
+        One ``runsc checkpoint`` (without ``--leave-running``): the sentry stops every
+        task, writes the image and only then ends the sandbox, so nothing runs past the
+        checkpoint. The answer goes out once the image is on local disk; committing it
+        to the repository and removing the stopped runtime continue in the background
         (:meth:`_finish_pause`; resume, kill and shutdown wait for them).
 
-        Crash-safe order: persist ``pausing``; freeze; checkpoint leaving it frozen;
-        mark the staged image complete; persist ``paused``; commit; destroy. A crash
-        before ``paused`` leaves a frozen sandbox that restart thaws (running); after it,
-        restart commits the marked image (paused) or, failing that, thaws the still
-        frozen sandbox (running). Never neither.
+        Crash-safe order: persist ``pausing``; checkpoint into staging (runsc runs in
+        its own session and finishes even if the server dies); mark the staged image
+        complete; persist ``paused``; commit; destroy. Restart waits for a checkpoint
+        still running, then: sandbox still running → running (the checkpoint failed);
+        stopped with a staged image → committed, paused (see
+        :meth:`Orchestrator._commit_interrupted_pauses`). A commit that fails leaves the
+        image staged on this node; resume and restart commit it again, and resume
+        restores from the staged copy if the repository still refuses.
 
         Raises:
-            NotFound: unknown sandbox.
+            NotFound: unknown sandbox (or it had died; it is removed).
             Conflict: already paused (409, as E2B) or busy.
             CreateFailed: runsc failed; the sandbox keeps running.
         """
@@ -140,49 +146,46 @@ class LifecycleMixin:
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
+            staging = self.snapshots.staging(sid)
+            t0 = time.perf_counter()
             try:
-                t0 = time.perf_counter()
-                await self.driver.freeze(rec.id)
-                timing.record("freeze", (time.perf_counter() - t0) * 1000)
-                staging = await self._stage(rec, sid)
-                (staging / PAUSE_MARKER).touch()
+                await self.driver.checkpoint(rec.id, staging / "image", leave_running=False, keep_stopped=True)
             except Exception as e:
-                rec.state, rec.image_id = "running", None
-                self.store.put(rec)
+                self.snapshots.discard(staging)
                 try:
-                    if await self.driver.is_frozen(rec.id):
-                        await self.driver.thaw(rec.id)
-                except Exception as thaw_error:  # noqa: BLE001
-                    log.error("thaw of %s after a failed pause failed: %s", rec.id, thaw_error)
-                if not await self.driver.is_running(rec.id):
-                    log.error("sandbox %s is dead; removing it", rec.id)
+                    alive = await self.driver.is_running(rec.id)
+                except Exception:  # noqa: BLE001 — treat as dead
+                    alive = False
+                if not alive:
+                    log.error("sandbox %s is not running after a failed pause; removing it", rec.id)
                     await self._teardown(rec.id, rec.slot)
                     self.store.delete(rec.id)
                     raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
-                if isinstance(e, CreateFailed):
-                    raise
+                rec.state, rec.image_id = "running", None
+                self.store.put(rec)
                 raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
-            # The slot stays recorded (and allocated) until the frozen runtime is gone.
+            timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
+            (staging / PAUSE_MARKER).touch()
+            # The slot stays recorded (and allocated) until the stopped runtime is gone.
             rec.state, rec.paused_at = "paused", time.time()
             self.store.put(rec)
-            slot = self._slots.pop(rec.id, None)
+            self._slots.pop(rec.id, None)
             meta = self._meta_for(rec, "pause", sid)
             self._pending[rec.id] = asyncio.create_task(
-                self._finish_pause(rec.id, staging, meta, slot), name=f"pause-{rec.id}")
+                self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
             return rec
 
-    async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta, slot) -> None:
-        """Background half of :meth:`pause`: commit the staged image, then destroy the
-        frozen runtime and release its slot. When the commit fails the sandbox is
-        thawed and running again (nothing lost; logged)."""
+    async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta,
+                            slot_index: int | None) -> None:
+        """Background half of :meth:`pause`: commit the staged image (kept staged when
+        that fails), then destroy the stopped runtime and release its slot."""
         try:
             try:
-                await self._commit(staging, meta)
+                await self._commit(staging, meta, keep_on_error=True)
             except Exception as e:  # noqa: BLE001
-                log.error("pause of %s could not be committed (%s); resuming it in place", sandbox_id, e)
-                await self._unfreeze_after_failed_pause(sandbox_id, slot)
-                return
-            await self._teardown(sandbox_id, slot.index if slot is not None else None)
+                log.error("pause of %s: commit failed (%s); its image stays staged on this node "
+                          "and is committed again on resume or restart", sandbox_id, e)
+            await self._teardown(sandbox_id, slot_index)
             cur = self.store.get(sandbox_id)
             if cur is not None and cur.state == "paused":
                 cur.slot = None
@@ -192,25 +195,24 @@ class LifecycleMixin:
         finally:
             self._pending.pop(sandbox_id, None)
 
-    async def _unfreeze_after_failed_pause(self, sandbox_id: str, slot) -> None:
-        cur = self.store.get(sandbox_id)
-        try:
-            if await self.driver.is_frozen(sandbox_id):
-                await self.driver.thaw(sandbox_id)
-            alive = await self.driver.is_running(sandbox_id)
-        except Exception as e:  # noqa: BLE001
-            log.error("thaw of %s failed: %s", sandbox_id, e)
-            alive = False
-        if cur is None:
-            return
-        if alive and slot is not None:
-            self._slots[sandbox_id] = slot
-            cur.state, cur.image_id, cur.paused_at = "running", None, None
-            self.store.put(cur)
-            return
-        log.error("sandbox %s was lost: its pause was not committed and its runtime is gone", sandbox_id)
-        await self._teardown(sandbox_id, cur.slot)
-        self.store.delete(sandbox_id)
+    async def _pause_image(self, rec: SandboxRecord) -> tuple[SnapshotMeta, Path | None]:
+        """Where to resume ``rec`` from: ``(meta, None)`` for its committed pause image,
+        or ``(meta, staged image dir)`` when its commit failed and the image is still
+        staged on this node (restored from there: once the sandbox runs again the
+        image is garbage, so nothing is left to commit).
+
+        Raises:
+            CreateFailed: neither a committed nor a staged image exists.
+            RepositoryError: the repository failed (the API answers 503).
+        """
+        staging = self.snapshots.staging_path(rec.image_id or "-")
+        if rec.image_id and (staging / PAUSE_MARKER).is_file():
+            log.warning("resuming %s from its image staged on this node", rec.id)
+            return self._meta_for(rec, "pause", rec.image_id), staging / "image"
+        image = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
+        if image is None:
+            raise CreateFailed(f"paused state of sandbox {rec.id} is missing from the repository")
+        return image, None
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
         """Restore a paused sandbox under the same id; processes, memory and files
@@ -230,22 +232,22 @@ class LifecycleMixin:
                 raise Conflict(f"sandbox {sandbox_id} is already running")
             if rec.state != "paused":
                 raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
-            image = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
-            if image is None:
-                raise CreateFailed(f"paused state of sandbox {sandbox_id} is missing from the repository")
+            image, staged = await self._pause_image(rec)
             rec.state = "resuming"
             if timeout_s is not None:
                 rec.timeout_s = timeout_s
             self.store.put(rec)
             try:
-                await self._start(rec, image, rec.envd_access_token)
+                await self._start(rec, image, rec.envd_access_token, image_dir=staged)
             except BaseException:
                 rec.state, rec.slot = "paused", None
                 self.store.put(rec)
                 raise
+            if staged is not None:
+                self.snapshots.discard(staged.parent)
             rec.image_id = None
             self.store.put(rec)
-        await self._gc_images()
+        self._gc_images_later()
         return rec
 
     # ---- snapshots --------------------------------------------------------------------

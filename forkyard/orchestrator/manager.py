@@ -25,7 +25,7 @@ from forkyard.config import Settings
 from forkyard.network.base import Slot
 from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
-from forkyard.orchestrator.lifecycle import LifecycleMixin
+from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, SandboxSpec
@@ -38,6 +38,8 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
 MAX_SLOTS = 16384
+#: How long a (re)start waits for checkpoints a killed server left running (s).
+CHECKPOINT_WAIT_S = 60
 ENVD_READY_TIMEOUT_S = 20.0
 #: Network slots kept built ahead of demand (``FORKYARD_SPARE_SLOTS``): a start takes
 #: one instead of spending ~25 ms of CPU creating netns, veths and NAT rules (E2B's
@@ -88,6 +90,8 @@ class Orchestrator(LifecycleMixin):
         self._spare_task: asyncio.Task | None = None
         self._starting = 0
         self._closing = False
+        self._gc_task: asyncio.Task | None = None
+        self._gc_wanted = False
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -104,6 +108,8 @@ class Orchestrator(LifecycleMixin):
         self._closing = True
         if self._pending:
             await asyncio.wait(list(self._pending.values()), timeout=60)
+        if self._gc_task:
+            await asyncio.wait([self._gc_task], timeout=60)
         if self._spare_task:  # finishes the slot it is building, then stops
             await asyncio.wait([self._spare_task])
         while self._spares:
@@ -142,13 +148,20 @@ class Orchestrator(LifecycleMixin):
         return True
 
     async def _reconcile(self) -> None:
-        """After a (re)start: running/snapshotting/forking rows whose sandbox still runs
-        with a healthy envd are re-adopted as running; pausing/resuming rows with a
-        committed pause snapshot become paused; paused rows stay paused while their
-        snapshot exists; everything else — rows, runtime containers, netns, workdirs,
-        staging directories — is removed."""
+        """After a (re)start: wait for checkpoints a killed server left running and
+        commit pauses it interrupted (:meth:`_commit_interrupted_pauses`); then
+        running/snapshotting/forking/pausing rows whose sandbox still runs with a
+        healthy envd are re-adopted as running; pausing/resuming rows with a committed
+        pause snapshot become paused; paused rows stay paused while their snapshot
+        exists (committed, or staged on this node); everything else — rows, runtime
+        containers, netns, workdirs, staging directories — is removed."""
+        stuck = await self.driver.wait_checkpoints(CHECKPOINT_WAIT_S)
+        if stuck:
+            log.warning("checkpoints of %s are still running after %d s", ", ".join(stuck), CHECKPOINT_WAIT_S)
         await self._commit_interrupted_pauses()
-        for name in self.snapshots.cleanup_staging():
+        staged = {self.snapshots.staging_path(r.image_id).name for r in self.store.all()
+                  if r.state in ("paused", "resuming") and r.image_id}
+        for name in self.snapshots.cleanup_staging(keep=staged):
             log.info("removed uncommitted snapshot staging %s", name)
         live_ids = set(await self.driver.list_ids())
         keep: set[str] = set()
@@ -156,15 +169,17 @@ class Orchestrator(LifecycleMixin):
             committed = self.snapshots.get(rec.image_id) if rec.image_id else None
             if rec.state == "pausing" and committed is not None:
                 rec.state = "paused"  # the crash came after the commit: the image is the truth
-            busy = ("running", "snapshotting", "forking", "pausing", "resuming")
-            # paused without a committed image: its commit failed; the frozen sandbox may live
-            if (rec.state in busy or (rec.state == "paused" and committed is None)) and await self._adoptable(rec, live_ids):
+            if rec.state in ("running", "snapshotting", "forking", "pausing", "resuming") and await self._adoptable(rec, live_ids):
                 rec.state, rec.image_id, rec.paused_at = "running", None, None
                 self.store.put(rec)
                 keep.add(rec.id)
                 log.info("re-adopted sandbox %s", rec.id)
                 continue
-            if rec.state in ("paused", "resuming") and committed is not None and committed.kind == "pause":
+            staged_only = (rec.state in ("paused", "resuming") and committed is None and rec.image_id
+                           and (self.snapshots.staging_path(rec.image_id) / PAUSE_MARKER).is_file())
+            if staged_only:  # its commit failed again: keep it, resumable from this node
+                log.error("paused sandbox %s has its image only staged on this node (commit failed)", rec.id)
+            if staged_only or (rec.state in ("paused", "resuming") and committed is not None and committed.kind == "pause"):
                 await self._teardown(rec.id, rec.slot)
                 rec.state, rec.slot = "paused", None
                 rec.paused_at = rec.paused_at or time.time()
@@ -191,22 +206,42 @@ class Orchestrator(LifecycleMixin):
         await self._gc_images()
 
     async def _commit_interrupted_pauses(self) -> None:
-        """Commit the staged images of pauses whose reply went out but whose background
-        commit a crash interrupted (``paused`` rows without a committed image whose
-        staging directory carries the checkpoint-complete marker)."""
-        from forkyard.orchestrator.lifecycle import PAUSE_MARKER
+        """Commit the staged images of pauses a crash interrupted (call once no
+        checkpoint runs any more):
 
+        * ``paused`` rows (the reply went out) whose staging carries the
+          checkpoint-complete marker;
+        * ``pausing`` rows whose checkpoint finished after the server died: the sandbox
+          is no longer running and the staged image exists (runsc stops the sandbox only
+          once its image is complete; one that died on its own mid-checkpoint is
+          committed too and reported by a failing resume). The row becomes ``paused``.
+
+        A commit that fails leaves the image staged (paused rows stay resumable here).
+        """
         for rec in self.store.all():
-            if rec.state != "paused" or not rec.image_id or self.snapshots.get(rec.image_id) is not None:
+            if rec.state not in ("paused", "pausing") or not rec.image_id:
+                continue
+            if self.snapshots.get(rec.image_id) is not None:
                 continue
             staging = self.snapshots.staging_path(rec.image_id)
-            if not (staging / PAUSE_MARKER).is_file():
+            if rec.state == "paused" and not (staging / PAUSE_MARKER).is_file():
                 continue
+            if rec.state == "pausing":
+                if not (staging / "image").is_dir() or not any((staging / "image").iterdir()):
+                    continue
+                try:
+                    if await self.driver.is_running(rec.id):
+                        continue  # the checkpoint failed; reconcile re-adopts it
+                except Exception as e:  # noqa: BLE001
+                    log.warning("state of %s unknown (%s); treating its checkpoint as finished", rec.id, e)
+                (staging / PAUSE_MARKER).touch()
+                rec.state, rec.paused_at = "paused", time.time()
+                self.store.put(rec)
             try:
                 await asyncio.to_thread(self.snapshots.commit, staging, self._meta_for(rec, "pause", rec.image_id))
                 log.info("committed the interrupted pause of sandbox %s", rec.id)
-            except Exception as e:  # noqa: BLE001 — reconcile then thaws it if it still lives
-                log.error("committing the interrupted pause of %s failed: %s", rec.id, e)
+            except Exception as e:  # noqa: BLE001
+                log.error("committing the interrupted pause of %s failed (kept staged): %s", rec.id, e)
 
     # ---- queries ------------------------------------------------------------------
     def get(self, sandbox_id: str) -> SandboxRecord:
@@ -300,14 +335,16 @@ class Orchestrator(LifecycleMixin):
 
     def node_metrics(self) -> dict:
         """``{"sandboxes": {"running": n, "paused": n}, "spareSlots": [index, …],
-        "pausesInFlight": n}`` (spare slots include those being built; pauses in flight
-        have answered but are still committing their image / releasing the runtime)."""
+        "pausesInFlight": n, "gcInFlight": bool}`` (spare slots include those being
+        built; pauses in flight have answered but are still committing their image /
+        releasing the runtime; gc deletes pause images nothing needs any more)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
                 counts[r.state] += 1
         return {"sandboxes": counts, "spareSlots": sorted({s.index for s in self._spares} | self._building),
-                "pausesInFlight": len(self._pending)}
+                "pausesInFlight": len(self._pending),
+                "gcInFlight": self._gc_task is not None and not self._gc_task.done()}
 
     async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
                      image_dir: Path | None = None, phases: dict[str, float] | None = None) -> None:
@@ -473,19 +510,37 @@ class Orchestrator(LifecycleMixin):
             rec.state = "killing"
             self.store.put(rec)
             await self._teardown(rec.id, rec.slot)
+            if rec.image_id:  # a pause image that was never committed
+                self.snapshots.discard(self.snapshots.staging_path(rec.image_id))
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
-        await self._gc_images()
+        self._gc_images_later()
 
     def repository_metrics(self) -> dict:
         """Snapshot repository and node-cache metrics (cache hits/misses, bytes fetched
         and uploaded, GC); see :meth:`SnapshotStore.metrics` for the shape."""
         return self.snapshots.metrics()
 
+    def _gc_images_later(self) -> None:
+        """Run :meth:`_gc_images` in the background (at most one at a time, plus one
+        queued), so a kill or resume never waits on the repository."""
+        self._gc_wanted = True
+        if self._gc_task is None or self._gc_task.done():
+            self._gc_task = asyncio.create_task(self._gc_loop(), name="gc-images")
+
+    async def _gc_loop(self) -> None:
+        while self._gc_wanted:
+            self._gc_wanted = False
+            await self._gc_images()
+
     async def _gc_images(self) -> None:
         """Delete pause/fork images no sandbox row refers to any more (repository
-        calls run in a thread: on S3 each is a network round trip)."""
-        await asyncio.to_thread(self._gc_images_sync)
+        calls run in a thread: on S3 each is a network round trip). Best effort: a
+        repository failure is logged and retried by the next call."""
+        try:
+            await asyncio.to_thread(self._gc_images_sync)
+        except Exception as e:  # noqa: BLE001 — never fail the operation that triggered it
+            log.warning("deleting unused pause images failed (retried later): %s", e)
 
     def _gc_images_sync(self) -> None:
         referenced = {r.image_id for r in self.store.all() if r.image_id}

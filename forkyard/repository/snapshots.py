@@ -359,11 +359,12 @@ class SnapshotStore:
             self.last_gc = out
             return out
 
-    def cleanup_staging(self) -> list[str]:
-        """Remove every staging/trash directory (startup); returns their names."""
+    def cleanup_staging(self, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Remove every staging/trash directory (startup) except those named in
+        ``keep``; returns the names removed."""
         gone = []
         for d in self.root.iterdir():
-            if d.name.startswith((".staging-", ".trash-")):
+            if d.name.startswith((".staging-", ".trash-")) and d.name not in keep:
                 shutil.rmtree(d, ignore_errors=True)
                 gone.append(d.name)
         return gone

@@ -86,9 +86,17 @@ class RuntimeDriver(abc.ABC):
         """True when the sandbox exists and is frozen."""
         return False
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
-        """Write memory + filesystem state of the sandbox into ``image_dir``."""
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool,
+                         keep_stopped: bool = False) -> None:
+        """Write memory + filesystem state of the sandbox into ``image_dir``; without
+        ``leave_running`` the sandbox stops once the image is complete (and is deleted
+        unless ``keep_stopped``: then :meth:`destroy` removes it later)."""
         raise NotImplementedError(f"{self.name} runtime has no checkpoint")
+
+    async def wait_checkpoints(self, timeout_s: float) -> list[str]:
+        """Wait (≤ ``timeout_s``) until no checkpoint started by an earlier server
+        process is still running; returns the ids still checkpointing at the deadline."""
+        return []
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`."""

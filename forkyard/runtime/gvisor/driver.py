@@ -514,13 +514,46 @@ class GVisorDriver(RuntimeDriver):
         return bool(st) and st.get("status") == "paused"
 
     # ---- checkpoint / restore ------------------------------------------------------------
-    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool) -> None:
+    def _checkpointing(self) -> list[str]:
+        """Ids that a ``runsc --root=<ours> checkpoint`` process is working on now."""
+        root = f"--root={self.settings.runsc_root}"
+        ids = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            args = [a.decode(errors="replace") for a in argv if a]
+            if root in args and "checkpoint" in args and args:
+                ids.append(args[-1])
+        return ids
+
+    async def wait_checkpoints(self, timeout_s: float) -> list[str]:
+        """Wait (≤ ``timeout_s``, polling every 50 ms) until no ``runsc checkpoint`` of
+        this root runs — one started by a server that was killed keeps going, and the
+        sandbox's fate (stopped with a complete image, or still running) is only known
+        once it ends. Returns the ids still checkpointing at the deadline."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while ids := await asyncio.to_thread(self._checkpointing):
+            if asyncio.get_running_loop().time() >= deadline:
+                return ids
+            await asyncio.sleep(0.05)
+        return []
+
+    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool,
+                         keep_stopped: bool = False) -> None:
         """Write the sandbox's memory and filesystem (overlay) state into ``image_dir``
         (``runsc checkpoint``; created if missing).
 
-        With ``leave_running`` the sandbox continues afterwards (fork/snapshot). Without
-        it the sandbox stops; the driver then deletes the stopped container (its bundle
-        and overlay too), so the same id can be restored from the image (pause/resume).
+        With ``leave_running`` the sandbox continues afterwards (fork/snapshot; runsc
+        saves, then restores it in place). Without it the sentry stops the sandbox right
+        after the image is complete — nothing runs past the checkpoint (pause) — and the
+        driver deletes the stopped container (its bundle and overlay too) so the same id
+        can be restored, unless ``keep_stopped`` (the caller destroys it later).
+        runsc runs in its own session: a server killed meanwhile does not stop it (see
+        :meth:`wait_checkpoints`).
 
         Raises:
             RuntimeError_: runsc failed (message = its stderr); the sandbox is left as
@@ -534,7 +567,7 @@ class GVisorDriver(RuntimeDriver):
         rc, _, err = await self._run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         if rc != 0:
             raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")
-        if not leave_running:
+        if not leave_running and not keep_stopped:
             st = await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None
             error = await self._cleanup(sandbox_id, workdir)
