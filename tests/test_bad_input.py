@@ -60,3 +60,20 @@ def test_wrong_access_token(server, sandbox):
     r = httpx.get(f"{server.url}/envs", headers={
         "E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": "wrong"})
     assert r.status_code == 401
+
+
+def test_pause_and_snapshot_bodies_from_the_sdk(sandbox, server):
+    """SDK ``pause(mode=...)``/``create_snapshot(mode=...)`` bodies: ``memory: false``
+    (filesystem-only) is refused with 400 and the sandbox keeps running;
+    ``requireHealthyGuest`` with a healthy envd pauses normally."""
+    sid = sandbox.sandbox_id
+    with server.api() as c:
+        for path in (f"/sandboxes/{sid}/pause", f"/sandboxes/{sid}/snapshots"):
+            r = c.post(path, json={"memory": False})
+            assert r.status_code == 400, r.text
+            assert "filesystem-only" in r.json()["message"]
+        assert sandbox.commands.run("echo up").stdout.strip() == "up"
+        r = c.post(f"/sandboxes/{sid}/pause", json={"memory": True, "requireHealthyGuest": True})
+        assert r.status_code == 204, r.text
+        r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 60})
+        assert r.status_code == 201, r.text

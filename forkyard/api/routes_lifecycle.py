@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
 from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import OrchestratorError
+from forkyard.orchestrator.errors import BadRequest, OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -22,11 +22,14 @@ def _orch(request: Request) -> Orchestrator:
 
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
-async def pause(request: Request, sandbox_id: str):
-    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused.
+async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | None = None):
+    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused; 400 for
+    ``memory: false``; 503 when ``requireHealthyGuest`` and envd does not answer.
     ``Server-Timing``: ``checkpoint`` (ms)."""
+    if body is not None and body.memory is False:
+        raise BadRequest(schemas.FILESYSTEM_ONLY_UNSUPPORTED)
     phases = timing.start()
-    await _orch(request).pause(sandbox_id)
+    await _orch(request).pause(sandbox_id, require_healthy=bool(body and body.require_healthy_guest))
     return Response(status_code=204, headers=timing.header(phases))
 
 
@@ -78,6 +81,8 @@ async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None 
 async def create_snapshot(request: Request, sandbox_id: str, body: schemas.SnapshotBody | None = None):
     """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``.
     ``Server-Timing``: ``checkpoint`` (how long the source was stopped) and ``commit`` (ms)."""
+    if body is not None and body.memory is False:
+        raise BadRequest(schemas.FILESYSTEM_ONLY_UNSUPPORTED)
     phases = timing.start()
     meta = await _orch(request).snapshot(sandbox_id, body.name if body else None)
     return JSONResponse(schemas.snapshot_info(meta), status_code=201, headers=timing.header(phases))

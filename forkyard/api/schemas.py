@@ -143,9 +143,28 @@ class ForkBody(_Strict):
 
 
 class SnapshotBody(_Strict):
-    """``POST /sandboxes/{id}/snapshots``: optional ``name``."""
+    """``POST /sandboxes/{id}/snapshots``: optional ``name``; ``memory`` false (a
+    filesystem-only snapshot, E2B's ``mode="filesystem"``) is refused with 400."""
 
     name: str | None = Field(default=None, max_length=64)
+    memory: bool | None = None
+
+
+class PauseBody(_Strict):
+    """``POST /sandboxes/{id}/pause`` (E2B ``SandboxPauseRequest``): ``memory`` (default
+    true; false = filesystem-only pause, refused with 400 here) and
+    ``requireHealthyGuest`` (default false; true = 503 unless envd answers first)."""
+
+    memory: bool | None = None
+    require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
+
+
+#: Why ``memory: false`` is refused (pause and snapshot).
+FILESYSTEM_ONLY_UNSUPPORTED = (
+    "memory: false (a filesystem-only pause/snapshot, SDK mode='filesystem') is not supported by "
+    "forkyard's gVisor runtime: pauses and snapshots always keep memory and running processes; "
+    "omit memory or send memory: true"
+)
 
 
 def snapshot_info(meta) -> dict:

@@ -30,3 +30,9 @@ class CreateFailed(OrchestratorError):
     the cause and everything half-created has been removed."""
 
     status = 500
+
+
+class Unavailable(OrchestratorError):
+    """The sandbox cannot do this right now, e.g. its envd does not answer (503)."""
+
+    status = 503

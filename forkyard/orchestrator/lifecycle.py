@@ -25,8 +25,8 @@ import secrets
 import time
 from pathlib import Path
 
-from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
+from forkyard.orchestrator import envd_client, timing
+from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
 from forkyard.templates import registry
@@ -117,7 +117,7 @@ class LifecycleMixin:
             await asyncio.wait([task])
 
     # ---- pause / resume ---------------------------------------------------------------
-    async def pause(self, sandbox_id: str) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, require_healthy: bool = False) -> SandboxRecord:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
@@ -136,13 +136,23 @@ class LifecycleMixin:
         image staged on this node; resume and restart commit it again, and resume
         restores from the staged copy if the repository still refuses.
 
+        With ``require_healthy`` (E2B ``requireHealthyGuest``) envd must answer
+        ``/health`` within 2 s first, else :class:`Unavailable` (503) and the sandbox
+        keeps running.
+
         Raises:
             NotFound: unknown sandbox (or it had died; it is removed).
             Conflict: already paused (409, as E2B) or busy.
+            Unavailable: ``require_healthy`` and envd did not answer.
             CreateFailed: runsc failed; the sandbox keeps running.
         """
         async with self._locks[sandbox_id]:
             rec = self._running(sandbox_id)
+            if require_healthy:
+                try:
+                    await envd_client.wait_healthy(self._http, self.target(sandbox_id, 0)[0], 2.0)
+                except TimeoutError as e:
+                    raise Unavailable(f"envd of sandbox {sandbox_id} does not answer; not paused (it keeps running)") from e
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
