@@ -43,13 +43,46 @@ def templates_dir() -> Path:
     return templates
 
 
+def _kill_sandboxes(url: str, key: str) -> None:
+    """Kill every sandbox of the bench server (running or paused); best effort."""
+    try:
+        with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=60) as c:
+            for s in c.get("/v2/sandboxes").json():
+                c.delete(f"/sandboxes/{s['sandboxID']}")
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+        print(f"warning: could not kill the bench server's sandboxes: {e}", file=sys.stderr)
+
+
 def stop_server(proc: subprocess.Popen) -> None:
-    """Stop a server from :func:`start_server` and remove its host iptables chains."""
+    """Kill the sandboxes of a server from :func:`start_server` (a server leaves running
+    sandboxes running for re-adoption), stop it and remove its host iptables chains."""
     from forkyard.network.slots import NetworkManager
 
+    if getattr(proc, "forkyard", None):
+        _kill_sandboxes(*proc.forkyard)
     proc.terminate()
     proc.wait(30)
     NetworkManager(None, outer_net="10.240.0.0/16", prefix="fbn").teardown_host()
+
+
+def _clean_previous(data: Path) -> None:
+    """Destroy runsc sandboxes an interrupted earlier run left under ``data`` (their
+    state would be wiped with the directory, leaving them running unseen)."""
+    import asyncio
+
+    from forkyard.config import Settings
+    from forkyard.runtime.gvisor.driver import GVisorDriver
+
+    if not (data / "runsc").is_dir():
+        return
+    settings = Settings(data_dir=data)
+    drv = GVisorDriver(settings)
+
+    async def run() -> None:
+        for sid in await drv.list_ids():
+            await drv.destroy(sid, settings.sandboxes_dir / sid)
+
+    asyncio.run(run())
 
 
 def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
@@ -60,6 +93,7 @@ def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     key = "e2b_" + secrets.token_hex(20)
+    _clean_previous(DATA / "server")
     shutil.rmtree(DATA / "server", ignore_errors=True)
     env = dict(os.environ, FORKYARD_DATA_DIR=str(DATA / "server"), FORKYARD_TEMPLATES_DIR=str(templates),
                FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX="fbn",
@@ -71,6 +105,7 @@ def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key)
+                proc.forkyard = (url, key)  # for stop_server
                 return proc, url, key
         except httpx.HTTPError:
             time.sleep(0.1)

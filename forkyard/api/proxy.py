@@ -191,7 +191,7 @@ class SandboxProxy:
             # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
             # connections on checkpoint). End the response; the client sees a
             # truncated stream (Connect: no end message) and reports an error.
-            log.info("stream from sandbox %s ended early: %r", sid, e)
+            log.debug("stream from sandbox %s ended early: %r", sid, e)
             await send({"type": "http.response.body", "body": b""})
         finally:
             await resp.aclose()

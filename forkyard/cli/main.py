@@ -75,8 +75,10 @@ def serve(
     print(f"forkyard API {url}   (API key: {key_src})", flush=True)
     key_expr = "$FORKYARD_API_KEY" if _env_key() else f"$(cat {settings.api_key_file})"
     print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
+    # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
+    # with equal timeouts the server may close a connection the client is reusing.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=2)
+                timeout_graceful_shutdown=2, timeout_keep_alive=75)
 
 
 class _BuildProgress:

@@ -180,7 +180,8 @@ def register(app: typer.Typer) -> None:
                 t.add_column(col)
             for s in items:
                 st = "[green]running[/green]" if s.state == "running" else "[yellow]paused[/yellow]"
-                t.add_row(s.sandbox_id, s.template_id, st, ago(s.started_at), ago(s.end_at), str(s.cpu_count or "-"),
+                expires = "-" if s.state == "paused" else ago(s.end_at)
+                t.add_row(s.sandbox_id, s.template_id, st, ago(s.started_at), expires, str(s.cpu_count or "-"),
                           f"{s.memory_mb} MiB" if s.memory_mb else "-",
                           " ".join(f"{k}={v}" for k, v in s.metadata.items()))
             out.print(t)
@@ -217,12 +218,16 @@ def register(app: typer.Typer) -> None:
             if m:
                 rows += [("cpu used", f"{m.get('cpuUsedPct', 0):.1f} %"),
                          ("mem used", f"{human_bytes(m.get('memUsed'))} / {human_bytes(m.get('memTotal'))}"),
-                         ("disk used", f"{human_bytes(m.get('diskUsed'))} / {human_bytes(m.get('diskTotal'))}")]
+                         ("disk used", f"{human_bytes(m.get('diskUsed'))} / {_disk_total(m.get('diskTotal'))}")]
             for k, v in rows:
                 t.add_row(k, v)
             out.print(t, highlight=False)
 
         run(go)
+
+    def _disk_total(n) -> str:
+        """Disk size, or ``unlimited`` for gVisor's "no limit" (close to 2**63 bytes)."""
+        return "unlimited" if isinstance(n, (int, float)) and n >= 1 << 62 else human_bytes(n)
 
     def _each(ids: list[str], verb: str, fn, as_json: bool, done: str) -> None:
         """Apply ``fn(client, id)`` to every id; report each; exit 1 if any failed."""
@@ -244,7 +249,9 @@ def register(app: typer.Typer) -> None:
                     bad += 1
                     results.append({"sandboxID": sid, "ok": False, "error": e.message})
                     if not as_json:
-                        err.print(f"[red]error:[/red] cannot {verb} {sid}: {e.message}", highlight=False)
+                        why = e.message.split(f"{sid}: ", 1)[-1]  # the client prefixes "<op> <id>: "
+                        msg = f"cannot {verb}: {why}" if sid in why else f"cannot {verb} {sid}: {why}"
+                        err.print(f"[red]error:[/red] {msg}", highlight=False)
             if as_json:
                 print_json(results)
             return 1 if bad else 0
@@ -462,6 +469,7 @@ def register(app: typer.Typer) -> None:
         run(go)
 
     @snapshot_app.command("list")
+    @snapshot_app.command("ls", hidden=True)
     def snapshot_list(
         sandbox_id: str | None = typer.Option(None, "--sandbox", help="Only snapshots of this sandbox."),
         name: str | None = typer.Option(None, "--name", help="Only snapshots with this name."),
