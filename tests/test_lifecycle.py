@@ -243,3 +243,93 @@ def test_resume_and_kill_right_after_pause_reply(server):
         assert not manifest.exists()  # the killed sandbox's pause image is gone too
     finally:
         server.kill_all()
+
+
+def test_concurrent_connects_and_connect_during_pause(server):
+    """Connects wait for a pause/resume in progress: concurrent connects to a paused
+    sandbox all succeed (one resumes it: 201, the others find it running: 200), and a
+    connect racing a pause leaves the sandbox running and reachable."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sid = sbx.sandbox_id
+        with server.api() as c:
+            assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+
+        def connect(_):
+            with server.api() as c:
+                return c.post(f"/sandboxes/{sid}/connect", json={"timeout": 300}).status_code
+
+        with ThreadPoolExecutor(3) as pool:
+            codes = sorted(pool.map(connect, range(3)))
+        assert codes == [200, 200, 201], codes
+
+        def pause(_):
+            with server.api() as c:
+                return c.post(f"/sandboxes/{sid}/pause").status_code
+
+        with ThreadPoolExecutor(2) as pool:
+            paused = pool.submit(pause, 0)
+            time.sleep(0.03)
+            connected = pool.submit(connect, 0)
+            assert paused.result() == 204
+            assert connected.result() in (200, 201)
+        if connected.result() == 201:  # the connect came after the pause and resumed it
+            assert state_of(server, sid) == "running"
+            assert Sandbox.connect(sid).commands.run("echo up").stdout.strip() == "up"
+    finally:
+        server.kill_all()
+
+
+def test_timeout_set_during_snapshot_is_kept_and_rejected_resume_changes_nothing(server):
+    """A timeout change racing a snapshot is not undone by the snapshot's write-back; a
+    resume refused with 409 leaves the sandbox's lifecycle as it was."""
+    import threading
+
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sid = sbx.sandbox_id
+        sbx.commands.run("head -c 50M /dev/urandom > /home/user/blob")  # a slower snapshot
+        with server.api() as c:
+            snap = threading.Thread(target=lambda: c.post(f"/sandboxes/{sid}/snapshots", json={}))
+            snap.start()
+            time.sleep(0.03)
+            assert c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 7000}).status_code == 204
+            snap.join(60)
+            end = c.get(f"/sandboxes/{sid}").json()["endAt"]
+            from datetime import datetime
+
+            left = datetime.fromisoformat(end.replace("Z", "+00:00")).timestamp() - time.time()
+            assert 6900 < left <= 7000, left
+            r = c.post(f"/sandboxes/{sid}/resume", json={"autoPause": False})
+            assert r.status_code == 409, r.text
+            assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"
+    finally:
+        server.kill_all()
+        for s in Sandbox.list_snapshots().next_items():
+            Sandbox.delete_snapshot(s.snapshot_id)
+
+
+def test_pause_that_cannot_stage_leaves_the_sandbox_running(server):
+    """A local disk error before the checkpoint (here: an immutable snapshots directory)
+    fails the pause with a 500 message and the sandbox stays running, not stuck."""
+    import subprocess
+
+    sbx = Sandbox.create("base", timeout=300)
+    snaps = SERVER_DIR / "snapshots"
+    try:
+        subprocess.run(["chattr", "+i", str(snaps)], check=True)
+        try:
+            with server.api() as c:
+                r = c.post(f"/sandboxes/{sbx.sandbox_id}/pause")
+                assert r.status_code == 500 and "pause of sandbox" in r.json()["message"], r.text
+                assert c.get("/health").status_code == 200  # same keep-alive connection still works
+        finally:
+            subprocess.run(["chattr", "-i", str(snaps)], check=True)
+        assert state_of(server, sbx.sandbox_id) == "running"
+        assert sbx.commands.run("echo up").stdout.strip() == "up"
+        assert sbx.pause() is True
+        assert state_of(server, sbx.sandbox_id) == "paused"
+    finally:
+        server.kill_all()

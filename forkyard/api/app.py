@@ -34,6 +34,37 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
     return Orchestrator(settings, GVisorDriver(settings), NetworkManager(settings, outer_net=settings.outer_net, prefix=settings.net_prefix), Store(settings.db_path))
 
 
+class _CatchAll:
+    """ASGI middleware: an unexpected exception becomes a JSON 500 (``{code, message}``)
+    and the connection stays usable. (Starlette's catch-all handler answers too, but
+    then re-raises, so uvicorn logs the traceback a second time and drops a keep-alive
+    connection the client may be about to reuse.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as exc:  # noqa: BLE001 — this is the last line of defence
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            response = JSONResponse(schemas.error(500, f"internal error: {exc!r}"), status_code=500)
+            await response(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None, orchestrator: Orchestrator | None = None):
     """Build the ASGI app. Returns the proxy-wrapped app; the FastAPI instance is at
     ``.app`` (for tests). The orchestrator starts/stops with the app lifespan."""
@@ -82,10 +113,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
         return JSONResponse(schemas.error(503, f"snapshot repository unavailable: {exc}; retry when it is "
                                                "reachable again (see GET /metrics/repository)"), status_code=503)
 
-    @api.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(schemas.error(500, f"internal error: {exc!r}"), status_code=500)
+    api.add_middleware(_CatchAll)
 
     api.include_router(misc_router)
     api.include_router(sandboxes_router)

@@ -3,8 +3,6 @@ status codes from E2B's OpenAPI spec as shipped in the ``e2b`` SDK)."""
 
 from __future__ import annotations
 
-import time
-
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -36,12 +34,8 @@ async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | Non
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
 async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | None = None):
     """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running."""
-    orch = _orch(request)
-    if body and body.auto_pause is not None:
-        rec = orch.get(sandbox_id)
-        rec.auto_pause = body.auto_pause
-        orch.store.put(rec)
-    rec = await orch.resume(sandbox_id, body.timeout if body else None)
+    rec = await _orch(request).resume(sandbox_id, body.timeout if body else None,
+                                      body.auto_pause if body else None)
     return JSONResponse(schemas.sandbox_created(rec), status_code=201)
 
 
@@ -49,16 +43,9 @@ async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | N
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
     """Connect: a running sandbox gets its timeout extended (never shortened), 200; a
-    paused one is resumed, 201."""
-    orch = _orch(request)
-    timeout = body.timeout if body else 300
-    rec = orch.get(sandbox_id)
-    if rec.state == "paused":
-        rec = await orch.resume(sandbox_id, max(timeout, 1))
-        return JSONResponse(schemas.sandbox_created(rec), status_code=201)
-    if rec.end_at < time.time() + timeout:
-        rec = orch.set_timeout(sandbox_id, timeout)
-    return JSONResponse(schemas.sandbox_created(rec), status_code=200)
+    paused one is resumed, 201. Waits for a pause/resume in progress."""
+    rec, resumed = await _orch(request).connect(sandbox_id, body.timeout if body else 300)
+    return JSONResponse(schemas.sandbox_created(rec), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)

@@ -117,14 +117,14 @@ async def kill_sandbox(request: Request, sandbox_id: str):
 @router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(request: Request, sandbox_id: str, body: schemas.TimeoutBody):
     """Set the sandbox to expire ``timeout`` seconds from now."""
-    _orch(request).set_timeout(sandbox_id, body.timeout)
+    await _orch(request).set_timeout(sandbox_id, body.timeout)
     return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
 async def refresh(request: Request, sandbox_id: str, body: schemas.RefreshBody | None = None):
     """Keep the sandbox alive for at least ``duration`` more seconds."""
-    _orch(request).refresh(sandbox_id, body.duration if body else None)
+    await _orch(request).refresh(sandbox_id, body.duration if body else None)
     return Response(status_code=204)
 
 

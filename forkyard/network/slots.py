@@ -333,7 +333,8 @@ class NetworkManager:
 
     @_off_loop
     def teardown_host(self) -> None:
-        """Remove the ``FORKYARD-*`` chains and their jumps (tests). Leaves ip_forward on.
+        """Remove the ``FORKYARD-*`` chains and their jumps (tests; a server that stops with
+        no sandbox running). Leaves ip_forward on.
         Idempotent; never raises for missing chains."""
         for table, parent in (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING")):
             chain = self.chain_prefix + parent

@@ -28,6 +28,7 @@ from pathlib import Path
 from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.repository.errors import RepositoryError
 from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
 from forkyard.templates import registry
 
@@ -78,12 +79,12 @@ class LifecycleMixin:
         Raises:
             CreateFailed: runsc failed; the staging directory is removed.
         """
-        staging = self.snapshots.staging(snapshot_id)
         t0 = time.perf_counter()
         try:
+            staging = self.snapshots.staging(snapshot_id)
             await self.driver.checkpoint(rec.id, staging / "image", leave_running=True)
         except BaseException as e:
-            self.snapshots.discard(staging)
+            self.snapshots.discard(self.snapshots.staging_path(snapshot_id))
             if isinstance(e, Exception):
                 raise CreateFailed(f"checkpoint of sandbox {rec.id} failed: {e}") from e
             raise
@@ -94,8 +95,9 @@ class LifecycleMixin:
         """Commit a staged image to the repository (in a thread); records ``commit`` (ms).
 
         Raises:
-            CreateFailed: the repository failed; the staging directory is removed
-                unless ``keep_on_error``.
+            RepositoryError: the repository failed (503); the staging directory is
+                removed unless ``keep_on_error``.
+            CreateFailed: local I/O failed; likewise.
         """
         t0 = time.perf_counter()
         try:
@@ -103,6 +105,8 @@ class LifecycleMixin:
         except BaseException as e:
             if not keep_on_error:
                 self.snapshots.discard(staging)
+            if isinstance(e, RepositoryError):
+                raise  # the API answers 503: the repository, not the sandbox, failed
             if isinstance(e, Exception):
                 raise CreateFailed(f"commit of snapshot {meta.snapshot_id} failed: {e}") from e
             raise
@@ -117,7 +121,7 @@ class LifecycleMixin:
             await asyncio.wait([task])
 
     # ---- pause / resume ---------------------------------------------------------------
-    async def pause(self, sandbox_id: str, require_healthy: bool = False) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, require_healthy: bool = False, only_if=None) -> SandboxRecord:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
@@ -138,7 +142,8 @@ class LifecycleMixin:
 
         With ``require_healthy`` (E2B ``requireHealthyGuest``) envd must answer
         ``/health`` within 2 s first, else :class:`Unavailable` (503) and the sandbox
-        keeps running.
+        keeps running. ``only_if`` (``f(sandbox_id) -> bool``, checked under the lock)
+        lets expiry back off when the sandbox was extended meanwhile.
 
         Raises:
             NotFound: unknown sandbox (or it had died; it is removed).
@@ -147,6 +152,8 @@ class LifecycleMixin:
             CreateFailed: runsc failed; the sandbox keeps running.
         """
         async with self._locks[sandbox_id]:
+            if only_if is not None and not only_if(sandbox_id):
+                return self.get(sandbox_id)
             rec = self._running(sandbox_id)
             if require_healthy:
                 try:
@@ -156,12 +163,12 @@ class LifecycleMixin:
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
-            staging = self.snapshots.staging(sid)
             t0 = time.perf_counter()
             try:
+                staging = self.snapshots.staging(sid)
                 await self.driver.checkpoint(rec.id, staging / "image", leave_running=False, keep_stopped=True)
             except Exception as e:
-                self.snapshots.discard(staging)
+                self.snapshots.discard(self.snapshots.staging_path(sid))
                 try:
                     alive = await self.driver.is_running(rec.id)
                 except Exception:  # noqa: BLE001 — treat as dead
@@ -175,7 +182,10 @@ class LifecycleMixin:
                 self.store.put(rec)
                 raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
             timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
-            (staging / PAUSE_MARKER).touch()
+            try:
+                (staging / PAUSE_MARKER).touch()
+            except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
+                log.error("pause of %s: writing the checkpoint marker failed: %s", rec.id, e)
             # The slot stays recorded (and allocated) until the stopped runtime is gone.
             rec.state, rec.paused_at = "paused", time.time()
             self.store.put(rec)
@@ -224,9 +234,11 @@ class LifecycleMixin:
             raise CreateFailed(f"paused state of sandbox {rec.id} is missing from the repository")
         return image, None
 
-    async def resume(self, sandbox_id: str, timeout_s: int | None = None) -> SandboxRecord:
+    async def resume(self, sandbox_id: str, timeout_s: int | None = None,
+                     auto_pause: bool | None = None) -> SandboxRecord:
         """Restore a paused sandbox under the same id; processes, memory and files
-        continue. Expiry is reset to now + ``timeout_s`` (default: its last timeout).
+        continue. Expiry is reset to now + ``timeout_s`` (default: its last timeout);
+        ``auto_pause`` (when given) replaces its expiry action — only if it resumes.
 
         Raises:
             NotFound: unknown sandbox.
@@ -242,23 +254,56 @@ class LifecycleMixin:
                 raise Conflict(f"sandbox {sandbox_id} is already running")
             if rec.state != "paused":
                 raise Conflict(f"sandbox {sandbox_id} is busy ({rec.state}); retry shortly")
-            image, staged = await self._pause_image(rec)
-            rec.state = "resuming"
-            if timeout_s is not None:
-                rec.timeout_s = timeout_s
-            self.store.put(rec)
-            try:
-                await self._start(rec, image, rec.envd_access_token, image_dir=staged)
-            except BaseException:
-                rec.state, rec.slot = "paused", None
-                self.store.put(rec)
-                raise
-            if staged is not None:
-                self.snapshots.discard(staged.parent)
-            rec.image_id = None
-            self.store.put(rec)
+            rec = await self._resume_locked(rec, timeout_s, auto_pause)
         self._gc_images_later()
         return rec
+
+    async def _resume_locked(self, rec: SandboxRecord, timeout_s: int | None,
+                             auto_pause: bool | None) -> SandboxRecord:
+        image, staged = await self._pause_image(rec)
+        rec.state = "resuming"
+        if timeout_s is not None:
+            rec.timeout_s = timeout_s
+        if auto_pause is not None:
+            rec.auto_pause = auto_pause
+        self.store.put(rec)
+        try:
+            await self._start(rec, image, rec.envd_access_token, image_dir=staged)
+        except BaseException:
+            rec.state, rec.slot = "paused", None
+            self.store.put(rec)
+            raise
+        if staged is not None:
+            self.snapshots.discard(staged.parent)
+        rec.image_id = None
+        self.store.put(rec)
+        return rec
+
+    async def connect(self, sandbox_id: str, timeout_s: int) -> tuple[SandboxRecord, bool]:
+        """E2B ``connect``: resume a paused sandbox (expiry now + ``timeout_s``) or
+        extend a running one's expiry to at least now + ``timeout_s`` (never shorten).
+        Waits for a pause, resume, snapshot or fork in progress, so concurrent connects
+        all see the result. Returns ``(record, resumed)``.
+
+        Raises:
+            NotFound, BadRequest (timeout), CreateFailed (restore failed; stays paused).
+        """
+        timeout_s = self._check_timeout(max(timeout_s, 1))
+        async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
+            rec = self.get(sandbox_id)
+            if rec.state == "paused":
+                rec = await self._resume_locked(rec, timeout_s, None)
+                resumed = True
+            else:
+                if rec.end_at < time.time() + timeout_s:
+                    rec.end_at = time.time() + timeout_s
+                    rec.timeout_s = timeout_s
+                    self.store.put(rec)
+                resumed = False
+        if resumed:
+            self._gc_images_later()
+        return rec, resumed
 
     # ---- snapshots --------------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:

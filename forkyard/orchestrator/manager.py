@@ -124,6 +124,12 @@ class Orchestrator(LifecycleMixin):
                 await self._ttl_task
             except asyncio.CancelledError:
                 pass
+        if not self._slots and not any(r.slot is not None for r in self.store.all()):
+            # Nothing runs: the host's forwarding/NAT chains are not needed until the next start.
+            try:
+                await asyncio.to_thread(self.network.teardown_host)
+            except Exception as e:  # noqa: BLE001
+                log.warning("removing the host network chains failed: %s", e)
         await self._http.aclose()
 
     async def _adoptable(self, rec: SandboxRecord, live_ids: set[str]) -> bool:
@@ -165,6 +171,7 @@ class Orchestrator(LifecycleMixin):
             log.info("removed uncommitted snapshot staging %s", name)
         live_ids = set(await self.driver.list_ids())
         keep: set[str] = set()
+        doomed: list = []
         for rec in self.store.all():
             committed = self.snapshots.get(rec.image_id) if rec.image_id else None
             if rec.state == "pausing" and committed is not None:
@@ -188,12 +195,14 @@ class Orchestrator(LifecycleMixin):
                 log.info("sandbox %s is paused", rec.id)
                 continue
             log.info("cleaning up sandbox %s (state %s)", rec.id, rec.state)
-            await self._teardown(rec.id, rec.slot)
-            self.store.delete(rec.id)
+            doomed.append(self._teardown_row(rec))
         for rid in live_ids - keep:
-            if rid not in self._slots:
+            if rid not in self._slots and rid not in {r.id for r in self.store.all()}:
                 log.info("removing orphan runtime sandbox %s", rid)
-                await self.driver.destroy(rid, self.settings.sandboxes_dir / rid)
+                doomed.append(self.driver.destroy(rid, self.settings.sandboxes_dir / rid))
+        # In parallel: after a restart their processes belong to the host's PID 1, which
+        # reaps only about once a second, so each destroy can take ~1-2 s.
+        await asyncio.gather(*doomed)
         used = {s.index for s in self._slots.values()}
         self._next_slot = (max(used) + 1) % MAX_SLOTS if used else 0
         for idx in await asyncio.to_thread(self.network.existing_indexes):
@@ -204,6 +213,10 @@ class Orchestrator(LifecycleMixin):
                 if d.name not in self._slots:
                     shutil.rmtree(d, ignore_errors=True)
         await self._gc_images()
+
+    async def _teardown_row(self, rec: SandboxRecord) -> None:
+        await self._teardown(rec.id, rec.slot)
+        self.store.delete(rec.id)
 
     async def _commit_interrupted_pauses(self) -> None:
         """Commit the staged images of pauses a crash interrupted (call once no
@@ -498,14 +511,18 @@ class Orchestrator(LifecycleMixin):
                 log.error("release of slot %s failed: %s", slot_index, e)
         shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
 
-    async def kill(self, sandbox_id: str) -> None:
-        """Kill a running or paused sandbox and free everything it held.
+    async def kill(self, sandbox_id: str, only_if=None) -> None:
+        """Kill a running or paused sandbox and free everything it held. ``only_if``
+        (``f(sandbox_id) -> bool``, checked under the sandbox's lock) lets expiry back
+        off when the sandbox was extended meanwhile.
 
         Raises:
             NotFound: unknown or already killed sandbox.
         """
         async with self._locks[sandbox_id]:
             await self._settle(sandbox_id)
+            if only_if is not None and not only_if(sandbox_id):
+                return
             rec = self.get(sandbox_id)
             rec.state = "killing"
             self.store.put(rec)
@@ -549,23 +566,25 @@ class Orchestrator(LifecycleMixin):
                 self.snapshots.delete(meta.snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
-    def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
+    async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
         """Set expiry to now + ``timeout_s`` (E2B semantics: may shorten or extend).
+        Waits for a pause/snapshot/fork in progress, so their write-back cannot undo it.
 
         Raises:
             NotFound, BadRequest (timeout outside 0 … 86400 s).
         """
         if not 0 <= timeout_s <= MAX_TIMEOUT_S:
             raise BadRequest(f"timeout must be between 0 and {MAX_TIMEOUT_S} seconds")
-        rec = self.get(sandbox_id)
-        rec.end_at = time.time() + timeout_s
-        rec.timeout_s = max(timeout_s, 1)
-        self.store.put(rec)
-        return rec
+        async with self._locks[sandbox_id]:
+            rec = self.get(sandbox_id)
+            rec.end_at = time.time() + timeout_s
+            rec.timeout_s = max(timeout_s, 1)
+            self.store.put(rec)
+            return rec
 
-    def refresh(self, sandbox_id: str, duration_s: int | None) -> SandboxRecord:
+    async def refresh(self, sandbox_id: str, duration_s: int | None) -> SandboxRecord:
         """Extend expiry to at least now + ``duration_s`` (default 300 s; E2B
-        ``/refreshes`` never shortens).
+        ``/refreshes`` never shortens). Serialized like :meth:`set_timeout`.
 
         Raises:
             NotFound, BadRequest (duration outside 0 … 3600 s, E2B's limit).
@@ -573,10 +592,11 @@ class Orchestrator(LifecycleMixin):
         duration_s = DEFAULT_TIMEOUT_S if duration_s is None else duration_s
         if not 0 <= duration_s <= 3600:
             raise BadRequest("duration must be between 0 and 3600 seconds")
-        rec = self.get(sandbox_id)
-        rec.end_at = max(rec.end_at, time.time() + duration_s)
-        self.store.put(rec)
-        return rec
+        async with self._locks[sandbox_id]:
+            rec = self.get(sandbox_id)
+            rec.end_at = max(rec.end_at, time.time() + duration_s)
+            self.store.put(rec)
+            return rec
 
     async def _ttl_loop(self) -> None:
         """Every 0.5 s: start expiry actions (pause or kill, each in its own task so one
@@ -591,15 +611,32 @@ class Orchestrator(LifecycleMixin):
                 if rec.id in self._expiring:
                     continue
                 if rec.state == "running" and rec.end_at <= now:
-                    action = self.pause if rec.auto_pause else self.kill
+                    action = self._expire_pause if rec.auto_pause else self._expire_kill
                 elif rec.state == "paused" and rec.paused_at and rec.paused_at + PAUSED_RETENTION_S <= now:
-                    action = self.kill
+                    action = self._expire_kill
                 else:
                     continue
                 self._expiring.add(rec.id)
                 asyncio.create_task(self._expire(rec.id, action), name=f"expire-{rec.id}")
             if tick % 4 == 0:
                 await self._reap_dead()
+
+    def _due(self, sandbox_id: str) -> bool:
+        """Still due for expiry now (call with the sandbox's lock held): a timeout set
+        or a connect made since the TTL loop looked wins over the expiry."""
+        rec = self.store.get(sandbox_id)
+        if rec is None:
+            return False
+        now = time.time()
+        if rec.state == "running":
+            return rec.end_at <= now
+        return rec.state == "paused" and bool(rec.paused_at) and rec.paused_at + PAUSED_RETENTION_S <= now
+
+    async def _expire_pause(self, sandbox_id: str) -> None:
+        await self.pause(sandbox_id, only_if=self._due)
+
+    async def _expire_kill(self, sandbox_id: str) -> None:
+        await self.kill(sandbox_id, only_if=self._due)
 
     async def _expire(self, sandbox_id: str, action) -> None:
         try:
