@@ -77,3 +77,23 @@ def test_pause_and_snapshot_bodies_from_the_sdk(sandbox, server):
         assert r.status_code == 204, r.text
         r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 60})
         assert r.status_code == 201, r.text
+
+
+def test_pause_require_healthy_guest_refuses_an_unresponsive_envd(sandbox, server):
+    """``requireHealthyGuest: true`` with an envd that does not answer (its sandbox is
+    frozen behind the server's back) → 503 and the sandbox is left running."""
+    import subprocess
+
+    from conftest import SERVER_DIR
+
+    runsc = ["runsc", f"--root={SERVER_DIR / 'runsc'}"]
+    subprocess.run([*runsc, "pause", sandbox.sandbox_id], check=True, capture_output=True)
+    try:
+        with server.api() as c:
+            r = c.post(f"/sandboxes/{sandbox.sandbox_id}/pause", json={"requireHealthyGuest": True})
+            assert r.status_code == 503, r.text
+            assert "does not answer" in r.json()["message"]
+            assert c.get(f"/sandboxes/{sandbox.sandbox_id}").json()["state"] == "running"
+    finally:
+        subprocess.run([*runsc, "resume", sandbox.sandbox_id], check=True, capture_output=True)
+    assert sandbox.commands.run("echo up").stdout.strip() == "up"
