@@ -37,7 +37,6 @@ func main() {
 		setClock    = flag.Bool("set-clock", false, "let POST /init set the system clock from its timestamp")
 		verbose     = flag.Bool("verbose", false, "log every request")
 		showVersion = flag.Bool("version", false, "print the envd protocol version and exit")
-		acceptMode  = flag.String("accept", "blocking", "how the listener accepts: blocking (accept(2) outside the netpoller; survives checkpoint/restore on its own) or poller (netpoller, re-armed on SIGUSR1 after a restore)")
 	)
 	flag.Parse()
 	if *showVersion {
@@ -67,31 +66,14 @@ func main() {
 
 	s := server.New(st, rp, server.Options{SetClock: *setClock, Verbose: *verbose, Logf: log.Printf})
 	srv := s.HTTPServer(log.Default())
-	// The listener must keep accepting after a checkpoint/restore: by default a
-	// blocking accept(2) outside Go's netpoller (server.BlockingListener); with
-	// -accept=poller the netpoller with a rearm on SIGUSR1 ("you were just
-	// restored") and a 1 s fallback (server.RearmListener).
-	var ln interface {
-		net.Listener
-		Rearm() error
+	tl, err := net.Listen("tcp", net.JoinHostPort(*listen, fmt.Sprint(*port)))
+	if err != nil {
+		log.Fatalf("listen: %v", err)
 	}
-	switch *acceptMode {
-	case "blocking":
-		ip := net.ParseIP(*listen)
-		bl, err := server.ListenBlocking(ip, *port)
-		if err != nil {
-			log.Fatalf("listen: %v", err)
-		}
-		ln = bl
-	case "poller":
-		tl, err := net.Listen("tcp", net.JoinHostPort(*listen, fmt.Sprint(*port)))
-		if err != nil {
-			log.Fatalf("listen: %v", err)
-		}
-		ln = server.NewRearmListener(tl.(*net.TCPListener), 0)
-	default:
-		log.Fatalf("-accept must be blocking or poller, not %q", *acceptMode)
-	}
+	// SIGUSR1 = "you were just restored from a checkpoint": re-register the
+	// listening socket with the poller (see server.RearmListener). The host
+	// sends it right after every `runsc restore`.
+	ln := server.NewRearmListener(tl.(*net.TCPListener), 0)
 	rearm := make(chan os.Signal, 4)
 	signal.Notify(rearm, syscall.SIGUSR1)
 	go func() {

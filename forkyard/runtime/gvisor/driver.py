@@ -111,10 +111,6 @@ class GVisorDriver(RuntimeDriver):
         checkpoint_compression: ``"none"`` (default) or ``"flate-best-speed"`` (runsc's
             default). Uncompressed images are faster to write and chunk/deduplicate
             better in the snapshot store, which compresses chunks itself.
-        rearm_envd: send envd SIGUSR1 (``runsc kill``, ~15-20 ms of CPU) after every
-            restore so a netpoller listener re-registers (envd ``-accept=poller``). The
-            default envd accepts with a blocking accept(2) that needs no signal, so this
-            is off unless ``FORKYARD_ENVD_REARM=1``.
 
     Creating a driver makes this process a child subreaper with a reaper thread
     (:mod:`.reaper`) so dead sandboxes are reaped at once.
@@ -131,7 +127,6 @@ class GVisorDriver(RuntimeDriver):
         extra_flags: list[str] | None = None,
         checkpoint_compression: str = "none",
         sudo_broker: bool = True,
-        rearm_envd: bool | None = None,
     ):
         if overlay not in ("dir", "memory"):
             raise ValueError(f"overlay must be 'dir' or 'memory', not {overlay!r}")
@@ -145,7 +140,6 @@ class GVisorDriver(RuntimeDriver):
             raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
         self.checkpoint_compression = checkpoint_compression
         self.sudo_broker = sudo_broker
-        self.rearm_envd = os.environ.get("FORKYARD_ENVD_REARM") == "1" if rearm_envd is None else rearm_envd
         ensure_reaper()
 
     # ---- command plumbing -------------------------------------------------------------
@@ -246,12 +240,11 @@ class GVisorDriver(RuntimeDriver):
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
         )
-        if self.init_argv[0] == ocispec.ENVD_GUEST_PATH and self.rearm_envd:
+        if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
             await self._rearm_envd(spec.sandbox_id)
 
     async def _rearm_envd(self, sandbox_id: str) -> None:
-        """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms);
-        only for envd ``-accept=poller`` (see ``rearm_envd``).
+        """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
 
         runsc (0.0~20240729) resets every TCP connection of a checkpoint
         (``--net-disconnect-ok``); when the image held any, the restored listening
