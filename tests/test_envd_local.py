@@ -463,3 +463,11 @@ def test_metrics_and_envs(envd):
     r = httpx.post(f"{envd.url}/process.Process/List", json={},
                    headers={"Authorization": f"Basic {creds}"})
     assert r.status_code == 200 and r.json() == {}
+
+
+def test_envd_go_unit_tests():
+    """envd's Go unit tests (listener rearm, process/filesystem services, state) pass."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    envd_dir = Path(__file__).resolve().parent.parent / "envd"
+    p = subprocess.run([go, "test", "-count=1", "./..."], cwd=envd_dir, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

@@ -410,7 +410,7 @@ class Orchestrator(LifecycleMixin):
                 await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             phases["envd"] = (time.perf_counter() - t2) * 1000
         except BaseException as e:
-            log.warning("start of %s failed: %s", rec.id, e)
+            log.warning("start of %s failed: %r", rec.id, e)
             await asyncio.shield(self._teardown(rec.id, rec.slot))
             rec.slot = None
             if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
@@ -418,7 +418,7 @@ class Orchestrator(LifecycleMixin):
             if image is not None and image_dir is None and self.snapshots.get(image.snapshot_id) is None:
                 raise NotFound(f"snapshot {image.snapshot_id} was deleted while sandbox {rec.id} was being restored from it") from e
             what = "restoring" if image else "creating"
-            raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {e or repr(e)}") from e
+            raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {str(e) or repr(e)}") from e
         finally:
             self._starting -= 1
         self._slots[rec.id] = slot
