@@ -71,18 +71,20 @@ class LifecycleMixin:
             envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
         )
 
-    async def _stage(self, rec: SandboxRecord, snapshot_id: str) -> Path:
-        """``runsc checkpoint --leave-running`` of ``rec`` into a fresh staging directory
-        (image in ``<it>/image``); records the ``checkpoint`` phase (ms) for
-        ``Server-Timing`` — the time the sentry holds the sandbox's tasks stopped.
+    async def _stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
+        """``runsc checkpoint`` of ``rec`` into a fresh staging directory (image in
+        ``<it>/image``): ``--leave-running`` unless ``stop`` (pause: the sandbox stops
+        once the image is complete; the stopped runtime is left for :meth:`_teardown`).
+        Records the ``checkpoint`` phase (ms) for ``Server-Timing`` — the time the
+        sentry holds the sandbox's tasks stopped.
 
         Raises:
-            CreateFailed: runsc failed; the staging directory is removed.
+            CreateFailed: staging or runsc failed; the staging directory is removed.
         """
         t0 = time.perf_counter()
         try:
             staging = self.snapshots.staging(snapshot_id)
-            await self.driver.checkpoint(rec.id, staging / "image", leave_running=True)
+            await self.driver.checkpoint(rec.id, staging / "image", leave_running=not stop, keep_stopped=stop)
         except BaseException as e:
             self.snapshots.discard(self.snapshots.staging_path(snapshot_id))
             if isinstance(e, Exception):
@@ -163,12 +165,9 @@ class LifecycleMixin:
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
-            t0 = time.perf_counter()
             try:
-                staging = self.snapshots.staging(sid)
-                await self.driver.checkpoint(rec.id, staging / "image", leave_running=False, keep_stopped=True)
-            except Exception as e:
-                self.snapshots.discard(self.snapshots.staging_path(sid))
+                staging = await self._stage(rec, sid, stop=True)
+            except CreateFailed as e:
                 try:
                     alive = await self.driver.is_running(rec.id)
                 except Exception:  # noqa: BLE001 — treat as dead
@@ -181,7 +180,6 @@ class LifecycleMixin:
                 rec.state, rec.image_id = "running", None
                 self.store.put(rec)
                 raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
-            timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
             try:
                 (staging / PAUSE_MARKER).touch()
             except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
@@ -374,14 +372,15 @@ class LifecycleMixin:
             src = self._running(sandbox_id)
             src.state = "forking"
             self.store.put(src)
+            sid = new_snapshot_id()
             try:
-                staging = await self._stage(src, new_snapshot_id())
+                staging = await self._stage(src, sid)
             finally:
                 src.state = "running"
                 self.store.put(src)
         # Children restore straight from the staged image: a fork image is never needed
         # after its children run, so it is not committed to the repository.
-        image = self._meta_for(src, "fork", staging.name.removeprefix(".staging-"))
+        image = self._meta_for(src, "fork", sid)
         now = time.time()
         kids = []
         for _ in range(count):

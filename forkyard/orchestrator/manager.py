@@ -196,8 +196,9 @@ class Orchestrator(LifecycleMixin):
                 continue
             log.info("cleaning up sandbox %s (state %s)", rec.id, rec.state)
             doomed.append(self._teardown_row(rec))
+        rows = {r.id for r in self.store.all()}  # doomed rows are destroyed with their row
         for rid in live_ids - keep:
-            if rid not in self._slots and rid not in {r.id for r in self.store.all()}:
+            if rid not in self._slots and rid not in rows:
                 log.info("removing orphan runtime sandbox %s", rid)
                 doomed.append(self.driver.destroy(rid, self.settings.sandboxes_dir / rid))
         # In parallel: after a restart their processes belong to the host's PID 1, which
@@ -251,7 +252,7 @@ class Orchestrator(LifecycleMixin):
                 rec.state, rec.paused_at = "paused", time.time()
                 self.store.put(rec)
             try:
-                await asyncio.to_thread(self.snapshots.commit, staging, self._meta_for(rec, "pause", rec.image_id))
+                await self._commit(staging, self._meta_for(rec, "pause", rec.image_id), keep_on_error=True)
                 log.info("committed the interrupted pause of sandbox %s", rec.id)
             except Exception as e:  # noqa: BLE001
                 log.error("committing the interrupted pause of %s failed (kept staged): %s", rec.id, e)

@@ -526,7 +526,7 @@ class GVisorDriver(RuntimeDriver):
             except OSError:
                 continue
             args = [a.decode(errors="replace") for a in argv if a]
-            if root in args and "checkpoint" in args and args:
+            if root in args and "checkpoint" in args:
                 ids.append(args[-1])
         return ids
 
