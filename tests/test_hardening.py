@@ -88,3 +88,22 @@ def test_proxy_forwards_only_client_headers(server, sandbox):
     assert "content-encoding" not in r.headers
     assert r.content == b"plain text " * 100
     assert len(r.headers.get_list("date")) == 1
+
+
+async def test_unexpected_error_is_a_json_500_and_the_connection_stays_usable(tmp_path):
+    """A bug in a handler answers ``{code: 500, message}`` (not a dropped connection);
+    the same client then gets normal answers. In-process app, nothing started."""
+    from forkyard.api.app import create_app
+    from forkyard.config import Settings
+
+    app = create_app(Settings(data_dir=tmp_path))
+
+    async def boom():
+        raise ValueError("kaput")
+
+    app.fastapi.add_api_route("/boom", boom)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.get("/boom")
+        assert r.status_code == 500
+        assert r.json() == {"code": 500, "message": "internal error: ValueError('kaput')"}
+        assert (await c.get("/health")).status_code == 200
