@@ -43,6 +43,11 @@ class Settings:
         max_upload_mb: largest request body the proxy forwards to a sandbox
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
+        cluster: this node is part of a cluster (set by ``forkyard node --scheduler``):
+            pauses commit to the shared repository before they answer (so a paused
+            sandbox can resume on any node even if this one dies right after), and
+            only images this node itself made garbage are deleted (other nodes' pause
+            images live in the same repository).
     """
 
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
@@ -60,6 +65,7 @@ class Settings:
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
+    cluster: bool = False
 
     @property
     def db_path(self) -> Path:
@@ -88,5 +94,7 @@ class Settings:
 
     @property
     def api_key_file(self) -> Path:
-        """0600 file holding the generated API key."""
-        return self.data_dir / "api_key"
+        """0600 file holding the API key: ``FORKYARD_API_KEY_FILE`` (a cluster shares
+        one key), else ``<data>/api_key``, generated on first start."""
+        override = os.environ.get("FORKYARD_API_KEY_FILE")
+        return Path(override).expanduser().resolve() if override else self.data_dir / "api_key"

@@ -74,9 +74,13 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await orch.start()
+        for hook in app.state.on_start:
+            await hook()
         try:
             yield
         finally:
+            for hook in app.state.on_stop:
+                await hook()
             await orch.stop()
             await proxy.aclose()
 
@@ -89,6 +93,8 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.state.settings = settings
     api.state.orchestrator = orch
     api.state.api_key = load_or_create_key(settings.api_key_file)
+    #: ``async f()`` run after the orchestrator starts / before it stops (cluster agent).
+    api.state.on_start, api.state.on_stop = [], []
 
     @api.exception_handler(OrchestratorError)
     async def _orch_error(request: Request, exc: OrchestratorError):

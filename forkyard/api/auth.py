@@ -34,9 +34,28 @@ def load_or_create_key(path: Path) -> str:
     return key
 
 
+#: Header carrying the cluster secret on control-plane calls (gateway → node, node →
+#: scheduler). Never forwarded into a sandbox: the gateway sends it only on REST calls,
+#: and the node's proxy strips it from sandbox traffic.
+CLUSTER_SECRET_HEADER = "x-forkyard-cluster-secret"
+
+
+def cluster_secret_ok(headers, secret: str | None) -> bool:
+    """True when ``headers`` (any case-insensitive mapping) carry ``secret`` in
+    :data:`CLUSTER_SECRET_HEADER` (constant-time compare); False when ``secret`` is unset."""
+    if not secret:
+        return False
+    got = headers.get(CLUSTER_SECRET_HEADER, "")
+    return bool(got) and hmac.compare_digest(got.encode(), secret.encode())
+
+
 def require_key(request: Request) -> None:
-    """FastAPI dependency: 401 unless ``X-API-Key`` matches the server's key."""
+    """FastAPI dependency: 401 unless ``X-API-Key`` matches the server's key — or, on a
+    cluster node, the request carries the cluster secret (the gateway's calls;
+    ``app.state.cluster_secret``, see :mod:`forkyard.cluster.config`)."""
     expected: str = request.app.state.api_key
     got = request.headers.get("x-api-key", "")
+    if cluster_secret_ok(request.headers, getattr(request.app.state, "cluster_secret", None)):
+        return
     if not got or not hmac.compare_digest(got.encode(), expected.encode()):
         raise HTTPException(status_code=401, detail="Invalid API key, set X-API-Key header")

@@ -28,6 +28,7 @@ _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 _HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
     "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    "x-forkyard-cluster-secret",  # never into a sandbox (forkyard.api.auth)
 }
 #: Also dropped from upstream responses: the server adds its own.
 _HOP_OUT = _HOP | {"date", "server"}
@@ -145,99 +146,116 @@ class SandboxProxy:
 
     async def _http(self, scope, receive, send, host, port, sid):
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _HOP]
-        qs = scope.get("query_string", b"")
-        url = f"http://{host}:{port}{scope.get('raw_path', scope['path'].encode()).decode('latin-1').split('?')[0]}"
-        if qs:
-            url += "?" + qs.decode("latin-1")
-
-        declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await _send_json(send, 413, f"request body over the {self.max_body_bytes} byte limit")
-        sent = 0
-
-        async def body():
-            nonlocal sent
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    return
-                chunk = msg.get("body", b"")
-                if chunk:
-                    sent += len(chunk)
-                    if sent > self.max_body_bytes:
-                        raise _TooLarge()
-                    yield chunk
-                if not msg.get("more_body"):
-                    return
-
-        client = self._client(sid)
-        req = client.build_request(scope["method"], url, headers=headers, content=body())
-        try:
-            resp = await client.send(req, stream=True)
-        except _TooLarge:
-            return await _send_json(send, 413, f"request body over the {self.max_body_bytes} byte limit")
-        except httpx.HTTPError as e:
-            return await _send_json(send, 502, f"sandbox {sid} port {port} is not reachable: {e!r}")
-        try:
-            out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
-                           for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
-            if "content-length" in resp.headers:  # raw bytes are relayed, so it stays exact
-                out_headers.append((b"content-length", resp.headers["content-length"].encode()))
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
-            async for chunk in resp.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        except (httpx.HTTPError, OSError) as e:
-            # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
-            # connections on checkpoint). End the response; the client sees a
-            # truncated stream (Connect: no end message) and reports an error.
-            log.debug("stream from sandbox %s ended early: %r", sid, e)
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            await resp.aclose()
+        await relay_http(self._client(sid), scope, receive, send, f"http://{host}:{port}", headers,
+                         self.max_body_bytes, f"sandbox {sid} port {port}")
 
     async def _ws(self, scope, receive, send, host, port):
-        path = scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?")[0]
-        qs = scope.get("query_string", b"").decode("latin-1")
-        url = f"ws://{host}:{port}{path}" + (f"?{qs}" if qs else "")
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                 if k.decode("latin-1").lower() not in _WS_SKIP]
-        msg = await receive()
-        if msg["type"] != "websocket.connect":
-            return
+        await relay_ws(scope, receive, send, f"ws://{host}:{port}", hdrs)
+
+
+def _target_path(scope) -> str:
+    """The request's raw path and query string, as received."""
+    url = scope.get("raw_path", scope["path"].encode()).decode("latin-1").split("?")[0]
+    qs = scope.get("query_string", b"")
+    return url + ("?" + qs.decode("latin-1") if qs else "")
+
+
+async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str, headers: list,
+                     max_body_bytes: int, what: str) -> None:
+    """Stream one HTTP request to ``base`` + the request's path (``headers`` as given:
+    the caller has filtered hop-by-hop ones) and stream the answer back — bodies in both
+    directions chunk by chunk, so Connect server-streaming works over HTTP/1.1. A body
+    over ``max_body_bytes`` gets 413; an upstream that cannot be reached gets 502 naming
+    ``what``; an upstream that goes away mid-stream ends the response early."""
+    url = base + _target_path(scope)
+    declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
+    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+        return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
+    sent = 0
+
+    async def body():
+        nonlocal sent
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            if chunk:
+                sent += len(chunk)
+                if sent > max_body_bytes:
+                    raise _TooLarge()
+                yield chunk
+            if not msg.get("more_body"):
+                return
+
+    req = client.build_request(scope["method"], url, headers=headers, content=body())
+    try:
+        resp = await client.send(req, stream=True)
+    except _TooLarge:
+        return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
+    except httpx.HTTPError as e:
+        return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+    try:
+        out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                       for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
+        if "content-length" in resp.headers:  # raw bytes are relayed, so it stays exact
+            out_headers.append((b"content-length", resp.headers["content-length"].encode()))
+        await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+        async for chunk in resp.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    except (httpx.HTTPError, OSError) as e:
+        # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
+        # connections on checkpoint). End the response; the client sees a
+        # truncated stream (Connect: no end message) and reports an error.
+        log.debug("stream from %s ended early: %r", what, e)
+        await send({"type": "http.response.body", "body": b""})
+    finally:
+        await resp.aclose()
+
+
+async def relay_ws(scope, receive, send, base: str, headers: list[tuple[str, str]]) -> None:
+    """Relay a WebSocket session to ``base`` (``ws://host:port``) + the request's path,
+    frame by frame in both directions, until either side closes."""
+    url = base + _target_path(scope)
+    msg = await receive()
+    if msg["type"] != "websocket.connect":
+        return
+    try:
+        upstream = await websockets.connect(url, additional_headers=headers, subprotocols=scope.get("subprotocols") or None,
+                                            open_timeout=5, max_size=None)
+    except Exception as e:  # noqa: BLE001 — any failure to reach the sandbox
+        log.info("websocket to %s failed: %r", url, e)
+        return await send({"type": "websocket.close", "code": 1011})
+    await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
+
+    async def client_to_up():
+        while True:
+            m = await receive()
+            if m["type"] == "websocket.disconnect":
+                await upstream.close()
+                return
+            if m.get("bytes") is not None:
+                await upstream.send(m["bytes"])
+            elif m.get("text") is not None:
+                await upstream.send(m["text"])
+
+    async def up_to_client():
         try:
-            upstream = await websockets.connect(url, additional_headers=hdrs, subprotocols=scope.get("subprotocols") or None,
-                                                open_timeout=5, max_size=None)
-        except Exception as e:  # noqa: BLE001 — any failure to reach the sandbox
-            log.info("websocket to %s failed: %r", url, e)
-            return await send({"type": "websocket.close", "code": 1011})
-        await send({"type": "websocket.accept", "subprotocol": upstream.subprotocol})
-
-        async def client_to_up():
-            while True:
-                m = await receive()
-                if m["type"] == "websocket.disconnect":
-                    await upstream.close()
-                    return
-                if m.get("bytes") is not None:
-                    await upstream.send(m["bytes"])
-                elif m.get("text") is not None:
-                    await upstream.send(m["text"])
-
-        async def up_to_client():
-            try:
-                async for m in upstream:
-                    if isinstance(m, bytes):
-                        await send({"type": "websocket.send", "bytes": m})
-                    else:
-                        await send({"type": "websocket.send", "text": m})
-            finally:
-                await send({"type": "websocket.close", "code": upstream.close_code or 1000})
-
-        tasks = [asyncio.create_task(client_to_up()), asyncio.create_task(up_to_client())]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            async for m in upstream:
+                if isinstance(m, bytes):
+                    await send({"type": "websocket.send", "bytes": m})
+                else:
+                    await send({"type": "websocket.send", "text": m})
         finally:
-            for t in tasks:
-                t.cancel()
-            await upstream.close()
+            await send({"type": "websocket.close", "code": upstream.close_code or 1000})
+
+    tasks = [asyncio.create_task(client_to_up()), asyncio.create_task(up_to_client())]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await upstream.close()

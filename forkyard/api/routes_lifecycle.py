@@ -54,6 +54,12 @@ async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None 
     body = body or schemas.ForkBody()
     phases = timing.start()
     results = await _orch(request).fork(sandbox_id, body.count, body.timeout)
+    return JSONResponse(fork_results(results), status_code=201, headers=timing.header(phases))
+
+
+def fork_results(results: list) -> list[dict]:
+    """E2B fork answer entries: ``{"sandbox": Sandbox}`` per child that runs, or
+    ``{"error": Error}`` with the status of what stopped it."""
     out = []
     for r in results:
         if isinstance(r, Exception):
@@ -61,7 +67,7 @@ async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None 
             out.append({"error": schemas.error(status, str(r))})
         else:
             out.append({"sandbox": schemas.sandbox_created(r)})
-    return JSONResponse(out, status_code=201, headers=timing.header(phases))
+    return out
 
 
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)

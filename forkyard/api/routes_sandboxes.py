@@ -32,10 +32,17 @@ def _parse_metadata(raw: str | None) -> dict[str, str]:
     return {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in pairs}
 
 
-def _filter(orch: Orchestrator, metadata: str | None, states: set[str], template: str | None):
+def filter_records(recs, metadata: str | None, states: set[str], template: str | None) -> list:
+    """The records of ``recs`` a list request selects: visible ``state`` in ``states``
+    (``running`` covers every non-paused state), ``template`` (``name[:tag]``) and every
+    ``metadata`` pair (URL-encoded query, as the SDK sends it).
+
+    Raises:
+        BadRequest: malformed metadata filter.
+    """
     want = _parse_metadata(metadata)
     out = []
-    for rec in orch.list():
+    for rec in recs:
         state = "paused" if rec.state == "paused" else "running"
         if state not in states:
             continue
@@ -75,7 +82,7 @@ async def create_sandbox_v2(request: Request, body: schemas.NewSandbox):
 @router.get("/sandboxes")
 async def list_sandboxes(request: Request, metadata: str | None = None):
     """Running sandboxes (E2B v1 list)."""
-    return [schemas.sandbox_listed(r) for r in _filter(_orch(request), metadata, {"running"}, None)]
+    return [schemas.sandbox_listed(r) for r in filter_records(_orch(request).list(), metadata, {"running"}, None)]
 
 
 @router.get("/v2/sandboxes")
@@ -92,10 +99,21 @@ async def list_sandboxes_v2(
     """Sandboxes filtered by ``state`` (comma list of running/paused; default both),
     ``metadata`` and ``template``; paginated by ``limit`` and the opaque
     ``nextToken`` (answered in the ``x-next-token`` header)."""
+    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit)
+
+
+def list_page(recs, response: Response, metadata: str | None, state: str | None, template: str | None,
+              order: str | None, next_token: str | None, limit: int) -> list[dict]:
+    """One page of ``GET /v2/sandboxes`` over ``recs`` (shared by node and gateway):
+    filtered (:func:`filter_records`), newest first unless ``order=asc``, paginated.
+
+    Raises:
+        BadRequest: bad state filter, metadata filter or nextToken.
+    """
     states = set((state or "running,paused").split(","))
     if not states <= {"running", "paused"}:
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
-    recs = _filter(_orch(request), metadata, states, template)
+    recs = filter_records(recs, metadata, states, template)
     recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
     page = schemas.paginate(recs, limit, next_token, response)
     return [schemas.sandbox_listed(r) for r in page]

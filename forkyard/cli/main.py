@@ -43,7 +43,14 @@ def serve(
     build_base: bool = typer.Option(True, help="Build the default `base` template if missing."),
     log_level: str = typer.Option("info", help="Log level."),
 ):
-    """Start the API server (REST + sandbox proxy) on HOST:PORT."""
+    """Start the API server (REST + sandbox proxy) on HOST:PORT (one node, no cluster)."""
+    _run_node(host, port, data_dir, build_base, log_level)
+
+
+def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_base: bool, log_level: str,
+              cluster: dict | None = None) -> None:
+    """Run a node: alone (``cluster`` None) or registered with a scheduler (``cluster``
+    has ``scheduler``, ``secret``, ``node_id``, ``advertise_url``, ``max_sandboxes``)."""
     import uvicorn
 
     from forkyard.api.app import create_app
@@ -56,8 +63,8 @@ def serve(
         settings.port = port
     if data_dir:
         settings.data_dir = data_dir.resolve()
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    settings.cluster = cluster is not None
+    _logging(log_level)
     _preflight(settings)
     if build_base:
         from forkyard.templates.base import build_base as build
@@ -69,16 +76,31 @@ def serve(
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
     application = create_app(settings)
-    key_src = "FORKYARD_API_KEY" if _env_key() else str(settings.api_key_file)
     url = f"http://{settings.host}:{settings.port}"
-    # Plain prints: rich would wrap the export line at 80 columns when logged to a file.
-    print(f"forkyard API {url}   (API key: {key_src})", flush=True)
-    key_expr = "$FORKYARD_API_KEY" if _env_key() else f"$(cat {settings.api_key_file})"
-    print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
+    if cluster is not None:
+        from forkyard.cluster.agent import NodeAgent
+
+        advertise = cluster["advertise_url"] or url
+        agent = NodeAgent(application, cluster["node_id"], advertise, cluster["scheduler"], cluster["secret"],
+                          cluster["max_sandboxes"])
+        application = agent.wrap(application)
+        print(f"forkyard node {cluster['node_id']} on {url} (advertised as {advertise}), "
+              f"scheduler {cluster['scheduler']}, up to {cluster['max_sandboxes']} sandboxes", flush=True)
+    else:
+        key_src = "FORKYARD_API_KEY" if _env_key() else str(settings.api_key_file)
+        # Plain prints: rich would wrap the export line at 80 columns when logged to a file.
+        print(f"forkyard API {url}   (API key: {key_src})", flush=True)
+        key_expr = "$FORKYARD_API_KEY" if _env_key() else f"$(cat {settings.api_key_file})"
+        print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=2, timeout_keep_alive=75)
+
+
+def _logging(log_level: str) -> None:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 class _BuildProgress:
@@ -107,10 +129,12 @@ def _env_key() -> bool:
 
 
 from forkyard.cli import admin as _admin  # noqa: E402
+from forkyard.cli import cluster as _cluster  # noqa: E402
 from forkyard.cli import sandboxes as _sandboxes  # noqa: E402
 
 _sandboxes.register(app)
 _admin.register(app)
+_cluster.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -147,6 +147,9 @@ class LifecycleMixin:
         keeps running. ``only_if`` (``f(sandbox_id) -> bool``, checked under the lock)
         lets expiry back off when the sandbox was extended meanwhile.
 
+        In a cluster (``settings.cluster``) the answer waits for the commit too, so the
+        sandbox can resume on any node even if this one dies right after.
+
         Raises:
             NotFound: unknown sandbox (or it had died; it is removed).
             Conflict: already paused (409, as E2B) or busy.
@@ -189,8 +192,12 @@ class LifecycleMixin:
             self.store.put(rec)
             self._slots.pop(rec.id, None)
             meta = self._meta_for(rec, "pause", sid)
-            self._pending[rec.id] = asyncio.create_task(
+            task = self._pending[rec.id] = asyncio.create_task(
                 self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
+            if self.settings.cluster:
+                # Another node may have to resume it if this one dies next: answer only
+                # once the image is in the shared repository.
+                await asyncio.shield(task)
             return rec
 
     async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta,
@@ -273,6 +280,8 @@ class LifecycleMixin:
             raise
         if staged is not None:
             self.snapshots.discard(staged.parent)
+        if rec.image_id:
+            self._garbage.add(rec.image_id)
         rec.image_id = None
         self.store.put(rec)
         return rec
@@ -368,6 +377,56 @@ class LifecycleMixin:
         if not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"count must be between 1 and {MAX_FORKS}")
         timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        src, image, staging = await self._fork_stage(sandbox_id)
+        # Children restore straight from the staged image: a fork image is never needed
+        # after its children run, so it is not committed to the repository.
+        try:
+            return await self._spawn_children(image, count, timeout_s, src.auto_pause, staging / "image")
+        finally:
+            self.snapshots.discard(staging)
+
+    async def fork_export(self, sandbox_id: str, count: int, timeout_s: int | None = None
+                          ) -> tuple[list[SandboxRecord | Exception], str]:
+        """:meth:`fork` for a cluster whose children do not all fit on this node: the
+        one checkpoint is committed to the shared repository as a ``fork`` image, then
+        ``count`` (0…100) children start here from it; other nodes start the rest with
+        :meth:`fork_children`. Returns ``(children, fork image id)``; the caller deletes
+        the image (:meth:`delete_image`) once every node's children run.
+
+        Raises:
+            as :meth:`fork`; RepositoryError when the commit fails (source keeps running).
+        """
+        if not isinstance(count, int) or not 0 <= count <= MAX_FORKS:
+            raise BadRequest(f"count must be between 0 and {MAX_FORKS}")
+        timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        src, image, staging = await self._fork_stage(sandbox_id)
+        image = await self._commit(staging, image)
+        return await self._spawn_children(image, count, timeout_s, src.auto_pause, None), image.snapshot_id
+
+    async def fork_children(self, image_id: str, count: int, timeout_s: int | None = None,
+                            auto_pause: bool = True) -> list[SandboxRecord | Exception]:
+        """Start ``count`` fork children on this node from a ``fork`` image another
+        node exported (:meth:`fork_export`); each child is as a :meth:`fork` child of
+        the image's source (memory, files, env, lineage), with ``auto_pause`` as the
+        source's.
+
+        Raises:
+            BadRequest: count outside 1…100, bad timeout, or not a fork image.
+            NotFound: no such image in the repository.
+        """
+        if not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise BadRequest(f"count must be between 1 and {MAX_FORKS}")
+        timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        image = await asyncio.to_thread(self.snapshots.get, image_id)
+        if image is None:
+            raise NotFound(f"fork image {image_id!r} not found")
+        if image.kind != "fork":
+            raise BadRequest(f"{image_id!r} is a {image.kind} image, not a fork image")
+        return await self._spawn_children(image, count, timeout_s, auto_pause, None)
+
+    async def _fork_stage(self, sandbox_id: str) -> tuple[SandboxRecord, SnapshotMeta, Path]:
+        """Checkpoint the running source (``--leave-running``) under its lock; returns
+        ``(source, fork image meta, staging dir)``."""
         async with self._locks[sandbox_id]:
             src = self._running(sandbox_id)
             src.state = "forking"
@@ -378,26 +437,29 @@ class LifecycleMixin:
             finally:
                 src.state = "running"
                 self.store.put(src)
-        # Children restore straight from the staged image: a fork image is never needed
-        # after its children run, so it is not committed to the repository.
-        image = self._meta_for(src, "fork", sid)
+        return src, self._meta_for(src, "fork", sid), staging
+
+    async def _spawn_children(self, image: SnapshotMeta, count: int, timeout_s: int, auto_pause: bool,
+                              image_dir: Path | None) -> list[SandboxRecord | Exception]:
+        """Restore ``count`` children of ``image`` in parallel (:data:`FORK_PARALLELISM`)
+        from ``image_dir`` (staged) or, when None, from the repository / node cache.
+        Records ``children`` and the slowest child's ``slot``/``runtime``/``envd`` (ms)."""
+        from forkyard.orchestrator.manager import new_sandbox_id
+
         now = time.time()
         kids = []
         for _ in range(count):
-            from forkyard.orchestrator.manager import new_sandbox_id
-
             kid = SandboxRecord(
-                id=new_sandbox_id(), template_id=src.template_id, state="creating", slot=None,
-                vcpus=src.vcpus, memory_mb=src.memory_mb, started_at=now, end_at=now + timeout_s,
-                auto_pause=src.auto_pause,
-                metadata={**src.metadata, PARENT_KEY: src.id, SNAPSHOT_KEY: image.snapshot_id},
-                env_vars=dict(src.env_vars), image_id=None, timeout_s=timeout_s,
-                envd_access_token=secrets.token_urlsafe(24) if src.envd_access_token else None,
+                id=new_sandbox_id(), template_id=image.template_id, state="creating", slot=None,
+                vcpus=image.vcpus, memory_mb=image.memory_mb, started_at=now, end_at=now + timeout_s,
+                auto_pause=auto_pause,
+                metadata={**image.metadata, PARENT_KEY: image.source_sandbox_id, SNAPSHOT_KEY: image.snapshot_id},
+                env_vars=dict(image.env_vars), image_id=None, timeout_s=timeout_s,
+                envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
             )
             self.store.put(kid)
             kids.append(kid)
         sem = asyncio.Semaphore(FORK_PARALLELISM)
-
         child_phases: list[dict[str, float]] = []
 
         async def one(kid: SandboxRecord) -> SandboxRecord | Exception:
@@ -405,17 +467,14 @@ class LifecycleMixin:
                 phases: dict[str, float] = {}
                 child_phases.append(phases)
                 try:
-                    await self._start(kid, image, src.envd_access_token, image_dir=staging / "image", phases=phases)
+                    await self._start(kid, image, image.envd_access_token, image_dir=image_dir, phases=phases)
                 except Exception as e:  # noqa: BLE001 — reported per child
                     self.store.delete(kid.id)
                     return e
                 return kid
 
         t0 = time.perf_counter()
-        try:
-            results = await asyncio.gather(*(one(k) for k in kids))
-        finally:
-            self.snapshots.discard(staging)
+        results = await asyncio.gather(*(one(k) for k in kids))
         timing.record("children", (time.perf_counter() - t0) * 1000)
         for name in ("slot", "runtime", "envd"):  # slowest child's phase
             timing.record(f"{name}-max", max((p.get(name, 0.0) for p in child_phases), default=0.0))

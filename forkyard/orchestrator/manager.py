@@ -92,6 +92,9 @@ class Orchestrator(LifecycleMixin):
         self._closing = False
         self._gc_task: asyncio.Task | None = None
         self._gc_wanted = False
+        #: Pause images this node made garbage (resumed or killed their sandbox); in a
+        #: cluster only these are deleted (see :meth:`_gc_images_sync`).
+        self._garbage: set[str] = set()
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -530,6 +533,7 @@ class Orchestrator(LifecycleMixin):
             await self._teardown(rec.id, rec.slot)
             if rec.image_id:  # a pause image that was never committed
                 self.snapshots.discard(self.snapshots.staging_path(rec.image_id))
+                self._garbage.add(rec.image_id)
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
         self._gc_images_later()
@@ -561,10 +565,68 @@ class Orchestrator(LifecycleMixin):
             log.warning("deleting unused pause images failed (retried later): %s", e)
 
     def _gc_images_sync(self) -> None:
+        """Alone: delete every pause/fork image no local row refers to. In a cluster
+        (``settings.cluster``) the repository is shared and other nodes' paused
+        sandboxes have images there too, so only the images this node made garbage
+        (:attr:`_garbage`) are deleted."""
         referenced = {r.image_id for r in self.store.all() if r.image_id}
+        if self.settings.cluster:
+            for sid in list(self._garbage - referenced):
+                self.snapshots.delete(sid)
+                self._garbage.discard(sid)
+            return
         for meta in self.snapshots.list():
             if meta.kind in ("pause", "fork") and meta.snapshot_id not in referenced:
                 self.snapshots.delete(meta.snapshot_id)
+
+    # ---- cluster hand-over ----------------------------------------------------------
+    async def adopt(self, rec: SandboxRecord) -> SandboxRecord:
+        """Take over a paused sandbox whose node is gone or draining (its state is a
+        committed ``pause`` snapshot in the shared repository): a ``paused`` row with no
+        slot; ``resume``/``connect`` then restore it here. Idempotent.
+
+        Raises:
+            BadRequest: ``rec`` is not paused or has no pause image.
+            NotFound: its pause image is not in the repository.
+            Conflict: this node holds the sandbox in another state.
+        """
+        if rec.state != "paused" or not rec.image_id:
+            raise BadRequest(f"only a paused sandbox with a pause image can be adopted (got {rec.state})")
+        async with self._locks[rec.id]:
+            cur = self.store.get(rec.id)
+            if cur is not None:
+                if cur.state != "paused":
+                    raise Conflict(f"sandbox {rec.id} is {cur.state} on this node")
+                return cur
+            if await asyncio.to_thread(self.snapshots.get, rec.image_id) is None:
+                raise NotFound(f"paused state {rec.image_id} of sandbox {rec.id} is not in the repository")
+            rec.slot = None
+            self.store.put(rec)
+            log.info("adopted paused sandbox %s (image %s)", rec.id, rec.image_id)
+            return rec
+
+    async def forget(self, sandbox_id: str) -> None:
+        """Drop a sandbox the cluster has given to another node (or reported gone while
+        this node was unreachable): a running one is destroyed, a paused one only loses
+        its row here — its pause image stays in the repository for its new node."""
+        async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
+            rec = self.store.get(sandbox_id)
+            if rec is None:
+                return
+            log.warning("sandbox %s belongs to another node now (or was reported gone); dropping it here", sandbox_id)
+            if rec.state != "paused":
+                await self._teardown(rec.id, rec.slot)
+            self.store.delete(rec.id)
+        self._locks.pop(sandbox_id, None)
+
+    async def delete_image(self, snapshot_id: str) -> bool:
+        """Delete a ``fork`` image exported for other nodes' children (the gateway
+        calls this once they all run). Returns False when there is no such fork image."""
+        meta = await asyncio.to_thread(self.snapshots.get, snapshot_id)
+        if meta is None or meta.kind != "fork":
+            return False
+        return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:

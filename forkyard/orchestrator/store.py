@@ -70,10 +70,15 @@ class SandboxRecord:
 class Store:
     """Thread-safe SQLite store of :class:`SandboxRecord` rows.
 
+    ``listeners`` are called as ``f(sandbox_id)`` after every :meth:`put` and
+    :meth:`delete` (on the caller's thread; they must be quick and never raise): a
+    cluster node mirrors its sandboxes to the cluster state store through them.
+
     Raises :class:`sqlite3.Error` on I/O failure; callers treat it as a 500.
     """
 
     def __init__(self, path: Path):
+        self.listeners: list = []
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -110,6 +115,11 @@ class Store:
         marks = ", ".join(f":{k}" for k in d)
         with self._lock:
             self._db.execute(f"INSERT OR REPLACE INTO sandboxes ({cols}) VALUES ({marks})", d)
+        self._notify(rec.id)
+
+    def _notify(self, sandbox_id: str) -> None:
+        for listener in self.listeners:
+            listener(sandbox_id)
 
     def get(self, sandbox_id: str) -> SandboxRecord | None:
         """Row for ``sandbox_id`` or None."""
@@ -127,3 +137,4 @@ class Store:
         """Remove the row (no error when absent)."""
         with self._lock:
             self._db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+        self._notify(sandbox_id)

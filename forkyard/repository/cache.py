@@ -276,6 +276,13 @@ class NodeCache:
                     self._pins.pop(snapshot_id, None)
 
     # ---- whole cache ------------------------------------------------------------------
+    def image_ids(self, limit: int = 1000) -> list[str]:
+        """Ids of the snapshots whose materialized image is cached, most recently used
+        first, at most ``limit`` (a cluster node reports them for placement locality)."""
+        with self._lock:
+            keys = [k[2:] for k in reversed(self._lru) if k.startswith("i:")]
+        return keys[:limit]
+
     @property
     def used_bytes(self) -> int:
         """Sum of entry sizes now (bytes)."""

@@ -1,0 +1,329 @@
+"""The node's side of the cluster (``forkyard node --scheduler URL``).
+
+:class:`NodeAgent` attaches to a node app built by :func:`forkyard.api.app.create_app`:
+
+* **heartbeat** every :data:`~.types.HEARTBEAT_INTERVAL_S`: a :class:`~.types.NodeReport`
+  plus the ids it holds; the scheduler answers with the node's status (``draining``
+  starts :meth:`NodeAgent.drain`) and the ids it must drop (moved to another node, or
+  reported gone while it was silent) — dropped with ``Orchestrator.forget``;
+* **publish**: every row the orchestrator's store writes is mirrored to the scheduler
+  (the binding and the record another node needs to resume it). Mutating REST calls
+  answer only after their changes are published (:meth:`NodeAgent.wrap`), so the client
+  never holds an id the gateway cannot route yet; background changes (expiry, reaping)
+  follow within a heartbeat;
+* **internal routes** under ``/cluster`` (cluster secret only): ``adopt`` a paused
+  sandbox from a dead or draining node, fork with an exported image, start fork
+  children from another node's image, delete an exported fork image.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import subprocess
+from dataclasses import asdict, fields
+
+import httpx
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, StrictInt
+
+from forkyard.api.auth import cluster_secret_ok
+from forkyard.api.proxy import route_of
+from forkyard.api.routes_lifecycle import fork_results
+from forkyard.cluster.config import SECRET_HEADER
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NodeReport
+from forkyard.orchestrator import timing
+from forkyard.orchestrator.store import SandboxRecord
+
+log = logging.getLogger("forkyard.node")
+
+#: States a client can see; rows in other states are not (or no longer) bound.
+_HIDDEN = ("creating", "killing")
+#: How long a mutating reply waits for its changes to reach the scheduler (s).
+PUBLISH_WAIT_S = 3.0
+_RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
+
+
+def default_max_sandboxes() -> int:
+    """``FORKYARD_NODE_MAX_SANDBOXES``, else host memory (MiB) / 256 (at least 1): a
+    512 MiB sandbox rarely touches all of its memory under gVisor."""
+    env = os.environ.get("FORKYARD_NODE_MAX_SANDBOXES")
+    if env:
+        return max(1, int(env))
+    return max(1, _memory_mb() // 256)
+
+
+def _memory_mb() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) // 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ForkExport(BaseModel):
+    count: StrictInt = Field(ge=0, le=100)
+    timeout: StrictInt = Field(default=15, ge=1, le=86400)
+
+
+class ForkChildren(BaseModel):
+    image: str = Field(min_length=1, max_length=64)
+    count: StrictInt = Field(ge=1, le=100)
+    timeout: StrictInt = Field(default=15, ge=1, le=86400)
+    auto_pause: bool = Field(default=True, alias="autoPause")
+
+
+class NodeAgent:
+    """Registers a node with the scheduler and keeps its bindings current.
+
+    Args:
+        proxy_app: the node app from ``create_app`` (its FastAPI instance at ``.fastapi``).
+        node_id: this node's name; url: where gateways reach it.
+        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        max_sandboxes: sandboxes this node runs at once (reported for placement).
+    """
+
+    def __init__(self, proxy_app, node_id: str, url: str, scheduler_url: str, secret: str, max_sandboxes: int):
+        self.app = proxy_app.fastapi
+        self.orch = self.app.state.orchestrator
+        self.node_id, self.url, self.max_sandboxes = node_id, url, max_sandboxes
+        self.secret = secret
+        self.status = "up"
+        self._http = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
+                                       timeout=5.0, trust_env=False)
+        self._dirty: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = asyncio.Event()
+        self._runtime = _runtime_build(self.orch.settings.runsc)
+        self.app.state.cluster_secret = secret
+        self.app.state.on_start.append(self.start)
+        self.app.state.on_stop.insert(0, self.stop)
+        self.app.include_router(self._router())
+        self.orch.store.listeners.append(self._changed)
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        """Mark every local row for publishing and start the heartbeat loop (the first
+        heartbeat is sent before returning; a scheduler that is down is retried)."""
+        self._loop = asyncio.get_running_loop()
+        self._dirty |= {r.id for r in self.orch.store.all()}
+        try:
+            await self._beat()
+        except Exception as e:  # noqa: BLE001 — keep serving; the loop retries
+            log.error("first heartbeat to the scheduler failed (retrying every %.0f s): %s", HEARTBEAT_INTERVAL_S, e)
+        self._task = asyncio.create_task(self._run(), name="cluster-agent")
+
+    async def stop(self) -> None:
+        """Stop heartbeats (the scheduler marks this node down after the timeout)."""
+        for t in (self._task, self._drain_task):
+            if t is not None:
+                t.cancel()
+                try:
+                    await t
+                except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                    pass
+        try:
+            await self.publish()
+        except Exception as e:  # noqa: BLE001
+            log.warning("last publish before stopping failed: %s", e)
+        await self._http.aclose()
+
+    def _changed(self, sandbox_id: str) -> None:
+        self._dirty.add(sandbox_id)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        next_beat = 0.0
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=HEARTBEAT_INTERVAL_S / 4)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                if self._loop.time() >= next_beat:
+                    next_beat = self._loop.time() + HEARTBEAT_INTERVAL_S
+                    await self._beat()
+                elif self._dirty:
+                    await self.publish()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 — retried on the next tick
+                log.warning("cluster sync failed (retrying): %s", e, exc_info=log.isEnabledFor(logging.DEBUG))
+
+    # ---- scheduler calls --------------------------------------------------------------
+    def _report(self) -> NodeReport:
+        running = [r for r in self.orch.list() if r.state != "paused"]
+        return NodeReport(
+            vcpus=os.cpu_count() or 1, memory_mb=_memory_mb(), max_sandboxes=self.max_sandboxes,
+            running=len(running), paused=sum(1 for r in self.orch.list() if r.state == "paused"),
+            vcpus_reserved=sum(r.vcpus for r in running),
+            free_slots=len(self.orch.node_metrics()["spareSlots"]),
+            cache_bytes=self.orch.snapshots.cache.limit_bytes, load1=os.getloadavg()[0],
+            runtime=self._runtime, cached_snapshots=self.orch.snapshots.cache.image_ids(),
+        )
+
+    async def _post(self, path: str, body: dict) -> dict:
+        r = await self._http.post(path, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"scheduler answered {r.status_code} to {path}: {r.text[:300]}")
+        return r.json()
+
+    async def _beat(self) -> None:
+        async with self._lock:
+            await self._publish_locked()
+            held = [r.id for r in self.orch.store.all() if r.state not in _HIDDEN]
+            out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
+                                   {"url": self.url, "report": self._report().to_dict(), "held": held})
+            self._dirty |= set(out.get("missing", []))
+        await self._drop(out.get("foreign", []))
+        if out.get("status") == NODE_DRAINING and self.status != NODE_DRAINING:
+            self.status = NODE_DRAINING
+            self._drain_task = asyncio.create_task(self.drain(), name="drain")
+        elif out.get("status") != NODE_DRAINING:
+            self.status = out.get("status", "up")
+
+    async def publish(self) -> None:
+        """Send every changed row to the scheduler now (rows in hidden states are
+        unbound). Ids the scheduler refuses (bound elsewhere) are dropped here.
+
+        Raises:
+            httpx.HTTPError / RuntimeError: the scheduler did not take them (they stay
+                queued for the next try).
+        """
+        async with self._lock:
+            foreign = await self._publish_locked()
+        await self._drop(foreign)
+
+    async def _publish_locked(self) -> list[str]:
+        if not self._dirty:
+            return []
+        ids, self._dirty = self._dirty, set()
+        records, deleted = [], []
+        for sid in ids:
+            rec = self.orch.store.get(sid)
+            if rec is None or rec.state in _HIDDEN:
+                if rec is None or rec.state == "killing":
+                    deleted.append(sid)
+                continue
+            records.append(asdict(rec))
+        try:
+            out = await self._post(f"/v1/nodes/{self.node_id}/publish", {"records": records, "deleted": deleted})
+        except BaseException:
+            self._dirty |= ids
+            raise
+        return out.get("foreign", [])
+
+    async def _drop(self, ids: list[str]) -> None:
+        for sid in ids:
+            try:
+                await self.orch.forget(sid)
+            except Exception as e:  # noqa: BLE001
+                log.error("dropping sandbox %s failed: %s", sid, e)
+
+    async def drain(self) -> None:
+        """Pause every running sandbox to the shared repository (each answers once its
+        image is committed), so they can resume on other nodes; new placements have
+        already stopped (the scheduler marked this node draining)."""
+        running = [r.id for r in self.orch.list() if r.state == "running"]
+        log.warning("draining: pausing %d running sandbox(es)", len(running))
+        for sid in running:
+            try:
+                await self.orch.pause(sid)
+            except Exception as e:  # noqa: BLE001 — report and go on with the others
+                log.error("drain: pause of %s failed: %s", sid, e)
+        await self.publish()
+        log.warning("drain finished")
+
+    # ---- the node app -------------------------------------------------------------------
+    def wrap(self, app):
+        """ASGI middleware for the node app: ``/cluster/*`` needs the cluster secret
+        (checked from headers, before the body); a mutating REST call (POST/PUT/DELETE,
+        not sandbox traffic) answers only after its changes are published — waiting at
+        most :data:`PUBLISH_WAIT_S`; after that they follow in the background."""
+        agent = self
+
+        async def middleware(scope, receive, send):
+            if scope["type"] != "http":
+                return await app(scope, receive, send)
+            try:
+                routed = route_of(scope) is not None
+            except ValueError:
+                routed = True
+            if routed:
+                return await app(scope, receive, send)
+            if scope["path"].startswith("/cluster/"):
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+                if not cluster_secret_ok(headers, agent.secret):
+                    return await JSONResponse({"code": 401, "message": "cluster secret required"},
+                                              status_code=401)(scope, receive, send)
+            if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
+                return await app(scope, receive, send)
+
+            async def send_after_publish(message):
+                if message["type"] == "http.response.start":
+                    try:
+                        await asyncio.wait_for(agent.publish(), timeout=PUBLISH_WAIT_S)
+                    except Exception as e:  # noqa: BLE001 — published later by the loop
+                        log.warning("publishing before the reply failed (retried in the background): %r", e)
+                await send(message)
+
+            return await app(scope, receive, send_after_publish)
+
+        middleware.fastapi = getattr(app, "fastapi", None)
+        return middleware
+
+    def _router(self) -> APIRouter:
+        router = APIRouter(prefix="/cluster")
+        orch = self.orch
+
+        @router.post("/adopt")
+        async def adopt(request: Request):
+            body = await request.json()
+            if not isinstance(body, dict) or not isinstance(body.get("id"), str):
+                raise HTTPException(400, "body must be a sandbox record with an id")
+            try:
+                rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
+            except TypeError as e:
+                raise HTTPException(400, f"not a sandbox record: {e}") from e
+            rec = await orch.adopt(rec)
+            return {"sandboxID": rec.id, "state": rec.state}
+
+        @router.post("/sandboxes/{sandbox_id}/fork")
+        async def fork_export(sandbox_id: str, body: ForkExport):
+            phases = timing.start()
+            results, image = await orch.fork_export(sandbox_id, body.count, body.timeout)
+            return JSONResponse({"results": fork_results(results), "image": image},
+                                headers=timing.header(phases))
+
+        @router.post("/fork-children")
+        async def fork_children(body: ForkChildren):
+            phases = timing.start()
+            results = await orch.fork_children(body.image, body.count, body.timeout, body.auto_pause)
+            return JSONResponse({"results": fork_results(results)}, headers=timing.header(phases))
+
+        @router.delete("/images/{snapshot_id}", status_code=204)
+        async def delete_image(snapshot_id: str):
+            if not await orch.delete_image(snapshot_id):
+                raise HTTPException(404, f"fork image {snapshot_id!r} not found")
+            return Response(status_code=204)
+
+        return router
+
+
+def _runtime_build(runsc: str) -> str:
+    """``runsc --version``'s first line (e.g. ``runsc version 0.0~20240729.0``)."""
+    try:
+        out = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=10).stdout
+        return out.splitlines()[0].strip() if out else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"

@@ -1,0 +1,73 @@
+"""Cluster settings shared by ``forkyard node|scheduler|gateway`` (environment first,
+CLI options override).
+
+=================================  ==========================================================
+``FORKYARD_REDIS_URL``             cluster state (scheduler, gateway); default
+                                   ``redis://127.0.0.1:6379/0``
+``FORKYARD_SCHEDULER_URL``         where nodes and gateways reach the scheduler; default
+                                   ``http://127.0.0.1:9090``
+``FORKYARD_CLUSTER_SECRET``        the secret node ↔ scheduler ↔ gateway calls carry (not the
+``FORKYARD_CLUSTER_SECRET_FILE``   users' API key); or a file holding it, mode 0600
+``FORKYARD_NODE_ID``               this node's name (default: the host name)
+``FORKYARD_ADVERTISE_URL``         where the gateway reaches this node (default
+                                   ``http://HOST:PORT`` of the node's listener)
+``FORKYARD_NODE_MAX_SANDBOXES``    sandboxes this node runs at once (default: memory MiB / 256)
+=================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from forkyard.api.auth import CLUSTER_SECRET_HEADER as SECRET_HEADER  # noqa: F401 — re-exported
+from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_SCHEDULER_URL = "http://127.0.0.1:9090"
+
+
+class ClusterConfigError(Exception):
+    """A cluster setting is missing or unsafe; the message says which and what to do."""
+
+
+def load_secret(env: dict[str, str] | None = None) -> str:
+    """The cluster secret from ``FORKYARD_CLUSTER_SECRET`` or the file named by
+    ``FORKYARD_CLUSTER_SECRET_FILE``.
+
+    Raises:
+        ClusterConfigError: neither is set, the file is missing/empty, readable by group
+            or others, or the secret is shorter than 16 characters.
+    """
+    env = os.environ if env is None else env
+    value = env.get("FORKYARD_CLUSTER_SECRET", "").strip()
+    path = env.get("FORKYARD_CLUSTER_SECRET_FILE", "").strip()
+    if not value and path:
+        p = Path(path)
+        try:
+            mode = p.stat().st_mode
+            value = p.read_text().strip()
+        except OSError as e:
+            raise ClusterConfigError(f"cannot read FORKYARD_CLUSTER_SECRET_FILE {path}: {e}") from e
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    if not value:
+        raise ClusterConfigError("a cluster needs a shared secret: set FORKYARD_CLUSTER_SECRET_FILE to a 0600 file "
+                                 "(e.g. `openssl rand -hex 32 > /etc/forkyard/cluster_secret`) or "
+                                 "FORKYARD_CLUSTER_SECRET, the same on every node, scheduler and gateway")
+    if len(value) < 16:
+        raise ClusterConfigError("the cluster secret must be at least 16 characters")
+    return value
+
+
+def redis_url(env: dict[str, str] | None = None) -> str:
+    """``FORKYARD_REDIS_URL`` or the default."""
+    env = os.environ if env is None else env
+    return env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def scheduler_url(env: dict[str, str] | None = None) -> str:
+    """``FORKYARD_SCHEDULER_URL`` or the default (no trailing slash)."""
+    env = os.environ if env is None else env
+    return (env.get("FORKYARD_SCHEDULER_URL") or DEFAULT_SCHEDULER_URL).rstrip("/")

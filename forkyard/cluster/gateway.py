@@ -1,0 +1,412 @@
+"""``forkyard gateway`` (:8080): the cluster's one E2B-compatible endpoint.
+
+Stateless: it reads bindings and nodes from Redis and asks the scheduler to place; any
+number of gateways can run behind a load balancer. What goes where:
+
+* sandbox traffic (``E2b-Sandbox-Id``/``-Port`` headers or host ``PORT-ID.DOMAIN``; HTTP,
+  streaming, WebSocket) → the owning node's proxy, with the routing headers set so the
+  host form works too. No API key (envd checks its own token), as on a node;
+* ``POST /sandboxes`` ``/v2/sandboxes`` → the node the scheduler places it on;
+* ``GET /sandboxes`` ``/v2/sandboxes`` → the bindings in Redis (every node's sandboxes,
+  E2B's filters and pagination); ``GET /metrics/node`` → the cluster's counts and nodes;
+* ``/sandboxes/{id}/…``, ``/v2/sandboxes/{id}/connect`` → the owning node; a paused
+  sandbox whose node is down or draining is first moved (scheduler rebinds it, the new
+  node adopts it) and then served there — it resumes from the shared repository;
+* ``POST /sandboxes/{id}/fork`` → the source's node; children that do not fit there are
+  started on other nodes from the one checkpoint, exported to the repository;
+* everything else (templates, snapshots, repository metrics) → one node (the lowest id
+  that is up), since templates and snapshots live in the shared repository.
+
+Calls to nodes carry the cluster secret instead of the user's API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import time
+from dataclasses import fields
+
+import httpx
+from fastapi import FastAPI, Query, Response
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from forkyard.api import schemas
+from forkyard.api.proxy import _HOP, _WS_SKIP, relay_http, relay_ws, route_of
+from forkyard.api.routes_sandboxes import filter_records, list_page
+from forkyard.cluster.config import SECRET_HEADER
+from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.cluster.types import NODE_UP, NodeInfo
+from forkyard.orchestrator.errors import OrchestratorError
+from forkyard.orchestrator.store import SandboxRecord
+
+log = logging.getLogger("forkyard.gateway")
+
+_SCOPED = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})(/.*)?$")
+_FORK = re.compile(r"^/sandboxes/([a-z0-9]{1,64})/fork$")
+#: Largest JSON body the gateway itself parses (create, fork): bytes.
+MAX_JSON_BODY = 1 << 20
+#: How long resolved node lists / sandbox owners are reused for sandbox traffic (s).
+NODES_TTL_S = 0.5
+OWNER_TTL_S = 1.0
+_RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
+_NODE_SKIP = _HOP | {"x-api-key"}
+
+
+class _Fail(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _record(d: dict) -> SandboxRecord:
+    return SandboxRecord(**{k: v for k, v in d.items() if k in _RECORD_FIELDS})
+
+
+def _replay(body: bytes):
+    """An ASGI ``receive`` that yields ``body`` once (a body the gateway already read)."""
+    done = False
+
+    async def receive():
+        nonlocal done
+        if done:
+            return {"type": "http.disconnect"}
+        done = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+class Gateway:
+    """The gateway's ASGI app.
+
+    Args:
+        store: cluster state (Redis).
+        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        api_key: the users' API key (``X-API-Key``), the same on every node.
+        max_body_bytes: largest body forwarded to a sandbox or node (uploads), bytes.
+    """
+
+    def __init__(self, store: ClusterStore, scheduler_url: str, secret: str, api_key: str,
+                 max_body_bytes: int = 4 << 30):
+        self.store, self.secret, self.api_key = store, secret, api_key
+        self.max_body_bytes = max_body_bytes
+        self.sched = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
+                                       timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False)
+        self._clients: dict[str, httpx.AsyncClient] = {}
+        self._nodes: tuple[float, dict[str, NodeInfo]] = (0.0, {})
+        self._owners: dict[str, tuple[float, NodeInfo]] = {}
+        self.api = self._rest_app()
+
+    # ---- plumbing ---------------------------------------------------------------------
+    def _client(self, node: NodeInfo) -> httpx.AsyncClient:
+        client = self._clients.get(node.url)
+        if client is None:
+            client = self._clients[node.url] = httpx.AsyncClient(
+                trust_env=False, timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            client.headers = httpx.Headers()  # forward only what the client sent
+        return client
+
+    async def aclose(self) -> None:
+        """Close every connection and the Redis pool."""
+        for c in self._clients.values():
+            await c.aclose()
+        await self.sched.aclose()
+        await self.store.aclose()
+
+    async def nodes(self, fresh: bool = False) -> dict[str, NodeInfo]:
+        """Registered nodes by id (reused for :data:`NODES_TTL_S` unless ``fresh``)."""
+        ts, nodes = self._nodes
+        if fresh or time.monotonic() - ts > NODES_TTL_S:
+            nodes = {n.node_id: n for n in await self.store.nodes()}
+            self._nodes = (time.monotonic(), nodes)
+        return nodes
+
+    async def any_node(self) -> NodeInfo:
+        """The node that serves cluster-wide calls: the lowest id that is up."""
+        now = time.time()
+        for nid, n in sorted((await self.nodes()).items()):
+            if n.status == NODE_UP and n.alive(now):
+                return n
+        raise _Fail(503, "no node is up in the cluster; start `forkyard node --scheduler URL` on a host")
+
+    async def _schedule(self, body: dict) -> dict:
+        try:
+            r = await self.sched.post("/v1/placements", json=body)
+        except httpx.HTTPError as e:
+            raise _Fail(503, f"scheduler unreachable ({e!r}); retry shortly") from e
+        if r.status_code != 200:
+            try:
+                msg = r.json().get("message", r.text)
+            except ValueError:
+                msg = r.text
+            raise _Fail(r.status_code if r.status_code < 500 else 503, msg)
+        return r.json()
+
+    async def _node_call(self, node: NodeInfo, method: str, path: str, body=None) -> httpx.Response:
+        try:
+            return await self._client(node).request(method, node.url + path, json=body,
+                                                    headers={SECRET_HEADER: self.secret},
+                                                    timeout=httpx.Timeout(300.0, connect=5.0))
+        except httpx.HTTPError as e:
+            raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
+
+    # ---- ownership ----------------------------------------------------------------------
+    async def owner(self, sandbox_id: str, move: bool = True) -> NodeInfo:
+        """The node serving ``sandbox_id``. A paused sandbox whose node is down or
+        draining is moved first when ``move`` (the scheduler rebinds it atomically; the
+        target adopts it), so the call that follows resumes it there.
+
+        Raises:
+            _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
+        """
+        b = await self.store.binding(sandbox_id)
+        if b is None:
+            raise _Fail(404, f"sandbox {sandbox_id!r} not found")
+        nodes = await self.nodes()
+        now = time.time()
+        node = nodes.get(b.node_id)
+        if node is not None and node.alive(now) and (node.status == NODE_UP or b.state != "paused"):
+            return node
+        if b.state != "paused":
+            raise _Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
+        if not move:
+            raise _Fail(404, f"sandbox {sandbox_id!r} is paused")
+        out = await self._schedule({"kind": "resume", "sandboxID": sandbox_id})
+        target_id = out["placements"][0]["nodeID"]
+        target = (await self.nodes(fresh=True)).get(target_id)
+        if target is None or not target.alive(now):
+            raise _Fail(503, f"sandbox {sandbox_id!r} is paused on node {target_id}, which is unreachable; retry shortly")
+        if target_id != b.node_id:
+            r = await self._node_call(target, "POST", "/cluster/adopt", b.record)
+            if r.status_code not in (200, 409):
+                raise _Fail(r.status_code, f"node {target_id} could not take over paused sandbox "
+                                           f"{sandbox_id}: {r.text[:300]}")
+        return target
+
+    async def _proxy_owner(self, sandbox_id: str) -> NodeInfo:
+        hit = self._owners.get(sandbox_id)
+        if hit is not None and time.monotonic() - hit[0] < OWNER_TTL_S:
+            return hit[1]
+        node = await self.owner(sandbox_id, move=False)
+        if len(self._owners) > 10_000:
+            self._owners.clear()
+        self._owners[sandbox_id] = (time.monotonic(), node)
+        return node
+
+    # ---- ASGI -----------------------------------------------------------------------------
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            return await self.api(scope, receive, send)
+        try:
+            await self._dispatch(scope, receive, send)
+        except _Fail as e:
+            await self._fail(scope, receive, send, e.status, str(e))
+        except ClusterStoreUnavailable as e:
+            await self._fail(scope, receive, send, 503, f"{e}; retry when it is back")
+
+    async def _fail(self, scope, receive, send, status: int, message: str) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1011 if status >= 500 else 1008})
+        else:
+            await JSONResponse(schemas.error(status, message), status_code=status)(scope, receive, send)
+
+    async def _dispatch(self, scope, receive, send):
+        try:
+            route = route_of(scope)
+        except ValueError as e:
+            raise _Fail(400, str(e)) from e
+        if route is not None:
+            return await self._sandbox_traffic(scope, receive, send, *route)
+        if scope["type"] != "http":
+            return await send({"type": "websocket.close", "code": 1008})
+        path, method = scope["path"], scope["method"]
+        if path == "/health" or path.startswith("/template-files/"):
+            if path == "/health":
+                return await self.api(scope, receive, send)
+            return await self._forward(await self.any_node(), scope, receive, send)  # signed URL
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        got = headers.get("x-api-key", "")
+        if not got or not hmac.compare_digest(got.encode(), self.api_key.encode()):
+            raise _Fail(401, "Invalid API key, set X-API-Key header")
+        if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/metrics/node", "/metrics/cluster"):
+            return await self.api(scope, receive, send)
+        if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
+            return await self._create(scope, receive, send)
+        m = _FORK.match(path)
+        if m and method == "POST":
+            return await self._fork(m.group(1), scope, receive, send)
+        m = _SCOPED.match(path)
+        if m:
+            node = await self.owner(m.group(1))
+            self._owners.pop(m.group(1), None)
+            return await self._forward(node, scope, receive, send)
+        return await self._forward(await self.any_node(), scope, receive, send)
+
+    async def _sandbox_traffic(self, scope, receive, send, sandbox_id: str, port: int):
+        node = await self._proxy_owner(sandbox_id)
+        base = node.url.replace("http://", "", 1)
+        route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
+        if scope["type"] == "http":
+            headers = [(k, v) for k, v in scope["headers"]
+                       if k.decode("latin-1").lower() not in _HOP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+            return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
+                                    self.max_body_bytes, f"sandbox {sandbox_id} on node {node.node_id}")
+        hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                if k.decode("latin-1").lower() not in _WS_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+        hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
+        return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
+
+    async def _forward(self, node: NodeInfo, scope, receive, send, body: bytes | None = None):
+        """Relay a REST call to ``node`` (streaming), the user's key swapped for the secret."""
+        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
+        headers.append((SECRET_HEADER.encode(), self.secret.encode()))
+        await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
+                         node.url, headers, self.max_body_bytes, f"node {node.node_id}")
+
+    async def _json_body(self, scope, receive) -> tuple[bytes, dict]:
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                break
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > MAX_JSON_BODY:
+                raise _Fail(413, f"request body over {MAX_JSON_BODY} bytes")
+            chunks.append(chunk)
+            if not msg.get("more_body"):
+                break
+        raw = b"".join(chunks)
+        try:
+            parsed = json.loads(raw) if raw.strip() else {}
+        except ValueError as e:
+            raise _Fail(400, f"request body is not JSON: {e}") from e
+        if not isinstance(parsed, dict):
+            raise _Fail(400, "request body must be a JSON object")
+        return raw, parsed
+
+    async def _create(self, scope, receive, send):
+        raw, body = await self._json_body(scope, receive)
+        template = body.get("templateID")
+        if not isinstance(template, str) or not template:
+            raise _Fail(400, "templateID: Field required")
+        out = await self._schedule({"kind": "create", "snapshot": template[:128]})
+        node = (await self.nodes(fresh=True)).get(out["placements"][0]["nodeID"])
+        if node is None:
+            raise _Fail(503, "the placed node left the cluster; retry")
+        await self._forward(node, scope, receive, send, body=raw)
+
+    async def _fork(self, sandbox_id: str, scope, receive, send):
+        raw, body = await self._json_body(scope, receive)
+        try:
+            fb = schemas.ForkBody.model_validate(body)
+        except ValidationError as e:
+            raise _Fail(400, "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']}" for x in e.errors())) from e
+        node = await self.owner(sandbox_id)
+        b = await self.store.binding(sandbox_id)
+        if b is None or b.state != "running":
+            return await self._forward(node, scope, receive, send, body=raw)  # the node answers 404/409
+        plan = (await self._schedule({"kind": "fork", "sandboxID": sandbox_id, "count": fb.count,
+                                      "vcpus": int(b.record.get("vcpus", 2))}))["placements"]
+        if len(plan) == 1 and plan[0]["nodeID"] == node.node_id:
+            return await self._forward(node, scope, receive, send, body=raw)
+        local = sum(p["count"] for p in plan if p["nodeID"] == node.node_id)
+        r = await self._node_call(node, "POST", f"/cluster/sandboxes/{sandbox_id}/fork",
+                                  {"count": local, "timeout": fb.timeout})
+        if r.status_code != 200:
+            return await JSONResponse(r.json(), status_code=r.status_code)(scope, receive, send)
+        first = r.json()
+        results, image = list(first["results"]), first["image"]
+        nodes = await self.nodes(fresh=True)
+
+        async def remote(p: dict) -> list[dict]:
+            target = nodes.get(p["nodeID"])
+            try:
+                if target is None:
+                    raise _Fail(503, f"node {p['nodeID']} left the cluster")
+                rr = await self._node_call(target, "POST", "/cluster/fork-children",
+                                           {"image": image, "count": p["count"], "timeout": fb.timeout,
+                                            "autoPause": bool(b.record.get("auto_pause", True))})
+                if rr.status_code == 200:
+                    return rr.json()["results"]
+                err = schemas.error(rr.status_code, rr.text[:300])
+            except _Fail as e:
+                err = schemas.error(e.status, str(e))
+            return [{"error": err}] * p["count"]
+
+        for part in await asyncio.gather(*(remote(p) for p in plan if p["nodeID"] != node.node_id)):
+            results.extend(part)
+        try:
+            await self._node_call(node, "DELETE", f"/cluster/images/{image}")
+        except _Fail as e:
+            log.warning("fork image %s of %s not deleted: %s", image, sandbox_id, e)
+        headers = {"Server-Timing": r.headers["server-timing"]} if "server-timing" in r.headers else None
+        await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
+
+    # ---- REST served by the gateway itself ------------------------------------------------
+    async def _records(self) -> list[SandboxRecord]:
+        """Every sandbox a client can see, cluster-wide: bindings whose node is alive,
+        and paused ones whatever their node."""
+        nodes = await self.nodes()
+        now = time.time()
+        out = []
+        for b in await self.store.bindings():
+            n = nodes.get(b.node_id)
+            if b.state == "paused" or (n is not None and n.alive(now)):
+                out.append(_record(b.record))
+        return out
+
+    def _rest_app(self) -> FastAPI:
+        gw = self
+
+        async def lifespan(app):
+            yield
+            await gw.aclose()
+
+        from contextlib import asynccontextmanager
+
+        app = FastAPI(title="forkyard gateway", lifespan=asynccontextmanager(lifespan))
+
+        @app.exception_handler(OrchestratorError)
+        async def _orch_error(request, exc: OrchestratorError):
+            return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
+
+        @app.exception_handler(ClusterStoreUnavailable)
+        async def _unavailable(request, exc):
+            return JSONResponse(schemas.error(503, f"{exc}; retry when it is back"), status_code=503)
+
+        @app.get("/health")
+        async def health():
+            ok = await gw.store.ping()
+            return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
+
+        @app.get("/sandboxes")
+        async def list_v1(metadata: str | None = None):
+            return [schemas.sandbox_listed(r) for r in filter_records(await gw._records(), metadata, {"running"}, None)]
+
+        @app.get("/v2/sandboxes")
+        async def list_v2(
+            response: Response, metadata: str | None = None, state: str | None = None, template: str | None = None,
+            order: str | None = Query(default=None, pattern="^(asc|desc)$"),
+            next_token: str | None = Query(default=None, alias="nextToken"),
+            limit: int = Query(default=100, ge=1, le=100),
+        ):
+            return list_page(await gw._records(), response, metadata, state, template, order, next_token, limit)
+
+        @app.get("/metrics/node")
+        @app.get("/metrics/cluster")
+        async def cluster_metrics():
+            now = time.time()
+            nodes = await gw.nodes(fresh=True)
+            recs = await gw._records()
+            paused = sum(1 for r in recs if r.state == "paused")
+            return {"sandboxes": {"running": len(recs) - paused, "paused": paused},
+                    "nodes": [n.to_dict(now) for _, n in sorted(nodes.items())]}
+
+        return app

@@ -1,0 +1,97 @@
+"""Placement: filter → score → pick, one sandbox at a time.
+
+**Filter**: the node is ``up`` (not draining, not down), heard from within the heartbeat
+timeout, and has room: ``max_sandboxes − running − placing > 0`` where ``placing`` counts
+placements made since its last heartbeat (so two schedulers, or one burst, do not all
+pick the same node before its report catches up).
+
+**Score** (lower wins), E2B's least-busy score (``placement_best_of_K``: ``(cpu requested
++ cpu reserved + 0.5 × cpu in use) / (4 × cpu count)``) with snapshot locality added::
+
+    score = (vcpus_new + vcpus_reserved + vcpus_new × placing + 0.5 × load1) / (4 × vcpus)
+    score × 0.5   when the node's cache already holds the snapshot being restored
+
+``load1`` (the 1-minute load average) stands in for "CPU in use". Ties go to the node
+with the lower id, so placement is deterministic for a given cluster state (every node
+is scored; E2B samples K=3 when fleets are large — at forkyard's node counts scoring all
+is cheap).
+
+**Fork**: children go to the source's node while it has room (they restore from the
+staged image there, no repository round trip), the rest one at a time by score.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forkyard.cluster.types import NODE_UP, NodeInfo
+
+#: Score multiplier for a node whose cache holds the snapshot (see module docstring).
+LOCALITY_FACTOR = 0.5
+
+
+class NoCapacity(Exception):
+    """No node can take the sandbox (all down, draining or full)."""
+
+
+@dataclass
+class _Candidate:
+    node: NodeInfo
+    placing: int
+
+    def room(self) -> int:
+        r = self.node.report
+        return r.max_sandboxes - r.running - self.placing
+
+    def score(self, vcpus: int, snapshot_id: str | None) -> float:
+        r = self.node.report
+        s = (vcpus + r.vcpus_reserved + vcpus * self.placing + 0.5 * r.load1) / (4 * max(r.vcpus, 1))
+        if snapshot_id and snapshot_id in r.cached_snapshots:
+            s *= LOCALITY_FACTOR
+        return s
+
+
+def eligible(nodes: list[NodeInfo], now: float, exclude: set[str] = frozenset()) -> list[NodeInfo]:
+    """Nodes that may take new sandboxes: up and heard from recently."""
+    return [n for n in nodes if n.status == NODE_UP and n.alive(now) and n.node_id not in exclude]
+
+
+def place(nodes: list[NodeInfo], placing: dict[str, int], now: float, count: int = 1, vcpus: int = 2,
+          snapshot_id: str | None = None, prefer: str | None = None,
+          exclude: set[str] = frozenset()) -> list[tuple[NodeInfo, int]]:
+    """Spread ``count`` sandboxes of ``vcpus`` each over the cluster.
+
+    Args:
+        nodes: every registered node; placing: placements per node since its last
+            heartbeat; now: current time (s).
+        snapshot_id: image the sandbox restores from (locality bonus).
+        prefer: node filled first while it has room (a fork's source node).
+        exclude: node ids never chosen.
+
+    Returns:
+        ``[(node, n), …]`` with ``n ≥ 1``, the preferred node first, then in order of
+        first choice; the ``n`` add up to ``count``.
+
+    Raises:
+        NoCapacity: fewer than ``count`` places exist (nothing is placed).
+    """
+    cands = [_Candidate(n, placing.get(n.node_id, 0)) for n in eligible(nodes, now, exclude)]
+    chosen: dict[str, int] = {}
+    order: list[_Candidate] = []
+    pref = next((c for c in cands if c.node.node_id == prefer), None)
+    for _ in range(count):
+        if pref is not None and pref.room() > 0:
+            best = pref
+        else:
+            room = [c for c in cands if c.room() > 0]
+            if not room:
+                total = sum(chosen.values())
+                raise NoCapacity(f"no node has room for {count - total} more sandbox(es) "
+                                 f"({len(cands)} node(s) up; add nodes or raise FORKYARD_NODE_MAX_SANDBOXES)")
+            best = min(room, key=lambda c: (c.score(vcpus, snapshot_id), c.node.node_id))
+        if best.node.node_id not in chosen:
+            order.append(best)
+            chosen[best.node.node_id] = 0
+        chosen[best.node.node_id] += 1
+        best.placing += 1
+    return [(c.node, chosen[c.node.node_id]) for c in order]

@@ -1,0 +1,207 @@
+"""``forkyard scheduler`` (:9090): node registry, placement and sandbox bindings.
+
+Stateless itself — everything lives in Redis (:class:`~.store.ClusterStore`), so a
+restart loses nothing and two replicas can run at once: bindings change only through
+atomic scripts (a paused sandbox is moved to one node, never two), and placements are
+counted in Redis until the chosen node's heartbeat reflects them.
+
+HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
+
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held}`` → ``{status, foreign, missing}``
+* ``POST /v1/nodes/{id}/publish`` ``{records, deleted}`` → ``{foreign}``
+* ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
+* ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count}]}``
+* ``GET /v1/sandboxes/{id}`` → the binding
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from forkyard.cluster.config import secret_ok
+from forkyard.cluster.placement import NoCapacity, place
+from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S, NODE_DRAINING, NODE_UP, NodeReport
+
+log = logging.getLogger("forkyard.scheduler")
+
+#: Largest request body the scheduler reads (bytes): a heartbeat of a node holding many
+#: thousands of sandboxes fits.
+MAX_BODY = 8 << 20
+
+
+class Heartbeat(BaseModel):
+    url: str = Field(max_length=512)
+    report: dict = Field(default_factory=dict)
+    held: list[str] = Field(default_factory=list, max_length=200_000)
+
+
+class Publish(BaseModel):
+    records: list[dict] = Field(default_factory=list, max_length=10_000)
+    deleted: list[str] = Field(default_factory=list, max_length=10_000)
+
+
+class PlacementRequest(BaseModel):
+    kind: str = Field(pattern="^(create|fork|resume)$")
+    count: int = Field(default=1, ge=1, le=100)
+    vcpus: int = Field(default=2, ge=1, le=64)
+    snapshot: str | None = Field(default=None, max_length=128)
+    sandbox_id: str | None = Field(default=None, alias="sandboxID", max_length=64)
+
+
+def _err(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+class _Guard:
+    """ASGI middleware: the cluster secret is checked from the headers before any body
+    is read (``/health`` excepted), and bodies over :data:`MAX_BODY` are refused."""
+
+    def __init__(self, app, secret: str):
+        self.app, self.secret = app, secret
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if not secret_ok(headers, self.secret):
+            return await _err(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")(scope, receive, send)
+        length = headers.get("content-length", "0")
+        if not length.isdigit() or int(length) > MAX_BODY:
+            return await _err(413, f"body over {MAX_BODY} bytes or without Content-Length")(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: float = 1.0):
+    """The scheduler's ASGI app over ``store``; ``secret`` guards every route but
+    ``/health``. A background sweep marks silent nodes down every ``sweep_interval_s``."""
+
+    async def sweep():
+        while True:
+            await asyncio.sleep(sweep_interval_s)
+            try:
+                now = time.time()
+                for n in await store.nodes():
+                    if not n.alive(now):
+                        gone = await store.mark_down(n.node_id, now - HEARTBEAT_TIMEOUT_S)
+                        if gone:
+                            log.warning("node %s is down: %d running sandbox(es) reported gone", n.node_id, len(gone))
+            except ClusterStoreUnavailable as e:
+                log.error("%s", e)
+            except Exception as e:  # noqa: BLE001 — the sweep must keep running
+                log.exception("sweep failed: %s", e)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        task = asyncio.create_task(sweep(), name="sweep")
+        try:
+            yield
+        finally:
+            task.cancel()
+            await store.aclose()
+
+    app = FastAPI(title="forkyard scheduler", lifespan=lifespan)
+
+    @app.exception_handler(ClusterStoreUnavailable)
+    async def _unavailable(request, exc):
+        return _err(503, f"{exc}; retry when Redis is back")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc):
+        return _err(exc.status_code, str(exc.detail))
+
+    @app.get("/health")
+    async def health():
+        ok = await store.ping()
+        return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
+
+    @app.post("/v1/nodes/{node_id}/heartbeat")
+    async def heartbeat(node_id: str, body: Heartbeat):
+        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report))
+        foreign, missing = await store.reconcile(node_id, set(body.held))
+        return {"status": status, "foreign": foreign, "missing": missing}
+
+    @app.post("/v1/nodes/{node_id}/publish")
+    async def publish(node_id: str, body: Publish):
+        for rec in body.records:
+            if not isinstance(rec.get("id"), str) or not isinstance(rec.get("state"), str):
+                raise HTTPException(400, "each record needs string 'id' and 'state'")
+        return {"foreign": await store.publish(node_id, body.records, body.deleted)}
+
+    @app.get("/v1/nodes")
+    async def nodes():
+        now = time.time()
+        return [n.to_dict(now) for n in await store.nodes()]
+
+    @app.post("/v1/nodes/{node_id}/drain")
+    async def drain(node_id: str):
+        if not await store.set_status(node_id, NODE_DRAINING):
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        log.info("node %s is draining", node_id)
+        return {"nodeID": node_id, "status": NODE_DRAINING}
+
+    @app.post("/v1/nodes/{node_id}/undrain")
+    async def undrain(node_id: str):
+        if not await store.set_status(node_id, NODE_UP):
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        return {"nodeID": node_id, "status": NODE_UP}
+
+    @app.get("/v1/sandboxes/{sandbox_id}")
+    async def binding(sandbox_id: str):
+        b = await store.binding(sandbox_id)
+        if b is None:
+            raise HTTPException(404, f"sandbox {sandbox_id!r} is not bound to any node")
+        return {"sandboxID": b.sandbox_id, "nodeID": b.node_id, "state": b.state, "record": b.record}
+
+    @app.post("/v1/placements")
+    async def placements(body: PlacementRequest):
+        now = time.time()
+        all_nodes = await store.nodes()
+        by_id = {n.node_id: n for n in all_nodes}
+        placing = await store.placing_since([n.node_id for n in all_nodes],
+                                            {n.node_id: n.last_seen for n in all_nodes})
+        prefer, snapshot, exclude = None, body.snapshot, set()
+        if body.kind in ("fork", "resume"):
+            if not body.sandbox_id:
+                raise HTTPException(400, f"a {body.kind} placement needs sandboxID")
+            b = await store.binding(body.sandbox_id)
+            if b is None:
+                raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
+            owner = by_id.get(b.node_id)
+            if body.kind == "fork":
+                prefer = b.node_id
+            else:
+                if b.state != "paused" or (owner and owner.status == NODE_UP and owner.alive(now)):
+                    return {"placements": [_entry(owner, 1, b.node_id)], "moved": False}
+                snapshot, exclude = b.record.get("image_id"), {b.node_id}
+        try:
+            plan = place(all_nodes, placing, now, count=body.count, vcpus=body.vcpus,
+                         snapshot_id=snapshot, prefer=prefer, exclude=exclude)
+        except NoCapacity as e:
+            raise HTTPException(503, str(e)) from e
+        if body.kind == "resume":
+            target = plan[0][0]
+            if not await store.rebind(body.sandbox_id, b.node_id, target.node_id):
+                cur = await store.binding(body.sandbox_id)  # another scheduler or gateway moved it first
+                if cur is None:
+                    raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
+                return {"placements": [_entry(by_id.get(cur.node_id), 1, cur.node_id)], "moved": False}
+            log.info("sandbox %s moves from node %s to node %s", body.sandbox_id, b.node_id, target.node_id)
+            await store.add_placing(target.node_id)
+            return {"placements": [_entry(target, 1)], "moved": True, "record": b.record}
+        for node, n in plan:
+            await store.add_placing(node.node_id, n)
+        return {"placements": [_entry(node, n) for node, n in plan]}
+
+    return _Guard(app, secret)
+
+
+def _entry(node, count: int, node_id: str | None = None) -> dict:
+    return {"nodeID": node.node_id if node else node_id, "url": node.url if node else None, "count": count}

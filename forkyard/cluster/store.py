@@ -1,0 +1,286 @@
+"""Cluster state in Redis: nodes, sandbox → node bindings, tombstones, placements.
+
+Keys (prefix ``fy:``; every multi-key change is one Lua script, so two schedulers or
+gateways acting at once never see half a change):
+
+=============================  ==========================================================
+``fy:nodes``                   set of node ids
+``fy:node:<id>``               hash: ``url``, ``status`` (up/draining/down), ``last_seen``,
+                               ``report`` (JSON :class:`~.types.NodeReport`)
+``fy:sbx:<id>``                hash: ``node``, ``state``, ``record`` (JSON), ``updated``
+``fy:sandboxes``               set of every bound sandbox id
+``fy:nodesbx:<node>``          set of the sandbox ids bound to that node
+``fy:gone:<id>``               tombstone (7 days) of a sandbox reported gone with its node;
+                               the node is told to destroy it if it comes back
+``fy:placing:<node>``          sorted set of placements by time, counted until the node's
+                               next heartbeat reflects them
+=============================  ==========================================================
+
+Durability is Redis's: run it with ``appendonly yes`` (deploy/ does) so a Redis restart
+loses nothing. Every method raises :class:`ClusterStoreUnavailable` when Redis cannot be
+reached; the HTTP faces answer 503 with that message.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
+
+P = "fy:"
+TOMBSTONE_S = 7 * 24 * 3600
+
+# KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id
+_UPSERT = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local cur = redis.call('HGET', KEYS[1], 'node')
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4])
+redis.call('SADD', KEYS[3], ARGV[5])
+redis.call('SADD', KEYS[4], ARGV[5])
+return 1
+"""
+# KEYS: sbx, nodesbx, sandboxes   ARGV: node, id
+_DELETE = """
+local cur = redis.call('HGET', KEYS[1], 'node')
+if cur ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+redis.call('SREM', KEYS[2], ARGV[2])
+redis.call('SREM', KEYS[3], ARGV[2])
+return 1
+"""
+# KEYS: sbx, from nodesbx, to nodesbx   ARGV: from, to, id, now
+_REBIND = """
+local cur = redis.call('HMGET', KEYS[1], 'node', 'state')
+if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' then return 0 end
+redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4])
+redis.call('SREM', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[3])
+return 1
+"""
+# KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, deadline, tombstone ttl
+# Marks the node down (if still silent past the deadline) and removes the bindings of
+# every sandbox on it that is not paused, leaving tombstones. Returns their ids.
+_MARK_DOWN = """
+local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
+if last > tonumber(ARGV[2]) then return {} end
+if redis.call('HGET', KEYS[1], 'status') ~= 'draining' then redis.call('HSET', KEYS[1], 'status', 'down') end
+local gone = {}
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  local key = ARGV[1] .. 'sbx:' .. id
+  local state = redis.call('HGET', key, 'state')
+  if state ~= 'paused' then
+    redis.call('DEL', key)
+    redis.call('SREM', KEYS[2], id)
+    redis.call('SREM', KEYS[3], id)
+    redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[3])
+    table.insert(gone, id)
+  end
+end
+return gone
+"""
+
+
+class ClusterStoreUnavailable(Exception):
+    """Redis did not answer (down, unreachable, or refused the command)."""
+
+
+def _s(v) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class ClusterStore:
+    """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
+
+    Args:
+        url: Redis URL (``FORKYARD_REDIS_URL``).
+        timeout_s: socket connect/read timeout (s) for every command.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 2.0):
+        self.url = url
+        self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                    health_check_interval=5)
+        self._upsert = self._r.register_script(_UPSERT)
+        self._delete = self._r.register_script(_DELETE)
+        self._rebind = self._r.register_script(_REBIND)
+        self._mark_down = self._r.register_script(_MARK_DOWN)
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        await self._r.aclose()
+
+    async def _call(self, coro):
+        try:
+            return await coro
+        except (RedisError, OSError) as e:
+            raise ClusterStoreUnavailable(f"cluster state store (Redis at {self.url}) unavailable: {e}") from e
+
+    async def ping(self) -> bool:
+        """True when Redis answers."""
+        try:
+            return bool(await self._r.ping())
+        except (RedisError, OSError):
+            return False
+
+    # ---- nodes ----------------------------------------------------------------------
+    async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None) -> str:
+        """Record a heartbeat; a node that was ``down`` is ``up`` again (a ``draining``
+        one stays draining). Returns the node's status."""
+        now = time.time() if now is None else now
+        key = f"{P}node:{node_id}"
+        async with self._r.pipeline(transaction=True) as p:
+            p.sadd(f"{P}nodes", node_id)
+            p.hset(key, mapping={"url": url, "last_seen": repr(now), "report": json.dumps(report.to_dict())})
+            p.hsetnx(key, "status", NODE_UP)
+            p.hget(key, "status")
+            res = await self._call(p.execute())
+        status = _s(res[-1])
+        if status == NODE_DOWN:
+            await self._call(self._r.hset(key, "status", NODE_UP))
+            status = NODE_UP
+        return status
+
+    async def nodes(self) -> list[NodeInfo]:
+        """Every registered node, sorted by id."""
+        ids = sorted(_s(x) for x in await self._call(self._r.smembers(f"{P}nodes")))
+        async with self._r.pipeline(transaction=False) as p:
+            for nid in ids:
+                p.hgetall(f"{P}node:{nid}")
+            rows = await self._call(p.execute())
+        out = []
+        for nid, row in zip(ids, rows):
+            if not row:
+                continue
+            row = {_s(k): _s(v) for k, v in row.items()}
+            out.append(NodeInfo(node_id=nid, url=row.get("url", ""), status=row.get("status", NODE_UP),
+                                last_seen=float(row.get("last_seen", 0)),
+                                report=NodeReport.from_dict(json.loads(row.get("report", "{}")))))
+        return out
+
+    async def node(self, node_id: str) -> NodeInfo | None:
+        """One node or None."""
+        for n in await self.nodes():
+            if n.node_id == node_id:
+                return n
+        return None
+
+    async def set_status(self, node_id: str, status: str) -> bool:
+        """Set a registered node's status (``draining`` or ``up``); False when unknown."""
+        if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
+            return False
+        await self._call(self._r.hset(f"{P}node:{node_id}", "status", status))
+        return True
+
+    async def mark_down(self, node_id: str, deadline: float) -> list[str]:
+        """If ``node_id`` was last seen before ``deadline``: mark it down and drop the
+        bindings of its sandboxes that are not paused (tombstoned). Returns their ids."""
+        res = await self._call(self._mark_down(
+            keys=[f"{P}node:{node_id}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+            args=[P, repr(deadline), TOMBSTONE_S]))
+        return [_s(x) for x in res]
+
+    async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> None:
+        """Count ``n`` placements onto ``node_id`` until its next heartbeat."""
+        now = time.time() if now is None else now
+        key = f"{P}placing:{node_id}"
+        async with self._r.pipeline(transaction=True) as p:
+            p.zadd(key, {f"{now!r}:{secrets.token_hex(4)}": now for _ in range(n)})
+            p.zremrangebyscore(key, "-inf", now - 60)
+            p.expire(key, 120)
+            await self._call(p.execute())
+
+    async def placing_since(self, node_ids: list[str], since: dict[str, float]) -> dict[str, int]:
+        """Placements onto each node made after ``since[node]`` (its last heartbeat)."""
+        async with self._r.pipeline(transaction=False) as p:
+            for nid in node_ids:
+                p.zcount(f"{P}placing:{nid}", f"({since.get(nid, 0)!r}", "+inf")
+            counts = await self._call(p.execute())
+        return dict(zip(node_ids, (int(c) for c in counts)))
+
+    # ---- bindings -------------------------------------------------------------------
+    async def binding(self, sandbox_id: str) -> Binding | None:
+        """The binding of ``sandbox_id`` or None."""
+        row = await self._call(self._r.hgetall(f"{P}sbx:{sandbox_id}"))
+        return self._binding(sandbox_id, row)
+
+    @staticmethod
+    def _binding(sandbox_id: str, row) -> Binding | None:
+        if not row:
+            return None
+        row = {_s(k): _s(v) for k, v in row.items()}
+        return Binding(sandbox_id=sandbox_id, node_id=row.get("node", ""), state=row.get("state", ""),
+                       record=json.loads(row.get("record", "{}")), updated=float(row.get("updated", 0)))
+
+    async def bindings(self) -> list[Binding]:
+        """Every binding (one pipelined read)."""
+        ids = [_s(x) for x in await self._call(self._r.smembers(f"{P}sandboxes"))]
+        async with self._r.pipeline(transaction=False) as p:
+            for sid in ids:
+                p.hgetall(f"{P}sbx:{sid}")
+            rows = await self._call(p.execute())
+        return [b for b in (self._binding(sid, row) for sid, row in zip(ids, rows)) if b is not None]
+
+    async def node_sandboxes(self, node_id: str) -> set[str]:
+        """Ids bound to ``node_id``."""
+        return {_s(x) for x in await self._call(self._r.smembers(f"{P}nodesbx:{node_id}"))}
+
+    async def publish(self, node_id: str, records: list[dict], deleted: list[str],
+                      now: float | None = None) -> list[str]:
+        """Apply a node's changes: upsert the bindings of ``records`` (node records as
+        dicts, ``id`` and ``state`` keys) and drop those of ``deleted`` — each only if
+        the sandbox is not bound to another node or tombstoned. Returns the ids the node
+        must drop (bound elsewhere, or reported gone)."""
+        now = time.time() if now is None else now
+        foreign = []
+        for rec in records:
+            sid = rec["id"]
+            ok = await self._call(self._upsert(
+                keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                args=[node_id, rec["state"], json.dumps(rec), repr(now), sid]))
+            if not ok:
+                foreign.append(sid)
+        for sid in deleted:
+            await self._call(self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                          args=[node_id, sid]))
+        return foreign
+
+    async def reconcile(self, node_id: str, held: set[str]) -> tuple[list[str], list[str]]:
+        """Compare what the node holds with its bindings. Returns ``(foreign, missing)``:
+        held ids bound elsewhere or tombstoned (the node drops them), and held ids with
+        no binding at all (the node publishes them again). Bindings of this node that it
+        no longer holds are removed."""
+        bound = await self.node_sandboxes(node_id)
+        for sid in bound - held:
+            await self._call(self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                          args=[node_id, sid]))
+        unknown = sorted(held - bound)
+        foreign, missing = [], []
+        if unknown:
+            async with self._r.pipeline(transaction=False) as p:
+                for sid in unknown:
+                    p.exists(f"{P}gone:{sid}")
+                    p.hget(f"{P}sbx:{sid}", "node")
+                res = await self._call(p.execute())
+            for i, sid in enumerate(unknown):
+                gone, owner = res[2 * i], res[2 * i + 1]
+                (foreign if gone or (owner and _s(owner) != node_id) else missing).append(sid)
+        return foreign, missing
+
+    async def rebind(self, sandbox_id: str, from_node: str, to_node: str, now: float | None = None) -> bool:
+        """Move a *paused* sandbox's binding from ``from_node`` to ``to_node``
+        atomically; False when it is no longer paused on ``from_node`` (someone else
+        moved or resumed it first)."""
+        now = time.time() if now is None else now
+        return bool(await self._call(self._rebind(
+            keys=[f"{P}sbx:{sandbox_id}", f"{P}nodesbx:{from_node}", f"{P}nodesbx:{to_node}"],
+            args=[from_node, to_node, sandbox_id, repr(now)])))
+
+    async def is_gone(self, sandbox_id: str) -> bool:
+        """True when the sandbox was reported gone with its node (tombstone)."""
+        return bool(await self._call(self._r.exists(f"{P}gone:{sandbox_id}")))

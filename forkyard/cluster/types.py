@@ -1,0 +1,103 @@
+"""Shapes shared by scheduler, gateway and node agent (JSON over HTTP and in Redis).
+
+Times are UNIX seconds (float); sizes bytes; memory MiB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+#: Node heartbeat period (s); the issue asks for ≤ 2 s.
+HEARTBEAT_INTERVAL_S = 1.0
+#: A node whose last heartbeat is older than this (s) is down: its running sandboxes are
+#: reported gone, its paused ones resume elsewhere. 3 missed heartbeats and some slack.
+HEARTBEAT_TIMEOUT_S = 5.0
+
+NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
+
+
+@dataclass
+class NodeReport:
+    """What a node tells the scheduler with every heartbeat.
+
+    Attributes:
+        vcpus, memory_mb: the host's CPU count and memory (MiB).
+        max_sandboxes: how many sandboxes may run at once here (``FORKYARD_NODE_MAX_SANDBOXES``).
+        running, paused: sandbox counts now; ``vcpus_reserved`` sums running sandboxes' vCPUs.
+        free_slots: network slots built ahead and ready (spares).
+        cache_bytes: node cache bound (bytes).
+        load1: 1-minute load average of the host.
+        runtime: runtime build (e.g. ``runsc 0.0~20240729.0``); checkpoints restore only
+            on the same build.
+        cached_snapshots: snapshot ids whose image this node's cache holds (at most 1000).
+    """
+
+    vcpus: int = 0
+    memory_mb: int = 0
+    max_sandboxes: int = 0
+    running: int = 0
+    paused: int = 0
+    vcpus_reserved: int = 0
+    free_slots: int = 0
+    cache_bytes: int = 0
+    load1: float = 0.0
+    runtime: str = ""
+    cached_snapshots: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> NodeReport:
+        """Build from JSON, ignoring unknown keys (newer nodes may send more)."""
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+
+@dataclass
+class NodeInfo:
+    """A registered node as the scheduler sees it.
+
+    Attributes:
+        node_id: unique name (``FORKYARD_NODE_ID``, default the host name).
+        url: where the gateway reaches the node's API (``FORKYARD_ADVERTISE_URL``).
+        status: ``up``, ``draining`` (no new placements; its sandboxes are paused) or
+            ``down`` (silent past :data:`HEARTBEAT_TIMEOUT_S`).
+        last_seen: time of its last heartbeat.
+        report: its last :class:`NodeReport`.
+    """
+
+    node_id: str
+    url: str
+    status: str
+    last_seen: float
+    report: NodeReport
+
+    def alive(self, now: float) -> bool:
+        """Heard from within the heartbeat timeout."""
+        return now - self.last_seen <= HEARTBEAT_TIMEOUT_S
+
+    def to_dict(self, now: float) -> dict:
+        """JSON shape of ``GET /v1/nodes`` entries (``status`` is ``down`` when silent)."""
+        return {"nodeID": self.node_id, "url": self.url,
+                "status": self.status if self.alive(now) else NODE_DOWN,
+                "lastSeen": self.last_seen, "heartbeatAge": round(now - self.last_seen, 3),
+                "report": self.report.to_dict()}
+
+
+@dataclass
+class Binding:
+    """Which node owns a sandbox, and the sandbox's persisted record as that node last
+    published it (the node's ``SandboxRecord`` as a dict; it holds the envd token and
+    env vars, so Redis must be as private as a node's data dir).
+
+    ``state`` is the record's state (``running``, ``paused`` or a transient one such
+    as ``pausing``); anything but ``paused`` dies with its node.
+    """
+
+    sandbox_id: str
+    node_id: str
+    state: str
+    record: dict
+    updated: float
