@@ -12,7 +12,8 @@ need_pkgs=()
 # (no `grep -q` here: it closes the pipe early and pipefail then fails the check)
 runsc_ok() { [[ "$(runsc --version 2>/dev/null)" == *20240729* ]]; }
 runsc_ok || need_pkgs+=(runsc)
-for p in debootstrap iproute2 iptables; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
+# redis-server: the cluster's state store (tests start their own on a free port).
+for p in debootstrap iproute2 iptables redis-server; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   if [[ " ${need_pkgs[*]} " == *" runsc "* ]] && [ ! -f /etc/apt/sources.list.d/forkyard-trixie.sources ]; then
     say "adding a trixie apt source pinned to the runsc package only"
@@ -38,7 +39,12 @@ EOS
   fi
   say "apt-get install ${need_pkgs[*]}"
   apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}"
+  # Packages must not start services here (redis-server would otherwise start on :6379):
+  # a policy-rc.d that refuses every start, removed again afterwards.
+  had_policy=0; [ -e /usr/sbin/policy-rc.d ] && had_policy=1
+  [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; }
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" || { [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d; exit 1; }
+  [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d
 fi
 runsc_ok || { echo "runsc 20240729 did not install; see shared/DESIGN.md §2" >&2; exit 1; }
 
@@ -48,7 +54,7 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import forkyard, e2b, pytest, blake3, fastcdc.fastcdc_cy, moto.server' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
+if ! .venv/bin/python -c 'import forkyard, e2b, pytest, blake3, fastcdc.fastcdc_cy, moto.server, redis' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
   say "pip install -e .[test] into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
   touch .venv/.stamp

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.conftest import TEST_ROOT, free_port
+from conftest import TEST_ROOT, free_port
 
 _N = os.getpid() % 16
 _LETTER = "abcdefghijklmnop"[_N]

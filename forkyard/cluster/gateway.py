@@ -159,8 +159,10 @@ class Gateway:
     # ---- ownership ----------------------------------------------------------------------
     async def owner(self, sandbox_id: str, move: bool = True) -> NodeInfo:
         """The node serving ``sandbox_id``. A paused sandbox whose node is down or
-        draining is moved first when ``move`` (the scheduler rebinds it atomically; the
-        target adopts it), so the call that follows resumes it there.
+        draining is moved first when ``move`` (the scheduler rebinds it atomically), and
+        a paused sandbox is always adopted by the node it is bound to before a REST call
+        goes there (idempotent: a node that has it already keeps it) — so a move whose
+        adopt never happened (a gateway died in between) heals on the next call.
 
         Raises:
             _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
@@ -172,6 +174,8 @@ class Gateway:
         now = time.time()
         node = nodes.get(b.node_id)
         if node is not None and node.alive(now) and (node.status == NODE_UP or b.state != "paused"):
+            if b.state == "paused" and move:
+                await self._adopt(node, b)
             return node
         if b.state != "paused":
             raise _Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
@@ -182,12 +186,14 @@ class Gateway:
         target = (await self.nodes(fresh=True)).get(target_id)
         if target is None or not target.alive(now):
             raise _Fail(503, f"sandbox {sandbox_id!r} is paused on node {target_id}, which is unreachable; retry shortly")
-        if target_id != b.node_id:
-            r = await self._node_call(target, "POST", "/cluster/adopt", b.record)
-            if r.status_code not in (200, 409):
-                raise _Fail(r.status_code, f"node {target_id} could not take over paused sandbox "
-                                           f"{sandbox_id}: {r.text[:300]}")
+        await self._adopt(target, b)
         return target
+
+    async def _adopt(self, node: NodeInfo, b) -> None:
+        r = await self._node_call(node, "POST", "/cluster/adopt", b.record)
+        if r.status_code not in (200, 409):  # 409: it runs there already
+            raise _Fail(r.status_code, f"node {node.node_id} could not take over paused sandbox "
+                                       f"{b.sandbox_id}: {r.text[:300]}")
 
     async def _proxy_owner(self, sandbox_id: str) -> NodeInfo:
         hit = self._owners.get(sandbox_id)

@@ -1,0 +1,396 @@
+"""The cluster on one host: real redis-server (AOF), scheduler, gateway and 3 node
+processes with real gVisor sandboxes, driven through the official e2b SDK pointed at
+the gateway. Each test gets a fresh cluster (≈ 4 s to start) and leaves the host clean.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+from _cluster import Cluster
+from conftest import TEST_ROOT
+from e2b import Sandbox, SandboxQuery
+from e2b.exceptions import NotFoundException
+
+from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S
+
+# A value held only in a running process's memory: GET /set/V stores V, any other GET
+# returns it (the same program as test_lifecycle's; here reached through the gateway).
+COUNTER = r'''
+import http.server
+n = 0
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        global n
+        if self.path.startswith("/set/"):
+            n = int(self.path[5:])
+        body = str(n).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
+'''
+
+
+@pytest.fixture
+def cluster(base_template):
+    """A fresh 3-node cluster; node0 runs at most 17 sandboxes (room for a source + 16)."""
+    c = Cluster(TEST_ROOT / f"cluster-{os.getpid()}", nodes=3, max_sandboxes={0: 17})
+    try:
+        c.start()
+        yield c
+    finally:
+        c.close()
+        assert_clean(c)
+
+
+def assert_clean(c: Cluster) -> None:
+    """No netns, runsc process or mount of the cluster's nodes is left on the host."""
+    prefixes = [n.env["FORKYARD_NET_PREFIX"] for n in c.nodes]
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    assert not [l for l in ns if l and any(l.split()[0].startswith(p) for p in prefixes)]
+    procs = subprocess.run(["pgrep", "-af", "runsc"], capture_output=True, text=True).stdout
+    assert str(c.root) not in procs
+    assert str(c.root) not in open("/proc/self/mounts").read()
+
+
+def counter(c: Cluster, sbx: Sandbox, set_to: int | None = None, base: str | None = None) -> int:
+    """Read (or set) the in-memory counter inside ``sbx`` through the gateway."""
+    path = "/" if set_to is None else f"/set/{set_to}"
+    deadline = time.time() + 20
+    while True:
+        try:
+            r = httpx.get(f"{base or c.gateway_url}{path}", timeout=5,
+                          headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"})
+            if r.status_code == 200:
+                return int(r.text)
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer")
+        time.sleep(0.1)
+
+
+def with_counter(c: Cluster, sbx: Sandbox, value: int) -> None:
+    sbx.files.write("/home/user/counter.py", COUNTER)
+    sbx.commands.run("python3 /home/user/counter.py", background=True, timeout=0)
+    assert counter(c, sbx, set_to=value) == value
+
+
+def wait_for(pred, timeout_s: float, what: str):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def only_on(c: Cluster, node: str):
+    """Context: every node but ``node`` drained (nothing runs on them yet), so new
+    sandboxes land on ``node``; undrained afterwards."""
+
+    class _Ctx:
+        def __enter__(self):
+            with c.sched() as s:
+                for i in range(len(c.nodes)):
+                    if f"node{i}" != node:
+                        assert s.post(f"/v1/nodes/node{i}/drain").status_code == 200
+
+        def __exit__(self, *exc):
+            with c.sched() as s:
+                for i in range(len(c.nodes)):
+                    s.post(f"/v1/nodes/node{i}/undrain")
+
+    return _Ctx()
+
+
+def test_sdk_through_gateway_spreads_over_nodes(cluster):
+    """Create / commands / files / PTY / list with metadata / pause / resume / snapshot
+    through one gateway URL; sandboxes land on all three nodes."""
+    c = cluster
+    tag = f"t{time.time_ns()}"
+    boxes = [Sandbox.create("base", timeout=120, metadata={"run": tag, "i": str(i)}, envs={"WHO": f"w{i}"}, **c.sdk)
+             for i in range(3)]
+    try:
+        owners = [c.owner(b.sandbox_id) for b in boxes]
+        assert sorted(owners) == ["node0", "node1", "node2"], owners
+        for i, b in enumerate(boxes):
+            assert b.commands.run("echo $WHO").stdout.strip() == f"w{i}"
+            b.files.write("/home/user/f.txt", f"file {i}")
+            assert b.files.read("/home/user/f.txt") == f"file {i}"
+        from e2b import PtySize
+
+        term = boxes[1].pty.create(PtySize(rows=24, cols=80))
+        boxes[1].pty.send_stdin(term.pid, b"echo pty-$((6*7)); exit 0\n")
+        out = bytearray()
+        term.wait(on_pty=out.extend)
+        assert b"pty-42" in out
+        listed = Sandbox.list(query=SandboxQuery(metadata={"run": tag}), **c.sdk).next_items()
+        assert sorted(s.sandbox_id for s in listed) == sorted(b.sandbox_id for b in boxes)
+        with c.api() as api:  # E2B pagination across nodes
+            r = api.get("/v2/sandboxes", params={"metadata": f"run={tag}", "limit": 2})
+            assert len(r.json()) == 2 and r.headers.get("x-next-token")
+            r2 = api.get("/v2/sandboxes", params={"metadata": f"run={tag}", "limit": 2,
+                                                   "nextToken": r.headers["x-next-token"]})
+            assert len(r2.json()) == 1
+            assert {x["sandboxID"] for x in r.json() + r2.json()} == {b.sandbox_id for b in boxes}
+            m = api.get("/metrics/node").json()
+            assert m["sandboxes"]["running"] == 3 and {n["nodeID"] for n in m["nodes"]} == {"node0", "node1", "node2"}
+            assert api.get(f"/sandboxes/{boxes[0].sandbox_id}/metrics").status_code == 200
+        # pause + resume (same node while it is up), memory kept
+        with_counter(c, boxes[2], 31)
+        boxes[2].pause()
+        states = {s.sandbox_id: s.state for s in Sandbox.list(query=SandboxQuery(metadata={"run": tag}), **c.sdk).next_items()}
+        assert states[boxes[2].sandbox_id] == "paused"
+        again = Sandbox.connect(boxes[2].sandbox_id, **c.sdk)
+        assert counter(c, again) == 31 and again.files.read("/home/user/f.txt") == "file 2"
+        # snapshot, then create from it (placed anywhere; the repository is shared)
+        snap = boxes[0].create_snapshot(name=f"snap-{tag}")
+        child = Sandbox.create(snap.snapshot_id, timeout=60, **c.sdk)
+        assert child.files.read("/home/user/f.txt") == "file 0"
+        child.kill()
+    finally:
+        for b in boxes:
+            b.kill()
+    assert Sandbox.list(query=SandboxQuery(metadata={"run": tag}), **c.sdk).next_items() == []
+
+
+def test_fork_of_24_spills_to_other_nodes(cluster):
+    """node0 has room for 16 children beside the source: a fork of 24 puts 16 there and
+    8 on the other nodes, every child with the source's memory (counter) and files."""
+    c = cluster
+    with only_on(c, "node0"):
+        src = Sandbox.create("base", timeout=300, **c.sdk)
+    try:
+        assert c.owner(src.sandbox_id) == "node0"
+        with_counter(c, src, 7)
+        src.files.write("/home/user/who.txt", "source")
+        with c.api() as api:
+            r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 24, "timeout": 120}, timeout=600)
+        assert r.status_code == 201, r.text
+        results = r.json()
+        assert len(results) == 24 and all("sandbox" in x for x in results), results
+        kids = [x["sandbox"]["sandboxID"] for x in results]
+        placed = Counter(c.owner(k) for k in kids)
+        assert placed["node0"] == 16 and placed["node1"] + placed["node2"] == 8, placed
+        for k in kids:
+            kid = Sandbox.connect(k, **c.sdk)
+            assert counter(c, kid) == 7
+            assert kid.files.read("/home/user/who.txt") == "source"
+            assert kid.get_info().metadata["forkyard.parentSandboxID"] == src.sandbox_id
+        assert counter(c, src) == 7  # the source keeps running
+        # the one checkpoint was exported to the repository and deleted once every child ran
+        image = Sandbox.connect(kids[-1], **c.sdk).get_info().metadata["forkyard.snapshotID"]
+        assert not (c.root / "repository" / "manifests" / f"{image}.json").exists()
+        assert {Sandbox.connect(k, **c.sdk).get_info().metadata["forkyard.snapshotID"] for k in kids} == {image}
+        with c.api() as api:
+            for k in kids:
+                assert api.delete(f"/sandboxes/{k}").status_code == 204
+    finally:
+        src.kill()
+
+
+def test_node_sigkill(cluster):
+    """SIGKILL a node: within the heartbeat timeout its running sandbox answers E2B's
+    404; its paused sandbox resumes on another node with memory and files; a snapshot
+    taken there still creates sandboxes. When the node comes back it destroys the
+    sandbox that was reported gone and drops the one that moved."""
+    c = cluster
+    with only_on(c, "node0"):
+        run = Sandbox.create("base", timeout=300, **c.sdk)
+        paused = Sandbox.create("base", timeout=300, **c.sdk)
+    assert c.owner(run.sandbox_id) == c.owner(paused.sandbox_id) == "node0"
+    with_counter(c, paused, 5)
+    paused.files.write("/home/user/keep.txt", "kept")
+    paused.pause()
+    snap = run.create_snapshot(name="before-crash")
+    c.nodes[0].stop(sig_kill=True)
+    t0 = time.time()
+    with c.api() as api:
+        wait_for(lambda: api.get(f"/sandboxes/{run.sandbox_id}").status_code == 404, HEARTBEAT_TIMEOUT_S + 5,
+                 "the dead node's running sandbox to be reported gone")
+        elapsed = time.time() - t0
+        body = api.get(f"/sandboxes/{run.sandbox_id}").json()
+        assert body["code"] == 404 and run.sandbox_id in body["message"]
+    assert elapsed <= HEARTBEAT_TIMEOUT_S + 2, elapsed
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(run.sandbox_id, **c.sdk)
+    moved = Sandbox.connect(paused.sandbox_id, **c.sdk)
+    assert c.owner(paused.sandbox_id) in ("node1", "node2")
+    assert counter(c, moved) == 5 and moved.files.read("/home/user/keep.txt") == "kept"
+    from_snap = Sandbox.create("before-crash", timeout=60, **c.sdk)
+    assert c.owner(from_snap.sandbox_id) in ("node1", "node2")
+    from_snap.kill()
+    # node0 comes back: the gone sandbox's runtime is destroyed, the moved one dropped
+    c.nodes[0].start()
+    node0 = httpx.Client(base_url=c.node_urls[0], headers={"X-API-Key": c.api_key}, timeout=30)
+    wait_for(lambda: node0.get("/v2/sandboxes").json() == [], 20, "node0 to drop what it no longer owns")
+    runsc_root = c.root / "node0" / "runsc"
+    listed = subprocess.run(["runsc", f"--root={runsc_root}", "list", "-quiet"], capture_output=True, text=True)
+    assert run.sandbox_id not in listed.stdout
+    assert counter(c, moved) == 5  # the moved sandbox is untouched
+    moved.kill()
+    Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
+
+
+def test_scheduler_and_gateway_restarts(cluster):
+    """Scheduler SIGKILL: running sandboxes keep being served (the gateway reads
+    bindings from Redis), creates answer a clear 503, and after a restart no binding
+    is lost and placements continue. Gateway SIGKILL + restart: clients' retries work;
+    a second gateway serves the same sandboxes."""
+    c = cluster
+    a = Sandbox.create("base", timeout=300, **c.sdk)
+    owner = c.owner(a.sandbox_id)
+    c.scheduler.stop(sig_kill=True)
+    assert a.commands.run("echo still").stdout.strip() == "still"
+    with c.api() as api:
+        r = api.post("/sandboxes", json={"templateID": "base"})
+        assert r.status_code == 503 and "scheduler" in r.json()["message"]
+    c.scheduler.start()
+    assert c.owner(a.sandbox_id) == owner
+    b = Sandbox.create("base", timeout=60, **c.sdk)
+    c.gateway.stop(sig_kill=True)
+    c.gateway.start()
+    assert a.commands.run("echo after").stdout.strip() == "after"
+    assert Sandbox.connect(b.sandbox_id, **c.sdk).commands.run("echo b").stdout.strip() == "b"
+    # a second, independent gateway
+    from conftest import free_port
+
+    from _cluster import Proc
+
+    port = free_port()
+    gw2 = Proc("gateway2", c.gateway.argv[:-1] + [str(port)], c.env, c.root / "gateway2.log",
+               f"http://127.0.0.1:{port}/health")
+    gw2.start()
+    try:
+        url2 = f"http://127.0.0.1:{port}"
+        via2 = Sandbox.connect(a.sandbox_id, api_url=url2, sandbox_url=url2, api_key=c.api_key)
+        assert via2.commands.run("echo two").stdout.strip() == "two"
+    finally:
+        gw2.stop()
+    a.kill()
+    b.kill()
+
+
+def test_redis_restart_and_outage(cluster):
+    """Redis restarted (AOF on): nothing lost. Redis down: the gateway answers 503 with
+    a message naming Redis; when it is back everything works again."""
+    c = cluster
+    a = Sandbox.create("base", timeout=300, metadata={"k": "redis"}, **c.sdk)
+    p = Sandbox.create("base", timeout=300, **c.sdk)
+    p.pause()
+    owner = c.owner(a.sandbox_id)
+    c.restart_redis()
+    assert c.owner(a.sandbox_id) == owner
+    states = {s.sandbox_id: s.state for s in Sandbox.list(**c.sdk).next_items()}
+    assert states == {a.sandbox_id: "running", p.sandbox_id: "paused"}
+    c.redis.stop()
+    try:
+        with c.api() as api:
+            r = api.get("/v2/sandboxes")
+            assert r.status_code == 503 and "Redis" in r.json()["message"]
+            r = api.post("/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 503
+            assert httpx.get(f"{c.gateway_url}/health").status_code == 503
+    finally:
+        c.redis.start()
+        c._wait_redis()
+    wait_for(lambda: c.node_states() == {"node0": "up", "node1": "up", "node2": "up"}, 15, "nodes to be up again")
+    assert a.commands.run("echo back").stdout.strip() == "back"
+    assert Sandbox.connect(p.sandbox_id, **c.sdk).commands.run("echo p").stdout.strip() == "p"
+    b = Sandbox.create("base", timeout=60, **c.sdk)
+    for s in (a, p, b):
+        s.kill()
+
+
+def test_drain(cluster):
+    """``forkyard node drain``: no new placements on the node, its running sandboxes are
+    paused to the repository and then resume elsewhere with their memory."""
+    c = cluster
+    with only_on(c, "node1"):
+        a = Sandbox.create("base", timeout=300, **c.sdk)
+    with_counter(c, a, 11)
+    env = dict(c.env)
+    out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "drain", "node1"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: {s.sandbox_id: s.state for s in Sandbox.list(**c.sdk).next_items()}.get(a.sandbox_id) == "paused",
+             60, "the draining node to pause its sandbox")
+    news = [Sandbox.create("base", timeout=60, **c.sdk) for _ in range(3)]
+    assert "node1" not in {c.owner(n.sandbox_id) for n in news}
+    back = Sandbox.connect(a.sandbox_id, **c.sdk)
+    assert c.owner(a.sandbox_id) != "node1"
+    assert counter(c, back) == 11
+    ls = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "ls", "--json"], env=env,
+                        capture_output=True, text=True, timeout=60)
+    import json
+
+    assert {n["nodeID"]: n["status"] for n in json.loads(ls.stdout)}["node1"] == "draining"
+    for s in news + [back]:
+        s.kill()
+
+
+def test_two_schedulers_move_a_paused_sandbox_once(cluster):
+    """Two scheduler replicas asked at once to place the paused sandbox of a dead node
+    agree on one node and move it exactly once."""
+    c = cluster
+    with only_on(c, "node2"):
+        p = Sandbox.create("base", timeout=300, **c.sdk)
+    with_counter(c, p, 3)
+    p.pause()
+    c.nodes[2].stop(sig_kill=True)
+    wait_for(lambda: c.node_states().get("node2") == "down", HEARTBEAT_TIMEOUT_S + 5, "node2 to be down")
+    from conftest import free_port
+
+    from _cluster import Proc
+
+    port = free_port()
+    s2 = Proc("scheduler2", c.scheduler.argv[:-1] + [str(port)], c.env, c.root / "scheduler2.log",
+              f"http://127.0.0.1:{port}/health")
+    s2.start()
+    try:
+        urls = [c.scheduler_url, f"http://127.0.0.1:{port}"] * 6
+
+        def ask(url):
+            return httpx.post(f"{url}/v1/placements", json={"kind": "resume", "sandboxID": p.sandbox_id},
+                              headers={"x-forkyard-cluster-secret": c.secret}, timeout=30).json()
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(ask, urls))
+    finally:
+        s2.stop()
+    assert len({a["placements"][0]["nodeID"] for a in answers}) == 1, answers
+    assert sum(1 for a in answers if a.get("moved")) == 1, answers
+    back = Sandbox.connect(p.sandbox_id, **c.sdk)
+    assert counter(c, back) == 3
+    back.kill()
+
+
+def test_cluster_auth(cluster):
+    """Users need the API key at the gateway (checked before the body is read); the
+    control plane needs the cluster secret, which is not the API key."""
+    c = cluster
+    with httpx.Client(timeout=10) as h:
+        assert h.get(f"{c.gateway_url}/v2/sandboxes").status_code == 401
+        assert h.get(f"{c.gateway_url}/v2/sandboxes", headers={"X-API-Key": "wrong"}).status_code == 401
+        # a large keyless body is refused at once, without being read
+        t0 = time.time()
+        r = h.post(f"{c.gateway_url}/sandboxes", content=b"x" * (64 << 20))
+        assert r.status_code == 401 and time.time() - t0 < 5
+        assert h.get(f"{c.scheduler_url}/v1/nodes").status_code == 401
+        assert h.get(f"{c.scheduler_url}/v1/nodes", headers={"x-forkyard-cluster-secret": c.api_key}).status_code == 401
+        assert h.post(f"{c.node_urls[0]}/cluster/adopt", json={"id": "x"},
+                      headers={"X-API-Key": c.api_key}).status_code == 401
+        assert h.get(f"{c.scheduler_url}/health").status_code == 200
