@@ -183,8 +183,11 @@ class Cluster:
         self.gateway.stop()
         self.scheduler.stop()
         self.redis.stop()
-        for i, n in enumerate(self.nodes):
+        for n in self.nodes:
             _wipe_node(Path(n.env["FORKYARD_DATA_DIR"]), n.env["FORKYARD_NET_PREFIX"], n.env["FORKYARD_OUTER_NET"])
+        # keep the logs (*.log) for a failed run; drop the state
+        for d in [Path(n.env["FORKYARD_DATA_DIR"]) for n in self.nodes] + [self.root / "repository", self.root / "redis"]:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:

@@ -394,3 +394,63 @@ def test_cluster_auth(cluster):
         assert h.post(f"{c.node_urls[0]}/cluster/adopt", json={"id": "x"},
                       headers={"X-API-Key": c.api_key}).status_code == 401
         assert h.get(f"{c.scheduler_url}/health").status_code == 200
+
+
+def test_gateway_routes_websocket_host_form_cli_and_client(cluster):
+    """Through the gateway: WebSocket by headers and by host ``PORT-ID.DOMAIN``, plain
+    HTTP by host form, the ``forkyard`` CLI and the async client (fork, list)."""
+    import asyncio
+    import json
+    import socket
+
+    from test_proxy_ws import WS_ECHO
+    from websockets.sync.client import connect
+
+    from forkyard.client import AsyncForkyard
+
+    c = cluster
+    sbx = Sandbox.create("base", timeout=120, **c.sdk)
+    try:
+        sbx.files.write("/home/user/ws.py", WS_ECHO)
+        sbx.commands.run("python3 /home/user/ws.py", background=True, timeout=0)
+        with_counter(c, sbx, 9)
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8765"}
+        ws = wait_for(lambda: _try(lambda: connect(f"ws://127.0.0.1:{c.gw_port}/echo", additional_headers=hdrs,
+                                                   open_timeout=5)), 20, "the WebSocket echo server")
+        with ws:
+            ws.send("hello")
+            assert ws.recv(timeout=10) == "hello"
+        sock = socket.create_connection(("127.0.0.1", c.gw_port), timeout=10)
+        with connect(f"ws://8765-{sbx.sandbox_id}.localhost:{c.gw_port}/", sock=sock, open_timeout=5) as ws2:
+            ws2.send("via host")
+            assert ws2.recv(timeout=10) == "via host"
+        r = httpx.get(f"{c.gateway_url}/", headers={"Host": f"8000-{sbx.sandbox_id}.localhost"}, timeout=10)
+        assert r.status_code == 200 and r.text == "9"
+        env = dict(c.env, E2B_API_URL=c.gateway_url, E2B_SANDBOX_URL=c.gateway_url, E2B_API_KEY=c.api_key)
+        out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "ls", "--json"], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert sbx.sandbox_id in {s["sandboxID"] for s in json.loads(out.stdout)}
+        out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "exec", sbx.sandbox_id, "--", "echo", "via-cli"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "via-cli" in out.stdout, out.stderr
+
+        async def client_flow():
+            async with AsyncForkyard(url=c.gateway_url, api_key=c.api_key) as fy:
+                kids = await fy.fork_info(sbx.sandbox_id, 2, timeout=60)
+                assert len(kids) == 2 and all(hasattr(k, "sandbox_id") for k in kids), kids
+                listed = {s.sandbox_id for s in await fy.list_sandboxes()}
+                assert {k.sandbox_id for k in kids} <= listed
+                for k in kids:
+                    await fy.kill(k.sandbox_id)
+
+        asyncio.run(client_flow())
+    finally:
+        sbx.kill()
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 — retried by wait_for
+        return None

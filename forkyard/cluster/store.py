@@ -28,7 +28,11 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
 
@@ -104,8 +108,12 @@ class ClusterStore:
 
     def __init__(self, url: str, timeout_s: float = 2.0):
         self.url = url
+        # Retry on a dropped connection (a restarted Redis closes every pooled one): up
+        # to 3 tries, 50-500 ms apart.
         self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                    health_check_interval=5)
+                                    health_check_interval=5,
+                                    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+                                    retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._upsert = self._r.register_script(_UPSERT)
         self._delete = self._r.register_script(_DELETE)
         self._rebind = self._r.register_script(_REBIND)
