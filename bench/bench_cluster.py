@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
-from _common import pct, row  # noqa: E402
+from _common import row  # noqa: E402
 
 import httpx  # noqa: E402
 from e2b import Sandbox  # noqa: E402

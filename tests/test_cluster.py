@@ -18,28 +18,12 @@ from _cluster import Cluster
 from conftest import TEST_ROOT
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import NotFoundException
+from test_lifecycle import COUNTER
 
 from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S
 
-# A value held only in a running process's memory: GET /set/V stores V, any other GET
-# returns it (the same program as test_lifecycle's; here reached through the gateway).
-COUNTER = r'''
-import http.server
-n = 0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        global n
-        if self.path.startswith("/set/"):
-            n = int(self.path[5:])
-        body = str(n).encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
-'''
+# COUNTER: a value held only in a running process's memory (GET /set/V stores V, GET
+# returns it), reached here through the gateway.
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
+from forkyard.cluster.types import NODE_DOWN, NODE_UP, Binding, NodeInfo, NodeReport
 
 P = "fy:"
 TOMBSTONE_S = 7 * 24 * 3600
