@@ -29,9 +29,8 @@ bridges() { ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | 
 # Delete every rule of table $1 chain $2 that matches the extended regex $3.
 delete_rules() {
   local t=$1 c=$2 re=$3 rule
-  iptables -t "$t" -S "$c" 2>/dev/null | grep -E -- "$re" | sed 's/^-A /-D /' | while read -r rule; do
-    eval "iptables -t $t $rule" || true
-  done
+  { iptables -t "$t" -S "$c" 2>/dev/null || true; } | { grep -E -- "$re" || true; } | sed 's/^-A /-D /' \
+    | while read -r rule; do eval "iptables -t $t $rule" || true; done
 }
 drop_chain() { iptables -t "$1" -F "$2" 2>/dev/null || true; iptables -t "$1" -X "$2" 2>/dev/null || true; }
 
@@ -73,7 +72,7 @@ stop() {
   # shellcheck disable=SC1090
   . "$STATE"
   # dockerd's own pidfile first (the recorded $! is the same process unless setsid forked).
-  [ -s "$PIDFILE" ] && pid=$(cat "$PIDFILE")
+  if [ -s "$PIDFILE" ]; then pid=$(cat "$PIDFILE"); fi
   if kill -0 "$pid" 2>/dev/null; then
     say "stopping dockerd (pid $pid)"
     kill -TERM "$pid"
@@ -92,12 +91,13 @@ stop() {
   delete_rules nat OUTPUT '-j DOCKER'
   delete_rules nat POSTROUTING '(docker0|br-[0-9a-f]{12})'
   drop_chain nat DOCKER
-  [ -n "${policy:-}" ] && iptables -P FORWARD "$policy"
+  if [ -n "${policy:-}" ]; then iptables -P FORWARD "$policy"; fi
   for b in $(bridges); do
     case " ${bridges_before:-} " in *" $b "*) ;; *) ip link delete "$b" 2>/dev/null || true ;; esac
   done
   # Network namespaces dockerd bind-mounted for containers (normally gone with them).
-  grep -o ' /run/docker/netns/[^ ]*' /proc/self/mounts 2>/dev/null | while read -r m; do umount "$m" 2>/dev/null || true; done
+  { grep -o ' /run/docker/netns/[^ ]*' /proc/self/mounts 2>/dev/null || true; } \
+    | while read -r m; do umount "$m" 2>/dev/null || true; done
   rm -f "$STATE"
   say "dockerd stopped and cleaned up"
 }
