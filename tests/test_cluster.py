@@ -355,6 +355,7 @@ def test_two_schedulers_move_a_paused_sandbox_once(cluster):
             answers = list(pool.map(ask, urls))
     finally:
         s2.stop()
+    assert all("placements" in a for a in answers), answers
     assert len({a["placements"][0]["nodeID"] for a in answers}) == 1, answers
     assert sum(1 for a in answers if a.get("moved")) == 1, answers
     back = Sandbox.connect(p.sandbox_id, **c.sdk)
@@ -438,3 +439,27 @@ def _try(fn):
         return fn()
     except Exception:  # noqa: BLE001 — retried by wait_for
         return None
+
+
+def test_template_build_through_gateway(cluster, tmp_path):
+    """The SDK's ``Template.build`` (with a COPY step, so its signed upload URL must point
+    back at the gateway) through the gateway; the built template starts on every node."""
+    from e2b import Template
+
+    c = cluster
+    (tmp_path / "hello.txt").write_text("copied through the gateway\n")
+    name = f"gw-{os.getpid()}"
+    tmpl = Template(file_context_path=tmp_path).from_template("base").copy("hello.txt", "/home/user/")
+    Template.build(tmpl, name, api_key=c.api_key, api_url=c.gateway_url)
+    try:
+        for i in range(3):  # one on each node (one at a time: a drained node pauses what it runs)
+            with only_on(c, f"node{i}"):
+                b = Sandbox.create(name, timeout=60, **c.sdk)
+            try:
+                assert c.owner(b.sandbox_id) == f"node{i}"
+                assert b.files.read("/home/user/hello.txt") == "copied through the gateway\n"
+            finally:
+                b.kill()
+    finally:
+        with c.api() as api:
+            api.delete(f"/templates/{name}")

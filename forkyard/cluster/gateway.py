@@ -269,8 +269,11 @@ class Gateway:
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 
     async def _forward(self, node: NodeInfo, scope, receive, send, body: bytes | None = None):
-        """Relay a REST call to ``node`` (streaming), the user's key swapped for the secret."""
+        """Relay a REST call to ``node`` (streaming), the user's key swapped for the
+        secret. The client's ``Host`` goes along, so URLs the node builds from it (the
+        template build's signed upload URL) point back at the gateway."""
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
+        headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
         headers.append((SECRET_HEADER.encode(), self.secret.encode()))
         await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
                          node.url, headers, self.max_body_bytes, f"node {node.node_id}")

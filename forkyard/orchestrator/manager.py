@@ -528,11 +528,13 @@ class Orchestrator(LifecycleMixin):
             if only_if is not None and not only_if(sandbox_id):
                 return
             rec = self.get(sandbox_id)
+            was_paused = rec.state == "paused"
             rec.state = "killing"
             self.store.put(rec)
             await self._teardown(rec.id, rec.slot)
             if rec.image_id:  # a pause image that was never committed
                 self.snapshots.discard(self.snapshots.staging_path(rec.image_id))
+            if rec.image_id and was_paused:  # (a running one's image_id is where it came from)
                 self._garbage.add(rec.image_id)
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
@@ -572,7 +574,9 @@ class Orchestrator(LifecycleMixin):
         referenced = {r.image_id for r in self.store.all() if r.image_id}
         if self.settings.cluster:
             for sid in list(self._garbage - referenced):
-                self.snapshots.delete(sid)
+                meta = self.snapshots.get(sid)
+                if meta is not None and meta.kind == "pause":  # never a user's snapshot or template
+                    self.snapshots.delete(sid)
                 self._garbage.discard(sid)
             return
         for meta in self.snapshots.list():
