@@ -3,5 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install.sh
+# Test-only tools: docker-compose validates deploy/compose (tests/test_deploy.py); no service starts.
+if ! command -v docker-compose >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
+fi
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 exec .venv/bin/python -m pytest -v "$@"
