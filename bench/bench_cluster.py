@@ -131,6 +131,7 @@ def resume(c, n: int) -> None:
         sbx.pause()
         with c.sched() as s:
             s.post("/v1/nodes/node1/drain")
+        time.sleep(0.6)  # the gateway reuses its node list for 0.5 s (NODES_TTL_S)
         try:
             other.append(timed(lambda: Sandbox.connect(sbx.sandbox_id, **c.sdk)))
             assert c.owner(sbx.sandbox_id) != "node1"
