@@ -162,10 +162,13 @@ class NodeAgent:
 
     # ---- scheduler calls --------------------------------------------------------------
     def _report(self) -> NodeReport:
-        running = [r for r in self.orch.list() if r.state != "paused"]
+        rows = self.orch.store.all()
+        # Sandboxes still being created count too: their placement may predate the last
+        # heartbeat, so the scheduler's placing count no longer covers them.
+        running = [r for r in rows if r.state not in ("paused", "killing")]
         return NodeReport(
             vcpus=os.cpu_count() or 1, memory_mb=_memory_mb(), max_sandboxes=self.max_sandboxes,
-            running=len(running), paused=sum(1 for r in self.orch.list() if r.state == "paused"),
+            running=len(running), paused=sum(1 for r in rows if r.state == "paused"),
             vcpus_reserved=sum(r.vcpus for r in running),
             free_slots=len(self.orch.node_metrics()["spareSlots"]),
             cache_bytes=self.orch.snapshots.cache.limit_bytes, load1=os.getloadavg()[0],
