@@ -35,7 +35,7 @@ class Proc:
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_s: float = 120) -> None:
-        logf = open(self.log, "ab")
+        logf = os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.time() + wait_s
