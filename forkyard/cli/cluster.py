@@ -126,8 +126,9 @@ def register(app: typer.Typer) -> None:
         secret = _secret()
         url = redis or redis_url()
         print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
+        # No access log: every node heartbeats every second.
         uvicorn.run(create_scheduler_app(ClusterStore(url), secret), host=host, port=port,
-                    log_level=log_level.lower(), timeout_keep_alive=75)
+                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False)
 
     @app.command()
     def gateway(

@@ -75,7 +75,11 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
             build(settings, progress=_BuildProgress())
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
-    application = create_app(settings)
+    _lock_net_prefix(settings.net_prefix)
+    try:
+        application = create_app(settings)
+    except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
+        _fail(f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
     url = f"http://{settings.host}:{settings.port}"
     if cluster is not None:
         from forkyard.cluster.agent import NodeAgent
@@ -96,6 +100,28 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
     # with equal timeouts the server may close a connection the client is reusing.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=2, timeout_keep_alive=75)
+
+
+_NET_LOCK = None
+
+
+def _lock_net_prefix(prefix: str) -> None:
+    """Hold ``/run/forkyard/net-<prefix>.lock`` for the life of this process: a second
+    node on the same host with the same ``FORKYARD_NET_PREFIX`` would remove the first
+    one's network slots, so it is refused here."""
+    import fcntl
+    import os
+
+    global _NET_LOCK
+    os.makedirs("/run/forkyard", mode=0o700, exist_ok=True)
+    fd = os.open(f"/run/forkyard/net-{prefix}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        _fail(f"another forkyard node on this host already uses network prefix {prefix!r}; give this one its own "
+              "FORKYARD_NET_PREFIX (2-4 lower-case letters) and a FORKYARD_OUTER_NET that does not overlap")
+    _NET_LOCK = fd
 
 
 def _logging(log_level: str) -> None:
