@@ -36,6 +36,7 @@ class Proc:
 
     def start(self, wait_s: float = 120) -> None:
         logf = os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+        os.fchmod(logf.fileno(), 0o600)  # an older log may predate this
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.time() + wait_s

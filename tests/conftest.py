@@ -85,7 +85,8 @@ class ServerProc:
         return env
 
     def start(self) -> None:
-        logf = open(self.log, "ab")
+        logf = os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # logs may hold ids and tokens
+        os.fchmod(logf.fileno(), 0o600)  # an older log may predate this
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base", "--log-level", "info"],
             env=self.env(), stdout=logf, stderr=subprocess.STDOUT,
