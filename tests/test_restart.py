@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import sqlite3
+import subprocess
 
 from e2b import Sandbox
 
@@ -37,3 +40,39 @@ def test_restart_after_sigkill_cleans_unknown_sandbox(server):
     server.start()
     assert sbx.sandbox_id not in [s.sandbox_id for s in Sandbox.list().next_items()]
     assert server.leftovers() == CLEAN
+
+
+def test_pause_image_of_another_runtime_build_is_refused_with_409(server, tmp_path):
+    """A pause image records the runsc build that wrote it. After the node's runtime
+    changes build, resuming it answers 409 naming both builds and the sandbox stays
+    paused; back on the original build it resumes with its files."""
+    real = shutil.which("runsc")
+    real_build = subprocess.run([real, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    other = tmp_path / "runsc"
+    other.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'runsc version 0.0~test-other-build'; exit 0; }}\n"
+                     f"exec {real} \"$@\"\n")
+    other.chmod(0o755)
+    sbx = Sandbox.create("base", timeout=300)
+    before = os.environ.get("FORKYARD_RUNSC")
+    try:
+        sbx.files.write("/home/user/keep", "kept")
+        sbx.pause()
+        server.settle()
+        server.stop()
+        os.environ["FORKYARD_RUNSC"] = str(other)
+        server.start()
+        with server.api() as c:
+            r = c.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+            assert r.status_code == 409, r.text
+            assert "0.0~test-other-build" in r.json()["message"] and real_build in r.json()["message"]
+            assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
+    finally:
+        if before is None:
+            os.environ.pop("FORKYARD_RUNSC", None)
+        else:
+            os.environ["FORKYARD_RUNSC"] = before
+        server.stop()
+        server.start()
+    same = Sandbox.connect(sbx.sandbox_id)
+    assert same.files.read("/home/user/keep") == "kept"
+    same.kill()

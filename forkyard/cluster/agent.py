@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 from dataclasses import asdict, fields
 
 import httpx
@@ -102,7 +101,7 @@ class NodeAgent:
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
-        self._runtime = _runtime_build(self.orch.settings.runsc)
+        self._runtime = self.orch.driver.build or "unknown"
         self.app.state.cluster_secret = secret
         self.app.state.on_start.append(self.start)
         self.app.state.on_stop.insert(0, self.stop)
@@ -321,12 +320,3 @@ class NodeAgent:
             return Response(status_code=204)
 
         return router
-
-
-def _runtime_build(runsc: str) -> str:
-    """``runsc --version``'s first line (e.g. ``runsc version 0.0~20240729.0``)."""
-    try:
-        out = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=10).stdout
-        return out.splitlines()[0].strip() if out else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"

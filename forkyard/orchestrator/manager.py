@@ -28,7 +28,7 @@ from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, Not
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
-from forkyard.runtime.base import RuntimeDriver, SandboxSpec
+from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
 from forkyard.templates import registry
 
 log = logging.getLogger("forkyard.orchestrator")
@@ -374,6 +374,8 @@ class Orchestrator(LifecycleMixin):
         Raises:
             CreateFailed / NotFound: the runtime, the network or envd failed; the slot,
                 runtime state and workdir are removed (``rec``'s row is left as is).
+            Conflict: the image was written by another runtime build (409 naming both
+                builds); cleaned up the same way.
         """
         tmpl = registry.resolve(self.settings, rec.template_id)
         if tmpl is None:
@@ -419,6 +421,8 @@ class Orchestrator(LifecycleMixin):
             rec.slot = None
             if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
                 raise
+            if isinstance(e, RuntimeMismatch):
+                raise Conflict(f"sandbox {rec.id} cannot be restored here: {e}") from e
             if image is not None and image_dir is None and self.snapshots.get(image.snapshot_id) is None:
                 raise NotFound(f"snapshot {image.snapshot_id} was deleted while sandbox {rec.id} was being restored from it") from e
             what = "restoring" if image else "creating"

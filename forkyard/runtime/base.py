@@ -18,6 +18,22 @@ class RuntimeError_(Exception):
     """A runtime operation failed; ``str(exc)`` carries the runtime's own message."""
 
 
+class RuntimeMismatch(RuntimeError_):
+    """A checkpoint image was written by another runtime build than this driver's, so
+    it is not restored (gVisor's checkpoint format is not stable across builds: an
+    older image restored by a newer runsc fails or misbehaves).
+
+    Attributes:
+        image_build: the build recorded in the image (``runsc --version`` first line).
+        build: this driver's build.
+    """
+
+    def __init__(self, image_build: str, build: str):
+        self.image_build, self.build = image_build, build
+        super().__init__(f"the checkpoint was made by {image_build!r} but this node runs {build!r}; "
+                         f"restore it on a node with {image_build!r} (or reinstall that runtime build)")
+
+
 @dataclass
 class SandboxSpec:
     """What a driver needs to start one sandbox.
@@ -50,6 +66,10 @@ class RuntimeDriver(abc.ABC):
     :class:`RuntimeError_` with the runtime's message on failure."""
 
     name: str = "abstract"
+    #: Runtime build this driver runs (e.g. ``runsc version 0.0~20240729.0``); recorded
+    #: in every checkpoint image, and a restore of an image of another build raises
+    #: :class:`RuntimeMismatch`. Empty when unknown.
+    build: str = ""
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> None:

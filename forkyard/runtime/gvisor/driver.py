@@ -30,10 +30,11 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 from forkyard.config import Settings
-from forkyard.runtime.base import RuntimeDriver, RuntimeError_, SandboxSpec
+from forkyard.runtime.base import RuntimeDriver, RuntimeError_, RuntimeMismatch, SandboxSpec
 from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.runtime.gvisor.reaper import ensure_reaper
 
@@ -49,6 +50,8 @@ _BROKER_LAUNCH = f'[ -x {SUDO_BROKER} ] && {SUDO_BROKER} & exec "$@"'
 START_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
 CHECKPOINT_TIMEOUT_S = 300.0
+#: File in every checkpoint image naming the runtime build that wrote it.
+BUILD_FILE = "forkyard-runtime.json"
 
 
 def _missing(message: str) -> bool:
@@ -87,6 +90,34 @@ def _pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return data[data.rfind(b")") + 2 : data.rfind(b")") + 3] not in (b"Z", b"X")
+
+
+def runsc_build(runsc: str) -> str:
+    """``runsc --version``'s first line (e.g. ``runsc version 0.0~20240729.0``), or
+    ``"unknown"`` when it does not run. Blocking (≤ 10 s)."""
+    try:
+        out = subprocess.run([runsc, "--version"], capture_output=True, text=True, timeout=10).stdout
+        return out.splitlines()[0].strip() if out.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def write_image_build(image_dir: Path, build: str) -> None:
+    """Record ``build`` in checkpoint image ``image_dir`` (file :data:`BUILD_FILE`,
+    JSON ``{"runtime": "gvisor", "build": ...}``); it travels with the image into the
+    snapshot repository."""
+    path = image_dir / BUILD_FILE
+    path.write_text(json.dumps({"runtime": "gvisor", "build": build}))
+    os.chmod(path, 0o600)
+
+
+def read_image_build(image_dir: Path) -> str | None:
+    """The build recorded in ``image_dir``, or None for images written before builds
+    were recorded (or with an unreadable record)."""
+    try:
+        return str(json.loads((image_dir / BUILD_FILE).read_text())["build"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 class GVisorDriver(RuntimeDriver):
@@ -140,14 +171,18 @@ class GVisorDriver(RuntimeDriver):
             raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
         self.checkpoint_compression = checkpoint_compression
         self.sudo_broker = sudo_broker
+        # Resolved once, at start: a later change of PATH (or a second runsc earlier in
+        # it) must never switch builds under running sandboxes and their checkpoints.
+        self.runsc_path = shutil.which(settings.runsc)
+        self.build = runsc_build(self.runsc_path) if self.runsc_path else ""
         ensure_reaper()
 
     # ---- command plumbing -------------------------------------------------------------
     def _runsc(self) -> str:
-        path = shutil.which(self.settings.runsc)
-        if path is None:
-            raise RuntimeError_(f"runsc binary {self.settings.runsc!r} not found")
-        return path
+        if self.runsc_path is None:
+            raise RuntimeError_(f"runsc binary {self.settings.runsc!r} not found (set FORKYARD_RUNSC "
+                                f"or install gVisor with ./deploy/up.sh)")
+        return self.runsc_path
 
     def _global_flags(self) -> list[str]:
         flags = [f"--root={self.settings.runsc_root}"]
@@ -229,11 +264,16 @@ class GVisorDriver(RuntimeDriver):
         working. The rootfs must be the same template.
 
         Raises:
+            RuntimeMismatch: the image records another runtime build than
+                :attr:`build` (images from before builds were recorded are restored).
             RuntimeError_: as for :meth:`create`, or the image is missing/invalid.
         """
         image_dir = Path(image_dir)
         if not image_dir.is_dir():
             raise RuntimeError_(f"checkpoint image {image_dir} does not exist")
+        image_build = read_image_build(image_dir)
+        if image_build is not None and image_build != self.build:
+            raise RuntimeMismatch(image_build, self.build)
         bundle = ocispec.bundle_dir(spec.workdir)
         await self._start(
             spec,
@@ -567,6 +607,7 @@ class GVisorDriver(RuntimeDriver):
         rc, _, err = await self._run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         if rc != 0:
             raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")
+        write_image_build(image_dir, self.build)
         if not leave_running and not keep_stopped:
             st = await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None
