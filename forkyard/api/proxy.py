@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import posixpath
 import re
+import urllib.parse
 
 import httpx
 import websockets
 
+from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
 
 log = logging.getLogger("forkyard.proxy")
@@ -34,6 +37,32 @@ _HOP = {
 _HOP_OUT = _HOP | {"date", "server"}
 _WS_SKIP = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                    "sec-websocket-accept", "sec-websocket-protocol"}
+
+
+#: envd routes only the orchestrator may call (it reaches envd directly, never through
+#: the proxy): ``/init`` sets the access token, env vars and default user, so a caller
+#: reaching it could lock the owner out or plant their own token (issue 11, item 6).
+ORCHESTRATOR_ONLY_PATHS = frozenset({"/init"})
+
+
+def orchestrator_only(scope, port: int) -> bool:
+    """True when a request for envd (``port`` = :data:`ENVD_PORT`) targets one of
+    :data:`ORCHESTRATOR_ONLY_PATHS`, in any spelling envd's Go router would accept:
+    percent-encoded, with repeated slashes, dot segments, a trailing slash or an
+    absolute-form target (``http://host/init``); compared case-insensitively."""
+    if port != ENVD_PORT:
+        return False
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    candidates = {scope.get("path", ""), urllib.parse.unquote(raw.decode("latin-1").split("?")[0])}
+    for path in candidates:
+        if "://" in path:
+            path = urllib.parse.urlsplit(path).path
+        clean = posixpath.normpath("/" + urllib.parse.unquote(path)).lower()
+        if clean.startswith("//"):
+            clean = "/" + clean.lstrip("/")
+        if clean in ORCHESTRATOR_ONLY_PATHS:
+            return True
+    return False
 
 
 def route_of(scope) -> tuple[str, int] | None:
@@ -138,6 +167,11 @@ class SandboxProxy:
                 await stale.aclose()
             if scope["type"] == "http":
                 return await _send_json(send, 404, str(e))
+            return await send({"type": "websocket.close", "code": 1008})
+        if orchestrator_only(scope, port):
+            if scope["type"] == "http":
+                return await _send_json(send, 403, f"{scope['path']} is reserved to forkyard's orchestrator "
+                                                   "and cannot be called through the sandbox proxy")
             return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] == "http":
             await self._http(scope, receive, send, host, hport, sid)
