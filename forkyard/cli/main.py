@@ -76,6 +76,10 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
     _lock_net_prefix(settings.net_prefix)
+    from forkyard import fsperms
+
+    fsperms.private_umask()  # from here on every file forkyard writes is 0600 (secrets at rest)
+    fsperms.lock_down(settings.data_dir)  # and an older data dir is made private too
     try:
         application = create_app(settings)
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
