@@ -164,8 +164,10 @@ def register(app: typer.Typer) -> None:
         url = f"http://{host}:{port}"
         print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
+        from forkyard.api.limits import uvicorn_limits
+
         uvicorn.run(gw, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
-                    timeout_graceful_shutdown=2)
+                    timeout_graceful_shutdown=2, **uvicorn_limits())
 
 
 def _redacted(url: str) -> str:
