@@ -297,6 +297,8 @@ class Gateway:
         raw = b"".join(chunks)
         try:
             parsed = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            raise _Fail(400, "request body is nested too deeply") from None
         except ValueError as e:
             raise _Fail(400, f"request body is not JSON: {e}") from e
         if not isinstance(parsed, dict):
