@@ -102,7 +102,8 @@ async def test_unexpected_error_is_a_json_500_and_the_connection_stays_usable(tm
         raise ValueError("kaput")
 
     app.fastapi.add_api_route("/boom", boom)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 headers={"X-API-Key": app.fastapi.state.api_key}) as c:
         r = await c.get("/boom")
         assert r.status_code == 500
         assert r.json() == {"code": 500, "message": "internal error: ValueError('kaput')"}

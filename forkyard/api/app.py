@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import load_or_create_key
+from forkyard.api.limits import RestGuard
 from forkyard.api.proxy import SandboxProxy
 from forkyard.api.routes_lifecycle import router as lifecycle_router
 from forkyard.api.routes_misc import router as misc_router
@@ -125,7 +126,9 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(sandboxes_router)
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
-    proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
+    # Auth from headers and body caps before FastAPI reads any body (issue 11, item 5).
+    guarded = RestGuard(api, api.state.api_key, settings.max_upload_mb << 20)
+    proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
     return proxy

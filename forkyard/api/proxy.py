@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import posixpath
 import re
+import urllib.parse
 
 import httpx
 import websockets
 
+from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
 
 log = logging.getLogger("forkyard.proxy")
@@ -36,11 +39,38 @@ _WS_SKIP = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-
                    "sec-websocket-accept", "sec-websocket-protocol"}
 
 
+#: envd routes only the orchestrator may call (it reaches envd directly, never through
+#: the proxy): ``/init`` sets the access token, env vars and default user, so a caller
+#: reaching it could lock the owner out or plant their own token (issue 11, item 6).
+ORCHESTRATOR_ONLY_PATHS = frozenset({"/init"})
+
+
+def orchestrator_only(scope, port: int) -> bool:
+    """True when a request for envd (``port`` = :data:`ENVD_PORT`) targets one of
+    :data:`ORCHESTRATOR_ONLY_PATHS`, in any spelling envd's Go router would accept:
+    percent-encoded, with repeated slashes, dot segments, a trailing slash or an
+    absolute-form target (``http://host/init``); compared case-insensitively."""
+    if port != ENVD_PORT:
+        return False
+    raw = scope.get("raw_path") or scope.get("path", "").encode()
+    candidates = {scope.get("path", ""), urllib.parse.unquote(raw.decode("latin-1").split("?")[0])}
+    for path in candidates:
+        if "://" in path:
+            path = urllib.parse.urlsplit(path).path
+        clean = posixpath.normpath("/" + urllib.parse.unquote(path)).lower()
+        if clean.startswith("//"):
+            clean = "/" + clean.lstrip("/")
+        if clean in ORCHESTRATOR_ONLY_PATHS:
+            return True
+    return False
+
+
 def route_of(scope) -> tuple[str, int] | None:
     """``(sandbox_id, port)`` a request is addressed to, or None for the REST API.
 
     Raises:
-        ValueError: routing header present but the port is not a number in 1 … 65535.
+        ValueError: routing header present but the port is not a number in 1 … 65535,
+            or the request target is not a path (``*``, ``http://…``).
     """
     headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
     sid = headers.get("e2b-sandbox-id")
@@ -48,11 +78,15 @@ def route_of(scope) -> tuple[str, int] | None:
         raw = headers.get("e2b-sandbox-port", "49983")
         if not raw.isdigit() or not 0 < int(raw) < 65536:
             raise ValueError(f"invalid E2b-Sandbox-Port {raw!r}")
-        return sid.strip(), int(raw)
-    m = _HOST_RE.match(headers.get("host", ""))
-    if m and 0 < int(m.group(1)) < 65536:
-        return m.group(2), int(m.group(1))
-    return None
+        sid, port = sid.strip(), int(raw)
+    else:
+        m = _HOST_RE.match(headers.get("host", ""))
+        if not (m and 0 < int(m.group(1)) < 65536):
+            return None
+        sid, port = m.group(2), int(m.group(1))
+    if not scope.get("path", "").startswith("/"):  # `OPTIONS *`, absolute-form targets
+        raise ValueError(f"request target {scope.get('path')!r} cannot be sent to a sandbox: use an origin-form path")
+    return sid, port
 
 
 async def _send_json(send, status: int, message: str) -> None:
@@ -64,6 +98,25 @@ async def _send_json(send, status: int, message: str) -> None:
 
 class _TooLarge(Exception):
     pass
+
+
+class UpstreamCut(Exception):
+    """A relayed response with a ``Content-Length`` ended early (the sandbox was killed,
+    paused or forked mid-transfer). Raised after the response started so the server
+    closes the connection: the client sees fewer bytes than announced and reports an
+    incomplete body, never a shorter body passed off as complete."""
+
+
+class _QuietCuts(logging.Filter):
+    """Drop uvicorn's "Exception in ASGI application" traceback for :class:`UpstreamCut`
+    (an expected event, logged by the proxy as one line)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, UpstreamCut)
+
+
+logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
 
 
 class SandboxProxy:
@@ -91,8 +144,8 @@ class SandboxProxy:
                 timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
             )
-            # Forward only what the client sent: no httpx defaults (Accept-Encoding
-            # would make envd gzip bodies the client never asked to be compressed).
+            # Forward only what the client sent (see relay_http: httpx re-adds its
+            # defaults on this setter, relay_http removes them per request).
             client.headers = httpx.Headers()
         return client
 
@@ -139,6 +192,11 @@ class SandboxProxy:
             if scope["type"] == "http":
                 return await _send_json(send, 404, str(e))
             return await send({"type": "websocket.close", "code": 1008})
+        if orchestrator_only(scope, port):
+            if scope["type"] == "http":
+                return await _send_json(send, 403, f"{scope['path']} is reserved to forkyard's orchestrator "
+                                                   "and cannot be called through the sandbox proxy")
+            return await send({"type": "websocket.close", "code": 1008})
         if scope["type"] == "http":
             await self._http(scope, receive, send, host, hport, sid)
         else:
@@ -153,6 +211,10 @@ class SandboxProxy:
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                 if k.decode("latin-1").lower() not in _WS_SKIP]
         await relay_ws(scope, receive, send, f"ws://{host}:{port}", hdrs)
+
+
+#: Headers httpx adds to every request unless told otherwise.
+_HTTPX_DEFAULTS = ("accept", "accept-encoding", "user-agent")
 
 
 def _target_path(scope) -> str:
@@ -191,26 +253,40 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
                 return
 
     req = client.build_request(scope["method"], url, headers=headers, content=body())
+    # httpx adds its defaults (Accept-Encoding: gzip, deflate, …) even when a client's
+    # headers are emptied; forward only what the client sent, so envd never gzips a
+    # body the client did not ask to be compressed.
+    sent_names = {k.lower() if isinstance(k, bytes) else k.lower().encode() for k, _ in headers}
+    for name in _HTTPX_DEFAULTS:
+        if name.encode() not in sent_names:
+            req.headers.pop(name, None)
     try:
         resp = await client.send(req, stream=True)
     except _TooLarge:
         return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
     except httpx.HTTPError as e:
         return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+    length, relayed = None, 0
     try:
         out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
                        for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
-        if "content-length" in resp.headers:  # raw bytes are relayed, so it stays exact
-            out_headers.append((b"content-length", resp.headers["content-length"].encode()))
+        length = resp.headers.get("content-length")
+        if length is not None:  # raw bytes are relayed, so it stays exact
+            out_headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
+        relayed = 0
         async for chunk in resp.aiter_raw():
+            relayed += len(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     except (httpx.HTTPError, OSError) as e:
         # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
-        # connections on checkpoint). End the response; the client sees a
-        # truncated stream (Connect: no end message) and reports an error.
-        log.debug("stream from %s ended early: %r", what, e)
+        # connections on checkpoint).
+        log.info("response from %s ended early: %r", what, e)
+        if length is not None and length.isdigit() and relayed < int(length):
+            raise UpstreamCut(f"{what}: {relayed} of {length} bytes") from None  # the connection closes
+        # Chunked: end the response; the client sees a truncated stream (Connect: no
+        # end message) and reports an error.
         await send({"type": "http.response.body", "body": b""})
     finally:
         await resp.aclose()

@@ -54,7 +54,7 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
     return out
 
 
-async def _create(request: Request, body: schemas.NewSandbox, secure_default: bool) -> JSONResponse:
+async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
     orch = _orch(request)
     rec = await orch.create(
         template_id=body.template_id,
@@ -62,21 +62,26 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
         metadata=body.metadata,
         env_vars=body.env_vars,
         auto_pause=True if body.auto_pause is None else body.auto_pause,
-        secure=secure_default if body.secure is None else body.secure,
+        # E2B secures envd access for every sandbox (its spec: "secure: Ignored. All
+        # system communication with the sandbox is always secured"). forkyard does the
+        # same unless the client explicitly sends ``secure: false`` (an open envd, for
+        # old clients that cannot send a token).
+        secure=body.secure is not False,
     )
     return JSONResponse(schemas.sandbox_created(rec), status_code=201)
 
 
 @router.post("/sandboxes", status_code=201)
 async def create_sandbox(request: Request, body: schemas.NewSandbox):
-    """Create a sandbox (E2B v1: ``secure`` opt-in)."""
-    return await _create(request, body, secure_default=False)
+    """Create a sandbox (E2B v1). envd access is secured with a per-sandbox token
+    (``envdAccessToken`` in the answer) unless the body says ``"secure": false``."""
+    return await _create(request, body)
 
 
 @router.post("/v2/sandboxes", status_code=201)
 async def create_sandbox_v2(request: Request, body: schemas.NewSandbox):
-    """Create a sandbox (E2B v2: envd access is always secured)."""
-    return await _create(request, body, secure_default=True)
+    """Create a sandbox (E2B v2); envd access as for ``POST /sandboxes``."""
+    return await _create(request, body)
 
 
 @router.get("/sandboxes")

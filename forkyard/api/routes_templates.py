@@ -56,6 +56,8 @@ def _builds(request: Request) -> TemplateBuilds:
 async def _json_body(request: Request) -> dict:
     try:
         body = await request.json()
+    except RecursionError:  # json.loads on deeply nested arrays/objects
+        raise BadRequest("body is nested too deeply") from None
     except ValueError as e:
         raise BadRequest(f"body is not valid JSON: {e}") from e
     if not isinstance(body, dict):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -123,6 +124,7 @@ def register(app: typer.Typer) -> None:
         from forkyard.cluster.store import ClusterStore
 
         _logging(log_level)
+        os.umask(0o077)  # anything it writes is private (forkyard.fsperms)
         secret = _secret()
         url = redis or redis_url()
         print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
@@ -151,6 +153,7 @@ def register(app: typer.Typer) -> None:
         from forkyard.config import Settings
 
         _logging(log_level)
+        os.umask(0o077)  # the API key file it may create is private (forkyard.fsperms)
         secret = _secret()
         settings = Settings()
         if data_dir:
@@ -161,8 +164,10 @@ def register(app: typer.Typer) -> None:
         url = f"http://{host}:{port}"
         print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
+        from forkyard.api.limits import uvicorn_limits
+
         uvicorn.run(gw, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
-                    timeout_graceful_shutdown=2)
+                    timeout_graceful_shutdown=2, **uvicorn_limits())
 
 
 def _redacted(url: str) -> str:

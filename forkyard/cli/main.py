@@ -76,6 +76,10 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         except Exception as e:  # noqa: BLE001 — report and exit, no traceback
             _fail(f"building template `base` failed: {e}")
     _lock_net_prefix(settings.net_prefix)
+    from forkyard import fsperms
+
+    fsperms.private_umask()  # from here on every file forkyard writes is 0600 (secrets at rest)
+    fsperms.lock_down(settings.data_dir)  # and an older data dir is made private too
     try:
         application = create_app(settings)
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
@@ -98,8 +102,10 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
+    from forkyard.api.limits import uvicorn_limits
+
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=2, timeout_keep_alive=75)
+                timeout_graceful_shutdown=2, timeout_keep_alive=75, **uvicorn_limits())
 
 
 _NET_LOCK = None

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from forkyard.api import schemas
-from forkyard.api.proxy import _HOP, _WS_SKIP, relay_http, relay_ws, route_of
+from forkyard.api.proxy import _HOP, _WS_SKIP, orchestrator_only, relay_http, relay_ws, route_of
 from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
@@ -255,6 +255,9 @@ class Gateway:
         return await self._forward(await self.any_node(), scope, receive, send)
 
     async def _sandbox_traffic(self, scope, receive, send, sandbox_id: str, port: int):
+        if orchestrator_only(scope, port):  # the node's proxy refuses it too
+            raise _Fail(403, f"{scope['path']} is reserved to forkyard's orchestrator and cannot be called "
+                             "through the sandbox proxy")
         node = await self._proxy_owner(sandbox_id)
         base = node.url.replace("http://", "", 1)
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
@@ -294,6 +297,8 @@ class Gateway:
         raw = b"".join(chunks)
         try:
             parsed = json.loads(raw) if raw.strip() else {}
+        except RecursionError:
+            raise _Fail(400, "request body is nested too deeply") from None
         except ValueError as e:
             raise _Fail(400, f"request body is not JSON: {e}") from e
         if not isinstance(parsed, dict):

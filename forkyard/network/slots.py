@@ -331,6 +331,45 @@ class NetworkManager:
             if _iptables("-t", table, "-C", parent, "-j", chain, check=False).returncode != 0:
                 _iptables("-t", table, "-I", parent, "1", "-j", chain)
 
+    #: Built-in chains forkyard jumps from, with the table.
+    HOST_JUMPS = (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING"))
+
+    @_off_loop
+    def ensure_jumps_first(self) -> list[str]:
+        """Keep each jump into this server's ``FORKYARD-*`` chains ahead of every rule
+        that is not forkyard's (Docker, firewalld and others insert theirs at the top of
+        ``FORWARD`` when they start, after forkyard). Other forkyard servers' jumps may
+        stay ahead: each only needs to precede foreign rules, so two servers on one
+        host do not fight. A missing chain (``setup_host`` not run) is left alone.
+        Returns ``"table/parent"`` for each jump moved (an empty list: nothing to do).
+
+        Raises:
+            NetworkError: iptables failed.
+        """
+        moved = []
+        for table, parent in self.HOST_JUMPS:
+            chain = self.chain_prefix + parent
+            listing = _iptables("-t", table, "-S", parent, check=False)
+            if listing.returncode != 0:
+                continue
+            rules = [line.split() for line in listing.stdout.splitlines() if line.startswith("-A ")]
+            ours = [i for i, r in enumerate(rules) if r[2:] == ["-j", chain]]
+            if not ours:
+                if _iptables("-t", table, "-n", "-L", chain, check=False).returncode != 0:
+                    continue  # chain gone: not set up
+            foreign = [i for i, r in enumerate(rules)
+                       if not (len(r) == 4 and r[2] == "-j" and r[3].startswith(CHAIN_PREFIX))]
+            if ours and len(ours) == 1 and (not foreign or ours[0] < foreign[0]):
+                continue
+            while _iptables("-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
+                pass
+            _iptables("-t", table, "-I", parent, "1", "-j", chain)
+            moved.append(f"{table}/{parent}")
+        if moved:
+            log.warning("forkyard's firewall jumps were behind other rules (%s); moved them first",
+                        ", ".join(moved))
+        return moved
+
     @_off_loop
     def teardown_host(self) -> None:
         """Remove the ``FORKYARD-*`` chains and their jumps (tests; a server that stops with

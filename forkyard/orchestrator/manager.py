@@ -103,7 +103,22 @@ class Orchestrator(LifecycleMixin):
         await asyncio.to_thread(self.network.setup_host)
         await self._reconcile()
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
+        self._firewall_task = asyncio.create_task(self._firewall_loop(), name="firewall")
         self._refill_spares()
+
+    #: How often forkyard's iptables jumps are checked to still come first (s).
+    FIREWALL_CHECK_S = 5.0
+
+    async def _firewall_loop(self) -> None:
+        """Every :data:`FIREWALL_CHECK_S`, move forkyard's iptables jumps back ahead of
+        rules other software inserted later (``NetworkManager.ensure_jumps_first``)."""
+        ensure = getattr(self.network, "ensure_jumps_first", None)
+        while ensure is not None:
+            await asyncio.sleep(self.FIREWALL_CHECK_S)
+            try:
+                await asyncio.to_thread(ensure)
+            except Exception as e:  # noqa: BLE001 — retried at the next tick
+                log.error("checking the firewall order failed: %s", e)
 
     async def stop(self) -> None:
         """Stop background work (pauses in flight are finished first). Running sandboxes
@@ -121,6 +136,9 @@ class Orchestrator(LifecycleMixin):
                 await asyncio.to_thread(self.network.release, slot.index)
             except Exception as e:  # noqa: BLE001
                 log.error("release of spare slot %s failed: %s", slot.index, e)
+        firewall = getattr(self, "_firewall_task", None)
+        if firewall:
+            firewall.cancel()
         if self._ttl_task:
             self._ttl_task.cancel()
             try:

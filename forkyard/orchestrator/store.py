@@ -7,6 +7,7 @@ restarted server knows every sandbox. Timestamps are UNIX seconds (float, UTC).
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 from dataclasses import asdict, dataclass, field
@@ -80,6 +81,12 @@ class Store:
     def __init__(self, path: Path):
         self.listeners: list = []
         path.parent.mkdir(parents=True, exist_ok=True)
+        # It holds envd tokens and users' env vars: 0600, and SQLite gives the WAL and
+        # SHM files the database file's mode (older data dirs: fixed here too).
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            if p.exists():
+                p.chmod(0o600)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()

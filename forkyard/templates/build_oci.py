@@ -186,7 +186,7 @@ def _apply_layer(root: Path, fileobj: IO[bytes]) -> None:
             if name in ("", ".") or posixpath.basename(name).startswith(WHITEOUT):
                 continue
             target = _inside(root, name)
-            target.parent.mkdir(parents=True, exist_ok=True)
+            _mkparents(target.parent)
             if m.isdir():
                 if target.is_symlink() or (target.exists() and not target.is_dir()):
                     _remove(target)
@@ -216,6 +216,18 @@ def _apply_layer(root: Path, fileobj: IO[bytes]) -> None:
         for target, m in reversed(dirs):
             os.lchown(target, m.uid, m.gid)
             os.chmod(target, stat.S_IMODE(m.mode))
+
+
+def _mkparents(path: Path) -> None:
+    """``mkdir -p`` with 0755 directories whatever the process umask (forkyard runs
+    with 0077, but a directory an image implies must be traversable in the sandbox)."""
+    missing = []
+    while not path.exists() and not path.is_symlink():
+        missing.append(path)
+        path = path.parent
+    for p in reversed(missing):
+        p.mkdir(exist_ok=True)
+        p.chmod(0o755)
 
 
 def _open_layer(src: _Source, name: str) -> IO[bytes]:

@@ -68,11 +68,15 @@ func (s *Service) userAndPath(h http.Header, p string) (*identity.User, string, 
 
 // Stat returns information about one path.
 func (s *Service) Stat(_ context.Context, req *connect.Request[rpc.StatRequest]) (*connect.Response[rpc.StatResponse], error) {
-	_, p, err := s.userAndPath(req.Header(), req.Msg.GetPath())
+	u, p, err := s.userAndPath(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
 	}
-	e, err := fsutil.Entry(p, identity.NewNameCache(s.st.Users))
+	var e *rpc.EntryInfo
+	err = identity.AsUser(u, func() (err error) {
+		e, err = fsutil.Entry(p, identity.NewNameCache(s.st.Users))
+		return err
+	})
 	if err != nil {
 		return nil, fsutil.Error(err, "stat %s", p)
 	}
@@ -80,7 +84,21 @@ func (s *Service) Stat(_ context.Context, req *connect.Request[rpc.StatRequest])
 }
 
 // MakeDir creates a directory and its parents, owned by the user.
-func (s *Service) MakeDir(_ context.Context, req *connect.Request[rpc.MakeDirRequest]) (*connect.Response[rpc.MakeDirResponse], error) {
+func (s *Service) MakeDir(_ context.Context, req *connect.Request[rpc.MakeDirRequest]) (resp *connect.Response[rpc.MakeDirResponse], err error) {
+	u, err := rpcutil.AuthUser(s.st, req.Header())
+	if err != nil {
+		return nil, err
+	}
+	if aerr := identity.AsUser(u, func() error { // with exactly u's permissions
+		resp, err = s.makeDirAs(req)
+		return nil
+	}); aerr != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("switching to user %s: %w", u.Name, aerr))
+	}
+	return resp, err
+}
+
+func (s *Service) makeDirAs(req *connect.Request[rpc.MakeDirRequest]) (*connect.Response[rpc.MakeDirResponse], error) {
 	u, p, err := s.userAndPath(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
@@ -104,7 +122,21 @@ func (s *Service) MakeDir(_ context.Context, req *connect.Request[rpc.MakeDirReq
 }
 
 // Move renames source to destination, creating the destination's parents.
-func (s *Service) Move(_ context.Context, req *connect.Request[rpc.MoveRequest]) (*connect.Response[rpc.MoveResponse], error) {
+func (s *Service) Move(_ context.Context, req *connect.Request[rpc.MoveRequest]) (resp *connect.Response[rpc.MoveResponse], err error) {
+	u, err := rpcutil.AuthUser(s.st, req.Header())
+	if err != nil {
+		return nil, err
+	}
+	if aerr := identity.AsUser(u, func() error { // with exactly u's permissions
+		resp, err = s.moveAs(req)
+		return nil
+	}); aerr != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("switching to user %s: %w", u.Name, aerr))
+	}
+	return resp, err
+}
+
+func (s *Service) moveAs(req *connect.Request[rpc.MoveRequest]) (*connect.Response[rpc.MoveResponse], error) {
 	u, src, err := s.userAndPath(req.Header(), req.Msg.GetSource())
 	if err != nil {
 		return nil, err
@@ -132,7 +164,21 @@ func (s *Service) Move(_ context.Context, req *connect.Request[rpc.MoveRequest])
 // ListDir lists a directory down to the requested depth (1 = direct
 // children). A symlinked directory argument is followed; symlinks below it
 // are listed, not followed.
-func (s *Service) ListDir(_ context.Context, req *connect.Request[rpc.ListDirRequest]) (*connect.Response[rpc.ListDirResponse], error) {
+func (s *Service) ListDir(_ context.Context, req *connect.Request[rpc.ListDirRequest]) (resp *connect.Response[rpc.ListDirResponse], err error) {
+	u, err := rpcutil.AuthUser(s.st, req.Header())
+	if err != nil {
+		return nil, err
+	}
+	if aerr := identity.AsUser(u, func() error { // with exactly u's permissions
+		resp, err = s.listDirAs(req)
+		return nil
+	}); aerr != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("switching to user %s: %w", u.Name, aerr))
+	}
+	return resp, err
+}
+
+func (s *Service) listDirAs(req *connect.Request[rpc.ListDirRequest]) (*connect.Response[rpc.ListDirResponse], error) {
 	_, p, err := s.userAndPath(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err
@@ -195,7 +241,21 @@ func (s *Service) ListDir(_ context.Context, req *connect.Request[rpc.ListDirReq
 
 // Remove deletes a file or a directory tree. A missing path is not an error
 // (as in E2B's envd).
-func (s *Service) Remove(_ context.Context, req *connect.Request[rpc.RemoveRequest]) (*connect.Response[rpc.RemoveResponse], error) {
+func (s *Service) Remove(_ context.Context, req *connect.Request[rpc.RemoveRequest]) (resp *connect.Response[rpc.RemoveResponse], err error) {
+	u, err := rpcutil.AuthUser(s.st, req.Header())
+	if err != nil {
+		return nil, err
+	}
+	if aerr := identity.AsUser(u, func() error { // with exactly u's permissions
+		resp, err = s.removeAs(req)
+		return nil
+	}); aerr != nil {
+		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("switching to user %s: %w", u.Name, aerr))
+	}
+	return resp, err
+}
+
+func (s *Service) removeAs(req *connect.Request[rpc.RemoveRequest]) (*connect.Response[rpc.RemoveResponse], error) {
 	_, p, err := s.userAndPath(req.Header(), req.Msg.GetPath())
 	if err != nil {
 		return nil, err

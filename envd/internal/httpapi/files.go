@@ -94,7 +94,11 @@ func (a *API) download(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
-	f, err := os.Open(p)
+	var f *os.File
+	err := identity.AsUser(u, func() (err error) { // with exactly u's permissions
+		f, err = os.Open(p)
+		return err
+	})
 	if err != nil {
 		jsonError(w, statusFor(err), fmt.Errorf("error opening '%s': %w", p, err))
 		return
@@ -145,8 +149,20 @@ func uploadMetadata(h http.Header) map[string]string {
 	return md
 }
 
-// writeFile streams src into path (parents created and owned by u).
-func writeFile(path string, src io.Reader, u *identity.User, md map[string]string) (int, error) {
+// writeFile streams src into path (parents created and owned by u) with
+// exactly u's permissions (identity.AsUser): a user cannot write where it
+// could not write itself.
+func writeFile(path string, src io.Reader, u *identity.User, md map[string]string) (code int, err error) {
+	if aerr := identity.AsUser(u, func() error {
+		code, err = writeFileAs(path, src, u, md)
+		return nil
+	}); aerr != nil {
+		return http.StatusInternalServerError, fmt.Errorf("switching to user %s: %w", u.Name, aerr)
+	}
+	return code, err
+}
+
+func writeFileAs(path string, src io.Reader, u *identity.User, md map[string]string) (int, error) {
 	if err := fsutil.EnsureDir(filepath.Dir(path), int(u.UID), int(u.GID)); err != nil {
 		return statusFor(err), fmt.Errorf("error ensuring directories: %w", err)
 	}
@@ -157,7 +173,9 @@ func writeFile(path string, src io.Reader, u *identity.User, md map[string]strin
 	if err != nil {
 		return statusFor(err), fmt.Errorf("error opening file: %w", err)
 	}
-	if err := fsutil.Chown(path, int(u.UID), int(u.GID)); err != nil {
+	// Running as u, a file it creates is already its own; root writing for u
+	// hands the file over.
+	if err := fsutil.Chown(path, int(u.UID), int(u.GID)); err != nil && u.UID == 0 {
 		_ = f.Close()
 		return statusFor(err), fmt.Errorf("error changing file ownership: %w", err)
 	}

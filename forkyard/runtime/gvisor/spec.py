@@ -126,6 +126,8 @@ def write_bundle(
     etc_dir.mkdir(parents=True, exist_ok=True)
     (etc_dir / "hosts").write_text(hosts_file(spec.hostname))
     (etc_dir / "hostname").write_text(spec.hostname + "\n")
+    for name in ("hosts", "hostname"):  # bind-mounted: every user inside reads them
+        (etc_dir / name).chmod(0o644)
     data = build_spec(spec, init_argv, envd_binary, etc_dir)
     tmp = bdir / "config.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
