@@ -168,37 +168,41 @@ class LifecycleMixin:
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
+            self._stopping.add(rec.id)  # the proxy answers "not running" from now on
             try:
-                staging = await self._stage(rec, sid, stop=True)
-            except CreateFailed as e:
                 try:
-                    alive = await self.driver.is_running(rec.id)
-                except Exception:  # noqa: BLE001 — treat as dead
-                    alive = False
-                if not alive:
-                    log.error("sandbox %s is not running after a failed pause; removing it", rec.id)
-                    await self._teardown(rec.id, rec.slot)
-                    self.store.delete(rec.id)
-                    raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
-                rec.state, rec.image_id = "running", None
+                    staging = await self._stage(rec, sid, stop=True)
+                except CreateFailed as e:
+                    try:
+                        alive = await self.driver.is_running(rec.id)
+                    except Exception:  # noqa: BLE001 — treat as dead
+                        alive = False
+                    if not alive:
+                        log.error("sandbox %s is not running after a failed pause; removing it", rec.id)
+                        await self._teardown(rec.id, rec.slot)
+                        self.store.delete(rec.id)
+                        raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
+                    rec.state, rec.image_id = "running", None
+                    self.store.put(rec)
+                    raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
+                try:
+                    (staging / PAUSE_MARKER).touch()
+                except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
+                    log.error("pause of %s: writing the checkpoint marker failed: %s", rec.id, e)
+                # The slot stays recorded (and allocated) until the stopped runtime is gone.
+                rec.state, rec.paused_at = "paused", time.time()
                 self.store.put(rec)
-                raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
-            try:
-                (staging / PAUSE_MARKER).touch()
-            except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
-                log.error("pause of %s: writing the checkpoint marker failed: %s", rec.id, e)
-            # The slot stays recorded (and allocated) until the stopped runtime is gone.
-            rec.state, rec.paused_at = "paused", time.time()
-            self.store.put(rec)
-            self._slots.pop(rec.id, None)
-            meta = self._meta_for(rec, "pause", sid)
-            task = self._pending[rec.id] = asyncio.create_task(
-                self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
-            if self.settings.cluster:
-                # Another node may have to resume it if this one dies next: answer only
-                # once the image is in the shared repository.
-                await asyncio.shield(task)
-            return rec
+                self._slots.pop(rec.id, None)
+                meta = self._meta_for(rec, "pause", sid)
+                task = self._pending[rec.id] = asyncio.create_task(
+                    self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
+                if self.settings.cluster:
+                    # Another node may have to resume it if this one dies next: answer only
+                    # once the image is in the shared repository.
+                    await asyncio.shield(task)
+                return rec
+            finally:
+                self._stopping.discard(rec.id)
 
     async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta,
                             slot_index: int | None) -> None:

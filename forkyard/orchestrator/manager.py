@@ -82,6 +82,8 @@ class Orchestrator(LifecycleMixin):
         #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
         #: paused, died); the API's proxy closes its connections to it there.
         self.on_gone: list = []
+        #: Sandboxes being paused: the proxy treats them as not running.
+        self._stopping: set[str] = set()
         self._expiring: set[str] = set()
         #: Background halves of pauses (commit + teardown), by sandbox id.
         self._pending: dict[str, asyncio.Task] = {}
@@ -280,11 +282,17 @@ class Orchestrator(LifecycleMixin):
         """``(host, port)`` the proxy connects to for ``port`` inside the sandbox.
 
         Raises:
-            NotFound: unknown or not running sandbox.
+            NotFound: unknown or not running sandbox; the message says "was not found"
+                (E2B's proxy wording) and whether it is paused.
         """
         slot = self._slots.get(sandbox_id)
-        if slot is None:
-            raise NotFound(f"sandbox {sandbox_id!r} not found or not running")
+        if slot is None or sandbox_id in self._stopping:
+            # Wording of E2B's proxy ("... was not found"): the SDKs read it as "not running".
+            rec = self.store.get(sandbox_id)
+            if rec is not None and rec.state in ("paused", "pausing"):
+                raise NotFound(f"The sandbox {sandbox_id} was not found running: it is paused "
+                               "(connect or resume it)")
+            raise NotFound(f"The sandbox {sandbox_id} was not found")
         return slot.outer_ip, port
 
     # ---- create / start / kill ----------------------------------------------------

@@ -1,0 +1,179 @@
+"""E2B drop-in fidelity (issue 9) through the real e2b SDK: sandboxes that are not
+running, command streams of killed sandboxes, proxy correctness."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxNotRunningException
+
+
+def _health(server, sid: str) -> httpx.Response:
+    return httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+                     timeout=30)
+
+
+def _assert_not_running_answer(r: httpx.Response, sid: str) -> None:
+    """E2B's proxy answer for a sandbox that is not running."""
+    assert r.status_code == 502, r.text
+    body = r.json()
+    assert body["code"] == 502 and body["sandboxId"] == sid
+    assert "was not found" in body["message"]
+
+
+def test_not_running_sandboxes_answer_502(server):
+    # unknown id
+    _assert_not_running_answer(_health(server, "nosuchsandbox"), "nosuchsandbox")
+    r = httpx.get(f"http://127.0.0.1:{server.port}/health", headers={"Host": "49983-nosuchsandbox.localhost"})
+    _assert_not_running_answer(r, "nosuchsandbox")
+
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        assert sbx.is_running()
+        # paused: not running until connect
+        sbx.pause()
+        assert sbx.is_running() is False
+        r = _health(server, sbx.sandbox_id)
+        _assert_not_running_answer(r, sbx.sandbox_id)
+        assert "paused" in r.json()["message"]
+        with pytest.raises(SandboxNotRunningException):
+            sbx.commands.run("true")
+        with pytest.raises(SandboxNotRunningException):
+            sbx.files.read("/etc/hostname")
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert sbx.is_running()
+        assert sbx.commands.run("echo back").stdout.strip() == "back"
+    finally:
+        sbx.kill()
+    # killed
+    assert sbx.is_running() is False
+    _assert_not_running_answer(_health(server, sbx.sandbox_id), sbx.sandbox_id)
+    with pytest.raises(SandboxNotRunningException):
+        sbx.commands.run("true")
+
+
+def test_expired_sandbox_is_not_running(server):
+    sbx = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "kill"})
+    deadline = time.time() + 30
+    while time.time() < deadline and sbx.is_running():
+        time.sleep(0.5)
+    assert sbx.is_running() is False
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.write("/tmp/x", "y")
+
+
+@pytest.mark.parametrize("how", ["kill", "pause"])
+def test_command_stream_ends_when_sandbox_goes(server, how):
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        handle = sbx.commands.run("echo started; sleep 60", background=True)
+        killer = threading.Timer(1.5, lambda: sbx.kill() if how == "kill" else sbx.pause())
+        killer.start()
+        t0 = time.time()
+        with pytest.raises(SandboxNotRunningException) as ei:
+            handle.wait()
+        killer.join()
+        assert time.time() - t0 < 30
+        assert "killed" in str(ei.value)
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+HOST_ECHO = r'''
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"host": self.headers.get("Host"), "te": self.headers.get("Transfer-Encoding"),
+                           "cl": self.headers.get("Content-Length")}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    do_DELETE = do_GET
+http.server.HTTPServer(("0.0.0.0", 8001), H).serve_forever()
+'''
+
+
+def _wait_served(url: str, headers: dict, timeout_s: float = 30) -> httpx.Response:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            r = httpx.get(url, headers=headers, timeout=10)
+            if r.status_code == 200 or time.time() > deadline:
+                return r
+        except httpx.HTTPError:
+            if time.time() > deadline:
+                raise
+        time.sleep(0.3)
+
+
+def test_proxy_large_get_never_truncated(sandbox, server):
+    """1 MiB from python3 -m http.server, 50 times over one keep-alive connection and
+    50 times on fresh ones: every body complete (a chunked empty body on a GET used to
+    make the server reset the connection mid-response)."""
+    sandbox.commands.run("mkdir -p /tmp/www && head -c 1048576 /dev/urandom > /tmp/www/big.bin && "
+                         "sha256sum /tmp/www/big.bin > /tmp/www/big.sha", timeout=30)
+    want = sandbox.commands.run("cut -d' ' -f1 /tmp/www/big.sha").stdout.strip()
+    sandbox.commands.run("cd /tmp/www && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+    hdrs = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    assert _wait_served(f"{server.url}/big.sha", hdrs).status_code == 200
+    import hashlib
+
+    with httpx.Client(timeout=30) as c:
+        for i in range(50):
+            r = c.get(f"{server.url}/big.bin", headers=hdrs)
+            assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == want, (i, len(r.content))
+    for i in range(50):
+        r = httpx.get(f"{server.url}/big.bin", headers=hdrs, timeout=30)
+        assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == want, (i, len(r.content))
+
+
+def test_proxy_forwards_public_host_and_no_body(sandbox, server):
+    sandbox.files.write("/tmp/echo.py", HOST_ECHO)
+    sandbox.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
+    public = f"8001-{sandbox.sandbox_id}.localhost:{server.port}"
+    r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": public})
+    assert r.json() == {"host": public, "te": None, "cl": None}
+    r = httpx.request("DELETE", f"http://127.0.0.1:{server.port}/", headers={"Host": public}, timeout=10)
+    assert r.json()["te"] is None and r.json()["cl"] in (None, "0")
+    # header routing: the Host the client used goes along too
+    r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8001"},
+                  timeout=10)
+    assert r.json()["host"] == f"127.0.0.1:{server.port}"
+
+
+def test_envd_early_error_passes_through(sandbox, server):
+    """A 20 MB upload to a directory: envd answers before reading the body; the client
+    gets envd's status and message, not a proxy 502."""
+    sandbox.commands.run("mkdir -p /home/user/adir")
+    from e2b import InvalidArgumentException, SandboxException
+
+    with pytest.raises(SandboxException) as ei:
+        sandbox.files.write("/home/user/adir", b"x" * (20 << 20))
+    assert "is a directory" in str(ei.value), ei.value
+    assert not isinstance(ei.value, SandboxNotRunningException)
+    assert sandbox.is_running()
+    # and the raw answer is envd's, status included
+    r = httpx.post(f"{server.url}/files", params={"path": "/home/user/adir", "username": "user"},
+                   files={"file": ("f", b"y" * (20 << 20))},
+                   headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983",
+                            **({"X-Access-Token": sandbox._envd_access_token} if getattr(sandbox, "_envd_access_token", None) else {})},
+                   timeout=60)
+    assert 400 <= r.status_code < 500 and "is a directory" in r.text, (r.status_code, r.text[:300])
+
+
+def test_connect_frame_tracker_boundaries():
+    from forkyard.api.proxy import _ConnectFrames, connect_end_error
+
+    msg = b"\x00" + (3).to_bytes(4, "big") + b"abc"
+    f = _ConnectFrames()
+    assert f.at_boundary
+    stream = msg * 3 + b"\x00" + (0).to_bytes(4, "big")  # an empty message too
+    for i in range(len(stream)):  # byte by byte: boundaries only after whole messages
+        f.feed(stream[i:i + 1])
+        assert f.at_boundary == (i + 1 in (8, 16, 24, 29)), i
+    f.feed(msg[:6])
+    assert not f.at_boundary
+    end = connect_end_error("unavailable", "The sandbox x was not found")
+    assert end[0] == 2 and int.from_bytes(end[1:5], "big") == len(end) - 5
