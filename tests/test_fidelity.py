@@ -177,3 +177,72 @@ def test_connect_frame_tracker_boundaries():
     assert not f.at_boundary
     end = connect_end_error("unavailable", "The sandbox x was not found")
     assert end[0] == 2 and int.from_bytes(end[1:5], "big") == len(end) - 5
+
+
+# ---- create fields: every E2B field honoured or refused with 400 naming it -------------
+#: (field, value) pairs forkyard honours; each creates a sandbox.
+HONOURED = [
+    ("timeout", 30), ("autoPause", True), ("autoPause", False), ("autoPauseMemory", True),
+    ("autoResume", {"enabled": False}), ("secure", True), ("secure", False),
+    ("allow_internet_access", True), ("network", {}), ("network", {"allowPublicTraffic": True}),
+    ("network", {"allowOut": [], "denyOut": []}), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
+    ("mcp", None), ("iam", {}), ("volumeMounts", []),
+]
+#: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
+REFUSED = [
+    ("autoPauseMemory", False, "autoPauseMemory"),
+    ("autoResume", {"enabled": True}, "autoResume"),
+    ("allow_internet_access", False, "allow_internet_access"),
+    ("network", {"denyOut": ["0.0.0.0/0"]}, "denyOut"),
+    ("network", {"allowOut": ["198.51.100.1"]}, "allowOut"),
+    ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
+    ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
+    ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
+    ("network", {"maskRequestHost": "example.com"}, "maskRequestHost"),
+    ("network", {"httpsPorts": [8443]}, "httpsPorts"),
+    ("network", {"rules": {"api.example.com": {"headers": {"a": "b"}}}}, "rules"),
+    ("network", {"bogus": 1}, "bogus"),
+    ("mcp", {"github": {}}, "mcp"),
+    ("iam", {"tokens": {"t": {"audience": "a", "tokenType": "oidc"}}}, "iam"),
+    ("volumeMounts", [{"name": "v", "path": "/mnt"}], "volumeMounts"),
+    ("noSuchField", 1, "noSuchField"),
+    ("timeout", "soon", "timeout"),
+]
+
+
+@pytest.mark.parametrize("path", ["/sandboxes", "/v2/sandboxes"])
+def test_create_fields_refused_with_400_naming_them(server, path):
+    with server.api() as c:
+        for field, value, name in REFUSED:
+            r = c.post(path, json={"templateID": "base", field: value, "metadata": {"fields": "refused"}})
+            assert r.status_code == 400, (field, value, r.text)
+            assert name in r.json()["message"], (field, r.json())
+        assert [s for s in c.get("/v2/sandboxes").json() if s["metadata"].get("fields") == "refused"] == []
+
+
+def test_create_fields_honoured(server):
+    with server.api() as c:
+        r = c.post("/sandboxes", json={"templateID": "base", **{f: v for f, v in HONOURED if f != "autoPause"},
+                                       "autoPause": False, "metadata": {"fields": "all"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        try:
+            detail = c.get(f"/sandboxes/{sid}").json()
+            assert detail["metadata"] == {"fields": "all"}
+            assert detail["lifecycle"]["onTimeout"] == "kill"
+        finally:
+            c.delete(f"/sandboxes/{sid}")
+
+
+def test_create_refusals_through_the_sdk(server):
+    from e2b import InvalidArgumentException, SandboxException
+
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create("base", allow_internet_access=False, timeout=30)
+    assert "allow_internet_access" in str(ei.value)
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create("base", network={"deny_out": ["0.0.0.0/0"]}, timeout=30)
+    assert "denyOut" in str(ei.value)
+    sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
+                         lifecycle={"on_timeout": "pause", "auto_resume": False})
+    sbx.kill()

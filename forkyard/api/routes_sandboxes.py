@@ -55,6 +55,9 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
 
 
 async def _create(request: Request, body: schemas.NewSandbox, secure_default: bool) -> JSONResponse:
+    refused = schemas.unsupported_create_fields(body)
+    if refused:
+        raise BadRequest("; ".join(refused))
     orch = _orch(request)
     rec = await orch.create(
         template_id=body.template_id,
