@@ -191,7 +191,7 @@ HONOURED = [
 #: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
 REFUSED = [
     ("autoPauseMemory", False, "autoPauseMemory"),
-    ("autoResume", {"enabled": True}, "autoResume"),
+    ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
     ("allow_internet_access", False, "allow_internet_access"),
     ("network", {"denyOut": ["0.0.0.0/0"]}, "denyOut"),
     ("network", {"allowOut": ["198.51.100.1"]}, "allowOut"),
@@ -246,3 +246,44 @@ def test_create_refusals_through_the_sdk(server):
     sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
                          lifecycle={"on_timeout": "pause", "auto_resume": False})
     sbx.kill()
+
+
+# ---- auto-resume ---------------------------------------------------------------------------
+def test_auto_resume_through_envd_and_user_port(server):
+    with server.api() as c:
+        r = c.post("/sandboxes", json={"templateID": "base", "autoPause": False, "autoResume": {"enabled": True}})
+        assert r.status_code == 400 and "autoResume" in r.json()["message"]
+    sbx = Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        assert sbx.get_info().lifecycle["auto_resume"] is True if isinstance(sbx.get_info().lifecycle, dict) else True
+        sbx.files.write("/tmp/www/index.html", "kept")
+        sbx.commands.run("cd /tmp/www && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        assert _wait_served(f"{server.url}/index.html", hdrs).text == "kept"
+        # a user port wakes it (the server process was checkpointed with it)
+        sbx.pause()
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        r = httpx.get(f"{server.url}/index.html", headers=hdrs, timeout=60)
+        assert r.status_code == 200 and r.text == "kept"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        # envd traffic wakes it too; is_running() itself is traffic
+        sbx.pause()
+        assert sbx.commands.run("cat /tmp/www/index.html").stdout == "kept"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+    # killed: nothing to wake
+    _assert_not_running_answer(_health(server, sbx.sandbox_id), sbx.sandbox_id)
+
+
+def test_auto_resume_after_timeout_pause(server):
+    sbx = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sbx.commands.run("echo before > /tmp/state")
+        deadline = time.time() + 30
+        while time.time() < deadline and Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+            time.sleep(0.5)
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        assert sbx.files.read("/tmp/state") == "before\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)

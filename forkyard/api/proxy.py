@@ -80,11 +80,14 @@ class SandboxProxy:
     to ``app``. ``resolve(sandbox_id, port) -> (host, port)`` raises NotFound.
 
     ``max_body_bytes`` bounds one request body (uploads); a larger one gets 413.
+    ``wake(sandbox_id) -> bool`` (async, optional) is asked when a sandbox is not
+    running: True means it was resumed (E2B ``autoResume``) and the request goes on.
     """
 
-    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30):
+    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None):
         self.app = app
         self.resolve = resolve
+        self.wake = wake
         self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
@@ -140,7 +143,12 @@ class SandboxProxy:
             return await self.app(scope, receive, send)
         sid, port = route
         try:
-            host, hport = self.resolve(sid, port)
+            try:
+                host, hport = self.resolve(sid, port)
+            except NotFound:
+                if self.wake is None or not await self._wake(sid):
+                    raise
+                host, hport = self.resolve(sid, port)
         except NotFound as e:
             stale = self._clients.pop(sid, None)
             if stale is not None:
@@ -152,6 +160,13 @@ class SandboxProxy:
             await self._http(scope, receive, send, host, hport, sid)
         else:
             await self._ws(scope, receive, send, host, hport)
+
+    async def _wake(self, sid: str) -> bool:
+        try:
+            return await self.wake(sid)
+        except Exception as e:  # noqa: BLE001 — the restore failed: answer as not running
+            log.error("auto-resume of sandbox %s failed: %s", sid, e)
+            return False
 
     async def _http(self, scope, receive, send, host, port, sid):
         # The public Host goes along (E2B's proxy does the same): servers in the sandbox

@@ -101,8 +101,8 @@ def unsupported_create_fields(body: NewSandbox) -> list[str]:
     out = []
     if body.auto_pause_memory is False:
         out.append("autoPauseMemory: false (a filesystem-only auto-pause) is not supported yet")
-    if body.auto_resume is not None and body.auto_resume.enabled:
-        out.append("autoResume.enabled: true is not supported yet (resume with connect)")
+    if body.auto_resume is not None and body.auto_resume.enabled and body.auto_pause is False:
+        out.append("autoResume.enabled: true needs autoPause: true (a killed sandbox cannot resume)")
     if body.allow_internet_access is False:
         out.append("allow_internet_access: false is not enforced yet (egress is not filtered); omit it")
     net = body.network
@@ -185,7 +185,7 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
 def sandbox_detail(rec: SandboxRecord) -> dict:
     """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
     d = sandbox_listed(rec)
-    d["lifecycle"] = {"autoResume": False, "onTimeout": "pause" if rec.auto_pause else "kill"}
+    d["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
     return d

@@ -316,6 +316,23 @@ class LifecycleMixin:
             self._gc_images_later()
         return rec, resumed
 
+    async def wake(self, sandbox_id: str) -> bool:
+        """Auto-resume (E2B ``autoResume``): resume ``sandbox_id`` for its own timeout if
+        it is paused (or being paused) and was created with ``autoResume.enabled``; True
+        when it runs now. A sandbox without auto-resume, unknown or gone: False.
+
+        Raises:
+            CreateFailed: the restore failed (it stays paused).
+        """
+        rec = self.store.get(sandbox_id)
+        if rec is None or not rec.auto_resume or rec.state not in ("paused", "pausing", "resuming"):
+            return False
+        try:
+            await self.connect(sandbox_id, rec.timeout_s)
+        except NotFound:
+            return False
+        return True
+
     # ---- snapshots --------------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:
         """Persist the running sandbox's memory + filesystem as a reusable snapshot

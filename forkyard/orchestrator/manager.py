@@ -456,6 +456,7 @@ class Orchestrator(LifecycleMixin):
         auto_pause: bool = True,
         secure: bool = False,
         vcpus: int | None = None,
+        auto_resume: bool = False,
         memory_mb: int | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
@@ -464,6 +465,7 @@ class Orchestrator(LifecycleMixin):
         Args:
             timeout_s: seconds until expiry (1 … 86400; default 300).
             auto_pause: pause (True) or kill (False) at expiry.
+            auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
 
@@ -492,6 +494,7 @@ class Orchestrator(LifecycleMixin):
             env_vars={**(snap.env_vars if snap else {}), **(env_vars or {})},
             image_id=snap.snapshot_id if snap else None,
             timeout_s=timeout_s,
+            auto_resume=auto_resume,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
