@@ -287,3 +287,14 @@ def test_auto_resume_after_timeout_pause(server):
         assert sbx.files.read("/tmp/state") == "before\n"
     finally:
         Sandbox.kill(sbx.sandbox_id)
+
+
+# ---- file metadata -------------------------------------------------------------------------
+def test_write_without_metadata_clears_earlier_metadata(sandbox):
+    info = sandbox.files.write("/home/user/m.txt", "one", metadata={"owner": "a", "kind": "x"})
+    assert sandbox.files.get_info("/home/user/m.txt").metadata == {"owner": "a", "kind": "x"}
+    sandbox.files.write("/home/user/m.txt", "two", metadata={"owner": "b"})
+    assert sandbox.files.get_info("/home/user/m.txt").metadata == {"owner": "b"}
+    sandbox.files.write("/home/user/m.txt", "three")
+    assert not sandbox.files.get_info("/home/user/m.txt").metadata
+    assert sandbox.files.read("/home/user/m.txt") == "three"
