@@ -298,3 +298,45 @@ def test_write_without_metadata_clears_earlier_metadata(sandbox):
     sandbox.files.write("/home/user/m.txt", "three")
     assert not sandbox.files.get_info("/home/user/m.txt").metadata
     assert sandbox.files.read("/home/user/m.txt") == "three"
+
+
+# ---- defaults ------------------------------------------------------------------------------
+def test_server_default_auto_pause_setting(server, tmp_path):
+    """FORKYARD_DEFAULT_AUTO_PAUSE=false gives E2B's default (kill at timeout) to sandboxes
+    created without autoPause; an explicit autoPause still wins. A bad value stops the
+    server at start with the variable named."""
+    import conftest
+    from forkyard.config import Settings
+
+    with pytest.raises(ValueError, match="FORKYARD_DEFAULT_AUTO_PAUSE"):
+        import os
+        os.environ["FORKYARD_DEFAULT_AUTO_PAUSE"] = "maybe"
+        try:
+            Settings()
+        finally:
+            del os.environ["FORKYARD_DEFAULT_AUTO_PAUSE"]
+
+    class KillDefault(conftest.ServerProc):
+        def env(self):
+            return {**super().env(), "FORKYARD_DEFAULT_AUTO_PAUSE": "false", "FORKYARD_NET_PREFIX": conftest.NET_PREFIX + "k",
+                    "FORKYARD_OUTER_NET": f"10.{180 + conftest._N}.0.0/16"}
+
+    srv = KillDefault(tmp_path / "killdefault", server.templates_dir)
+    srv.data_dir.mkdir()
+    srv.start()
+    try:
+        with srv.api() as c:
+            plain = c.post("/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+            paused = c.post("/sandboxes", json={"templateID": "base", "timeout": 60, "autoPause": True}).json()["sandboxID"]
+            assert c.get(f"/sandboxes/{plain}").json()["lifecycle"]["onTimeout"] == "kill"
+            assert c.get(f"/sandboxes/{paused}").json()["lifecycle"]["onTimeout"] == "pause"
+        with server.api() as c:  # the default server keeps forkyard's default
+            sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+            assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"
+            c.delete(f"/sandboxes/{sid}")
+    finally:
+        srv.kill_all()
+        srv.stop()
+        from forkyard.network.slots import NetworkManager
+
+        NetworkManager(None, outer_net=f"10.{180 + conftest._N}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()

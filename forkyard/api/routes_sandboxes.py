@@ -64,7 +64,7 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
-        auto_pause=True if body.auto_pause is None else body.auto_pause,
+        auto_pause=request.app.state.settings.default_auto_pause if body.auto_pause is None else body.auto_pause,
         secure=secure_default if body.secure is None else body.secure,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
     )
