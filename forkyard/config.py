@@ -21,6 +21,22 @@ GUEST_GATEWAY = "169.254.0.22"
 GUEST_PREFIXLEN = 30
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    """``true``/``1``/``yes`` or ``false``/``0``/``no`` (any case) from the environment.
+
+    Raises:
+        ValueError: any other value (naming the variable).
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    if raw.lower() in ("0", "false", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, not {raw!r}")
+
+
 def _env_path(name: str, default: str) -> Path:
     return Path(os.environ.get(name, default)).expanduser().resolve()
 
@@ -43,6 +59,9 @@ class Settings:
         max_upload_mb: largest request body the proxy forwards to a sandbox
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
+        default_auto_pause: what a sandbox created without ``autoPause`` does at its
+            timeout (``FORKYARD_DEFAULT_AUTO_PAUSE``, ``true``): pause (true, forkyard's
+            default) or kill (false, E2B's default).
         cluster: this node is part of a cluster (set by ``forkyard node --scheduler``):
             pauses commit to the shared repository before they answer (so a paused
             sandbox can resume on any node even if this one dies right after), and
@@ -65,6 +84,7 @@ class Settings:
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
+    default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     cluster: bool = False
 
     @property

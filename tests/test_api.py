@@ -86,7 +86,7 @@ def test_malformed_json_and_unknown_ids(server):
 
 def test_proxy_unknown_sandbox(server):
     r = httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": "nope", "E2b-Sandbox-Port": "49983"})
-    assert r.status_code == 404 and "not found" in r.json()["message"]
+    assert r.status_code == 502 and "was not found" in r.json()["message"]  # E2B's proxy answer
     r = httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": "nope", "E2b-Sandbox-Port": "x"})
     assert r.status_code == 400
 

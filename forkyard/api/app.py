@@ -128,7 +128,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(lifecycle_router)
     # Auth from headers and body caps before FastAPI reads any body (issue 11, item 5).
     guarded = RestGuard(api, api.state.api_key, settings.max_upload_mb << 20)
-    proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20)
+    proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
     return proxy

@@ -6,7 +6,16 @@ Routing (E2B's two forms, see shared/DESIGN.md §3):
 
 HTTP requests and responses are streamed in both directions (HTTP/1.1 chunked bodies,
 so Connect server-streaming works over plain ``http://``); WebSocket upgrades are
-relayed frame by frame. Unknown sandbox → 404 JSON; connection failure → 502 JSON.
+relayed frame by frame.
+
+Errors answer like E2B's proxy, because the SDKs decide on them (e2b 2.63
+``e2b/exceptions.py``, ``Sandbox.is_running``): a sandbox that is not running (unknown,
+killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox ID was not found",
+"sandboxId": ID}`` (``is_running()`` is then false); a running sandbox whose port refuses
+the connection → 502 "The sandbox is running but port is not open". A Connect stream
+(``application/connect+*``) whose sandbox goes away mid-stream ends with a Connect
+end-of-stream error ``unavailable`` (saying "was not found" when the sandbox is gone), so
+the SDK reports the sandbox killed instead of a command that ended without an end event.
 """
 
 from __future__ import annotations
@@ -89,8 +98,8 @@ def route_of(scope) -> tuple[str, int] | None:
     return sid, port
 
 
-async def _send_json(send, status: int, message: str) -> None:
-    body = json.dumps({"code": status, "message": message}).encode()
+async def _send_json(send, status: int, message: str, **extra) -> None:
+    body = json.dumps({"code": status, "message": message, **extra}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
@@ -101,10 +110,11 @@ class _TooLarge(Exception):
 
 
 class UpstreamCut(Exception):
-    """A relayed response with a ``Content-Length`` ended early (the sandbox was killed,
-    paused or forked mid-transfer). Raised after the response started so the server
-    closes the connection: the client sees fewer bytes than announced and reports an
-    incomplete body, never a shorter body passed off as complete."""
+    """A relayed response ended early (the sandbox was killed, paused or forked
+    mid-transfer) where no clean end can be sent. Raised after the response started so
+    the server aborts the connection: the client sees fewer bytes than announced (or an
+    unterminated chunked body) and reports an incomplete body, never a shorter body
+    passed off as complete."""
 
 
 class _QuietCuts(logging.Filter):
@@ -124,11 +134,14 @@ class SandboxProxy:
     to ``app``. ``resolve(sandbox_id, port) -> (host, port)`` raises NotFound.
 
     ``max_body_bytes`` bounds one request body (uploads); a larger one gets 413.
+    ``wake(sandbox_id) -> bool`` (async, optional) is asked when a sandbox is not
+    running: True means it was resumed (E2B ``autoResume``) and the request goes on.
     """
 
-    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30):
+    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None):
         self.app = app
         self.resolve = resolve
+        self.wake = wake
         self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
@@ -184,13 +197,18 @@ class SandboxProxy:
             return await self.app(scope, receive, send)
         sid, port = route
         try:
-            host, hport = self.resolve(sid, port)
+            try:
+                host, hport = self.resolve(sid, port)
+            except NotFound:
+                if self.wake is None or not await self._wake(sid):
+                    raise
+                host, hport = self.resolve(sid, port)
         except NotFound as e:
             stale = self._clients.pop(sid, None)
             if stale is not None:
                 await stale.aclose()
             if scope["type"] == "http":
-                return await _send_json(send, 404, str(e))
+                return await _send_json(send, 502, str(e), sandboxId=sid)
             return await send({"type": "websocket.close", "code": 1008})
         if orchestrator_only(scope, port):
             if scope["type"] == "http":
@@ -202,10 +220,28 @@ class SandboxProxy:
         else:
             await self._ws(scope, receive, send, host, hport)
 
+    async def _wake(self, sid: str) -> bool:
+        try:
+            return await self.wake(sid)
+        except Exception as e:  # noqa: BLE001 — the restore failed: answer as not running
+            log.error("auto-resume of sandbox %s failed: %s", sid, e)
+            return False
+
     async def _http(self, scope, receive, send, host, port, sid):
-        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _HOP]
+        # The public Host goes along (E2B's proxy does the same): servers in the sandbox
+        # build absolute URLs and check virtual hosts from it.
+        headers = [(k, v) for k, v in scope["headers"]
+                   if k.decode("latin-1").lower() not in _HOP or k.lower() == b"host"]
+
+        def gone() -> str | None:
+            try:
+                self.resolve(sid, port)
+            except NotFound as e:
+                return str(e)
+            return None
+
         await relay_http(self._client(sid), scope, receive, send, f"http://{host}:{port}", headers,
-                         self.max_body_bytes, f"sandbox {sid} port {port}")
+                         self.max_body_bytes, f"sandbox {sid} port {port}", gone=gone, sandbox_id=sid)
 
     async def _ws(self, scope, receive, send, host, port):
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
@@ -224,17 +260,68 @@ def _target_path(scope) -> str:
     return url + ("?" + qs.decode("latin-1") if qs else "")
 
 
+class _ConnectFrames:
+    """Tracks Connect envelope boundaries (1 flag byte + 4-byte big-endian length +
+    payload; connectrpc.com/docs/protocol "Streaming") in a relayed byte stream, so an
+    end-of-stream message can be appended only between two messages."""
+
+    def __init__(self):
+        self._need = 5          # bytes until the current header/payload is complete
+        self._header = b""
+        self._in_header = True
+
+    def feed(self, data: bytes) -> None:
+        while data:
+            take = min(self._need, len(data))
+            if self._in_header:
+                self._header += data[:take]
+            self._need -= take
+            data = data[take:]
+            if self._need == 0:
+                if self._in_header:
+                    self._need = int.from_bytes(self._header[1:5], "big")
+                    self._in_header = self._need == 0
+                    self._header = b""
+                    if self._in_header:
+                        self._need = 5
+                else:
+                    self._in_header, self._need = True, 5
+
+    @property
+    def at_boundary(self) -> bool:
+        return self._in_header and self._need == 5
+
+
+def connect_end_error(code: str, message: str) -> bytes:
+    """A Connect end-of-stream message (flag 0x02) carrying error ``code`` (a Connect
+    code name such as ``"unavailable"``) and ``message``."""
+    payload = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return b"\x02" + len(payload).to_bytes(4, "big") + payload
+
+
 async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str, headers: list,
-                     max_body_bytes: int, what: str) -> None:
+                     max_body_bytes: int, what: str, gone=None, sandbox_id: str | None = None) -> None:
     """Stream one HTTP request to ``base`` + the request's path (``headers`` as given:
     the caller has filtered hop-by-hop ones) and stream the answer back — bodies in both
-    directions chunk by chunk, so Connect server-streaming works over HTTP/1.1. A body
-    over ``max_body_bytes`` gets 413; an upstream that cannot be reached gets 502 naming
-    ``what``; an upstream that goes away mid-stream ends the response early."""
+    directions chunk by chunk, so Connect server-streaming works over HTTP/1.1.
+
+    A request without ``Content-Length`` and ``Transfer-Encoding`` has no body (RFC 9112
+    §6.3) and goes out without one; a declared length goes out as declared (never
+    re-chunked). A body over ``max_body_bytes`` gets 413; an upstream refusing the
+    connection gets 502 "... port is not open" (E2B's wording), other failures 502
+    naming ``what``. When the upstream goes away mid-response: a Connect stream gets an
+    ``unavailable`` end-of-stream error (message from ``gone()`` — str when the sandbox
+    is gone, None when it still runs — else a "connection lost" one); any other
+    response is aborted (:class:`UpstreamCut`), so the client sees the truncation.
+    """
     url = base + _target_path(scope)
-    declared = next((v for k, v in scope["headers"] if k.lower() == b"content-length"), None)
-    if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+    req_headers = {k.lower(): v for k, v in scope["headers"]}
+    declared = req_headers.get(b"content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
+        if not declared.isdigit():
+            return await _send_json(send, 400, "invalid Content-Length")
         return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
+    has_body = declared is not None or b"transfer-encoding" in req_headers
     sent = 0
 
     async def body():
@@ -252,7 +339,9 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
             if not msg.get("more_body"):
                 return
 
-    req = client.build_request(scope["method"], url, headers=headers, content=body())
+    if declared is not None:
+        headers = [*headers, (b"content-length", declared)]
+    req = client.build_request(scope["method"], url, headers=headers, content=body() if has_body else None)
     # httpx adds its defaults (Accept-Encoding: gzip, deflate, …) even when a client's
     # headers are emptied; forward only what the client sent, so envd never gzips a
     # body the client did not ask to be compressed.
@@ -264,9 +353,15 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         resp = await client.send(req, stream=True)
     except _TooLarge:
         return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
+    except httpx.ConnectError as e:
+        if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
+            return await _send_json(send, 502, msg, sandboxId=sandbox_id)
+        extra = {"sandboxId": sandbox_id} if sandbox_id else {}
+        return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
     except httpx.HTTPError as e:
         return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
-    length, relayed = None, 0
+    ctype = resp.headers.get("content-type", "")
+    frames = _ConnectFrames() if ctype.startswith("application/connect+") else None
     try:
         out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
                        for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
@@ -276,18 +371,20 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
         relayed = 0
         async for chunk in resp.aiter_raw():
-            relayed += len(chunk)
+            if frames is not None:
+                frames.feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
     except (httpx.HTTPError, OSError) as e:
         # The sandbox went away mid-stream (killed, paused, forked: gVisor resets
         # connections on checkpoint).
         log.info("response from %s ended early: %r", what, e)
-        if length is not None and length.isdigit() and relayed < int(length):
-            raise UpstreamCut(f"{what}: {relayed} of {length} bytes") from None  # the connection closes
-        # Chunked: end the response; the client sees a truncated stream (Connect: no
-        # end message) and reports an error.
-        await send({"type": "http.response.body", "body": b""})
+        if frames is None or not frames.at_boundary or "content-length" in resp.headers:
+            raise UpstreamCut(f"{what} ended the response early: {e!r}") from None  # the connection closes
+        message = gone() if gone is not None else None
+        if message is None:
+            message = f"the connection to {what} ended before the stream completed"
+        await send({"type": "http.response.body", "body": connect_end_error("unavailable", message)})
     finally:
         await resp.aclose()
 

@@ -55,18 +55,22 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
 
 
 async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
+    refused = schemas.unsupported_create_fields(body)
+    if refused:
+        raise BadRequest("; ".join(refused))
     orch = _orch(request)
     rec = await orch.create(
         template_id=body.template_id,
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
-        auto_pause=True if body.auto_pause is None else body.auto_pause,
+        auto_pause=request.app.state.settings.default_auto_pause if body.auto_pause is None else body.auto_pause,
         # E2B secures envd access for every sandbox (its spec: "secure: Ignored. All
         # system communication with the sandbox is always secured"). forkyard does the
         # same unless the client explicitly sends ``secure: false`` (an open envd, for
         # old clients that cannot send a token).
         secure=body.secure is not False,
+        auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
     )
     return JSONResponse(schemas.sandbox_created(rec), status_code=201)
 

@@ -25,16 +25,50 @@ class _Strict(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore")
 
 
+class AutoResume(BaseModel):
+    """E2B ``SandboxAutoResumeConfig``."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool
+
+
+class NetworkConfig(BaseModel):
+    """E2B ``SandboxNetworkConfig`` (create's ``network``); which values are honoured:
+    :func:`unsupported_create_fields`."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    allow_public_traffic: bool | None = Field(default=None, alias="allowPublicTraffic")
+    allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=1024)
+    deny_out: list[str] | None = Field(default=None, alias="denyOut", max_length=1024)
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers", max_length=64)
+    egress_proxy: dict | None = Field(default=None, alias="egressProxy")
+    mask_request_host: str | None = Field(default=None, alias="maskRequestHost", max_length=256)
+    https_ports: list[int] | None = Field(default=None, alias="httpsPorts", max_length=64)
+    rules: dict | None = None
+
+
 class NewSandbox(_Strict):
-    """``POST /sandboxes`` and ``POST /v2/sandboxes`` body. ``timeout`` in seconds."""
+    """``POST /sandboxes`` and ``POST /v2/sandboxes`` body (E2B ``NewSandbox`` /
+    ``NewSandboxV2``, e2b 2.63). ``timeout`` in seconds. Every field E2B defines is
+    modelled; an unknown field is a 400 naming it, and a value forkyard does not
+    enforce is refused by :func:`unsupported_create_fields` (never accepted and ignored).
+    """
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
 
     template_id: str = Field(alias="templateID", min_length=1, max_length=128)
     timeout: int | None = Field(default=None, ge=0, le=86400)
     auto_pause: bool | None = Field(default=None, alias="autoPause")
+    auto_pause_memory: bool | None = Field(default=None, alias="autoPauseMemory")
+    auto_resume: AutoResume | None = Field(default=None, alias="autoResume")
     secure: bool | None = None
     allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
+    network: NetworkConfig | None = None
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
+    mcp: dict | None = None
+    iam: dict | None = None
+    volume_mounts: list[dict] | None = Field(default=None, alias="volumeMounts", max_length=64)
 
     @field_validator("metadata")
     @classmethod
@@ -57,6 +91,41 @@ class NewSandbox(_Strict):
             if sum(len(k) + len(x) + 2 for k, x in v.items()) > MAX_ENV_BYTES:
                 raise ValueError(f"envVars larger than {MAX_ENV_BYTES} bytes")
         return v
+
+
+def unsupported_create_fields(body: NewSandbox) -> list[str]:
+    """Messages for the create fields of ``body`` whose value forkyard does not enforce
+    (empty: every field is honoured). Each message names the field as the API spells it.
+    Defaults and explicit "off" values (``autoResume.enabled: false``, empty lists and
+    maps, ``allowPublicTraffic: true``) are honoured and pass."""
+    out = []
+    if body.auto_pause_memory is False:
+        out.append("autoPauseMemory: false (a filesystem-only auto-pause) is not supported yet")
+    if body.auto_resume is not None and body.auto_resume.enabled and body.auto_pause is False:
+        out.append("autoResume.enabled: true needs autoPause: true (a killed sandbox cannot resume)")
+    if body.allow_internet_access is False:
+        out.append("allow_internet_access: false is not enforced yet (egress is not filtered); omit it")
+    net = body.network
+    if net is not None:
+        if net.allow_public_traffic is False:
+            out.append("network.allowPublicTraffic: false is not supported yet (traffic access tokens)")
+        for name, value in (("allowOut", net.allow_out), ("denyOut", net.deny_out),
+                            ("dnsServers", net.dns_servers), ("httpsPorts", net.https_ports)):
+            if value:
+                out.append(f"network.{name} is not enforced yet (egress/ports are not filtered); omit it")
+        if net.egress_proxy:
+            out.append("network.egressProxy is not supported")
+        if net.mask_request_host:
+            out.append("network.maskRequestHost is not supported yet")
+        if net.rules:
+            out.append("network.rules (egress request transforms) are not supported")
+    if body.mcp:
+        out.append("mcp (an MCP gateway in the sandbox) is not supported")
+    if body.iam and body.iam.get("tokens"):
+        out.append("iam.tokens (workload identity) is not supported")
+    if body.volume_mounts:
+        out.append("volumeMounts (E2B volumes) are not supported")
+    return out
 
 
 class TimeoutBody(_Strict):
@@ -116,7 +185,7 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
 def sandbox_detail(rec: SandboxRecord) -> dict:
     """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
     d = sandbox_listed(rec)
-    d["lifecycle"] = {"autoResume": False, "onTimeout": "pause" if rec.auto_pause else "kill"}
+    d["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
     return d

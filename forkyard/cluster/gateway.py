@@ -258,12 +258,22 @@ class Gateway:
         if orchestrator_only(scope, port):  # the node's proxy refuses it too
             raise _Fail(403, f"{scope['path']} is reserved to forkyard's orchestrator and cannot be called "
                              "through the sandbox proxy")
-        node = await self._proxy_owner(sandbox_id)
+        try:
+            node = await self._proxy_owner(sandbox_id)
+        except _Fail as e:
+            if e.status != 404:
+                raise
+            # E2B's proxy answer for a sandbox that is not running (see forkyard.api.proxy).
+            if scope["type"] == "http":
+                body = schemas.error(502, f"The sandbox {sandbox_id} was not found ({e})")
+                return await JSONResponse({**body, "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
+            return await send({"type": "websocket.close", "code": 1008})
         base = node.url.replace("http://", "", 1)
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
             headers = [(k, v) for k, v in scope["headers"]
-                       if k.decode("latin-1").lower() not in _HOP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+                       if k.decode("latin-1").lower() not in _HOP | {"e2b-sandbox-id", "e2b-sandbox-port"}
+                       or k.lower() == b"host"]  # the public Host reaches the sandbox
             return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
                                     self.max_body_bytes, f"sandbox {sandbox_id} on node {node.node_id}")
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]

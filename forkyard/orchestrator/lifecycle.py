@@ -168,37 +168,41 @@ class LifecycleMixin:
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
+            self._stopping.add(rec.id)  # the proxy answers "not running" from now on
             try:
-                staging = await self._stage(rec, sid, stop=True)
-            except CreateFailed as e:
                 try:
-                    alive = await self.driver.is_running(rec.id)
-                except Exception:  # noqa: BLE001 — treat as dead
-                    alive = False
-                if not alive:
-                    log.error("sandbox %s is not running after a failed pause; removing it", rec.id)
-                    await self._teardown(rec.id, rec.slot)
-                    self.store.delete(rec.id)
-                    raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
-                rec.state, rec.image_id = "running", None
+                    staging = await self._stage(rec, sid, stop=True)
+                except CreateFailed as e:
+                    try:
+                        alive = await self.driver.is_running(rec.id)
+                    except Exception:  # noqa: BLE001 — treat as dead
+                        alive = False
+                    if not alive:
+                        log.error("sandbox %s is not running after a failed pause; removing it", rec.id)
+                        await self._teardown(rec.id, rec.slot)
+                        self.store.delete(rec.id)
+                        raise NotFound(f"sandbox {rec.id} had stopped (its init exited or it ran out of memory) and was removed") from e
+                    rec.state, rec.image_id = "running", None
+                    self.store.put(rec)
+                    raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
+                try:
+                    (staging / PAUSE_MARKER).touch()
+                except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
+                    log.error("pause of %s: writing the checkpoint marker failed: %s", rec.id, e)
+                # The slot stays recorded (and allocated) until the stopped runtime is gone.
+                rec.state, rec.paused_at = "paused", time.time()
                 self.store.put(rec)
-                raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
-            try:
-                (staging / PAUSE_MARKER).touch()
-            except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
-                log.error("pause of %s: writing the checkpoint marker failed: %s", rec.id, e)
-            # The slot stays recorded (and allocated) until the stopped runtime is gone.
-            rec.state, rec.paused_at = "paused", time.time()
-            self.store.put(rec)
-            self._slots.pop(rec.id, None)
-            meta = self._meta_for(rec, "pause", sid)
-            task = self._pending[rec.id] = asyncio.create_task(
-                self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
-            if self.settings.cluster:
-                # Another node may have to resume it if this one dies next: answer only
-                # once the image is in the shared repository.
-                await asyncio.shield(task)
-            return rec
+                self._slots.pop(rec.id, None)
+                meta = self._meta_for(rec, "pause", sid)
+                task = self._pending[rec.id] = asyncio.create_task(
+                    self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
+                if self.settings.cluster:
+                    # Another node may have to resume it if this one dies next: answer only
+                    # once the image is in the shared repository.
+                    await asyncio.shield(task)
+                return rec
+            finally:
+                self._stopping.discard(rec.id)
 
     async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta,
                             slot_index: int | None) -> None:
@@ -311,6 +315,23 @@ class LifecycleMixin:
         if resumed:
             self._gc_images_later()
         return rec, resumed
+
+    async def wake(self, sandbox_id: str) -> bool:
+        """Auto-resume (E2B ``autoResume``): resume ``sandbox_id`` for its own timeout if
+        it is paused (or being paused) and was created with ``autoResume.enabled``; True
+        when it runs now. A sandbox without auto-resume, unknown or gone: False.
+
+        Raises:
+            CreateFailed: the restore failed (it stays paused).
+        """
+        rec = self.store.get(sandbox_id)
+        if rec is None or not rec.auto_resume or rec.state not in ("paused", "pausing", "resuming"):
+            return False
+        try:
+            await self.connect(sandbox_id, rec.timeout_s)
+        except NotFound:
+            return False
+        return True
 
     # ---- snapshots --------------------------------------------------------------------
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:

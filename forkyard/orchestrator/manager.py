@@ -82,6 +82,8 @@ class Orchestrator(LifecycleMixin):
         #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
         #: paused, died); the API's proxy closes its connections to it there.
         self.on_gone: list = []
+        #: Sandboxes being paused: the proxy treats them as not running.
+        self._stopping: set[str] = set()
         self._expiring: set[str] = set()
         #: Background halves of pauses (commit + teardown), by sandbox id.
         self._pending: dict[str, asyncio.Task] = {}
@@ -298,11 +300,17 @@ class Orchestrator(LifecycleMixin):
         """``(host, port)`` the proxy connects to for ``port`` inside the sandbox.
 
         Raises:
-            NotFound: unknown or not running sandbox.
+            NotFound: unknown or not running sandbox; the message says "was not found"
+                (E2B's proxy wording) and whether it is paused.
         """
         slot = self._slots.get(sandbox_id)
-        if slot is None:
-            raise NotFound(f"sandbox {sandbox_id!r} not found or not running")
+        if slot is None or sandbox_id in self._stopping:
+            # Wording of E2B's proxy ("... was not found"): the SDKs read it as "not running".
+            rec = self.store.get(sandbox_id)
+            if rec is not None and rec.state in ("paused", "pausing"):
+                raise NotFound(f"The sandbox {sandbox_id} was not found running: it is paused "
+                               "(connect or resume it)")
+            raise NotFound(f"The sandbox {sandbox_id} was not found")
         return slot.outer_ip, port
 
     # ---- create / start / kill ----------------------------------------------------
@@ -470,6 +478,7 @@ class Orchestrator(LifecycleMixin):
         auto_pause: bool = True,
         secure: bool = False,
         vcpus: int | None = None,
+        auto_resume: bool = False,
         memory_mb: int | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
@@ -478,6 +487,7 @@ class Orchestrator(LifecycleMixin):
         Args:
             timeout_s: seconds until expiry (1 … 86400; default 300).
             auto_pause: pause (True) or kill (False) at expiry.
+            auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
 
@@ -506,6 +516,7 @@ class Orchestrator(LifecycleMixin):
             env_vars={**(snap.env_vars if snap else {}), **(env_vars or {})},
             image_id=snap.snapshot_id if snap else None,
             timeout_s=timeout_s,
+            auto_resume=auto_resume,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:

@@ -38,7 +38,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 #: Lifecycle states (shared/DESIGN.md §4). Only ``running``/``paused`` are shown by the API.
 STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing")
 #: Columns added after the first schema, with their SQL type (migrated on open).
-_ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL"}
+_ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
+          "auto_resume": "INTEGER NOT NULL DEFAULT 0"}
 
 
 @dataclass
@@ -66,6 +67,8 @@ class SandboxRecord:
     timeout_s: int = 300
     #: UNIX seconds when the sandbox was paused (retention), else None.
     paused_at: float | None = None
+    #: E2B ``autoResume.enabled``: traffic through the proxy resumes it when paused.
+    auto_resume: bool = False
 
 
 class Store:
@@ -108,6 +111,7 @@ class Store:
     def _row(row: sqlite3.Row) -> SandboxRecord:
         d = dict(row)
         d["auto_pause"] = bool(d["auto_pause"])
+        d["auto_resume"] = bool(d.get("auto_resume"))
         d["metadata"] = json.loads(d["metadata"])
         d["env_vars"] = json.loads(d["env_vars"])
         return SandboxRecord(**d)
@@ -116,6 +120,7 @@ class Store:
         """Insert or replace the whole row."""
         d = asdict(rec)
         d["auto_pause"] = int(rec.auto_pause)
+        d["auto_resume"] = int(rec.auto_resume)
         d["metadata"] = json.dumps(rec.metadata)
         d["env_vars"] = json.dumps(rec.env_vars)
         cols = ", ".join(d)

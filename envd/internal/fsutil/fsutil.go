@@ -153,6 +153,21 @@ func ReadMetadata(path string) map[string]string {
 	return out
 }
 
+// ReplaceMetadata makes md the file's whole user metadata: user.e2b.* xattrs
+// not in md are removed (an upload without metadata clears what an earlier
+// upload of the same path left, as E2B's envd does), then md is written.
+func ReplaceMetadata(path string, md map[string]string) error {
+	for k := range ReadMetadata(path) {
+		if _, keep := md[k]; keep {
+			continue
+		}
+		if err := unix.Removexattr(path, MetadataXattrPrefix+k); err != nil && !errors.Is(err, unix.ENODATA) {
+			return fmt.Errorf("clearing metadata %q: %w", k, err)
+		}
+	}
+	return WriteMetadata(path, md)
+}
+
 // WriteMetadata stores md as user.e2b.* xattrs on path.
 func WriteMetadata(path string, md map[string]string) error {
 	for k, v := range md {

@@ -188,10 +188,8 @@ func writeFileAs(path string, src io.Reader, u *identity.User, md map[string]str
 	if err != nil {
 		return statusFor(err), fmt.Errorf("error writing file: %w", err)
 	}
-	if len(md) > 0 {
-		if err := fsutil.WriteMetadata(path, md); err != nil {
-			return http.StatusInternalServerError, err
-		}
+	if err := fsutil.ReplaceMetadata(path, md); err != nil {
+		return http.StatusInternalServerError, err
 	}
 	return http.StatusOK, nil
 }

@@ -1,0 +1,342 @@
+"""E2B drop-in fidelity (issue 9) through the real e2b SDK: sandboxes that are not
+running, command streams of killed sandboxes, proxy correctness."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox, SandboxNotRunningException
+
+
+def _health(server, sid: str) -> httpx.Response:
+    return httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+                     timeout=30)
+
+
+def _assert_not_running_answer(r: httpx.Response, sid: str) -> None:
+    """E2B's proxy answer for a sandbox that is not running."""
+    assert r.status_code == 502, r.text
+    body = r.json()
+    assert body["code"] == 502 and body["sandboxId"] == sid
+    assert "was not found" in body["message"]
+
+
+def test_not_running_sandboxes_answer_502(server):
+    # unknown id
+    _assert_not_running_answer(_health(server, "nosuchsandbox"), "nosuchsandbox")
+    r = httpx.get(f"http://127.0.0.1:{server.port}/health", headers={"Host": "49983-nosuchsandbox.localhost"})
+    _assert_not_running_answer(r, "nosuchsandbox")
+
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        assert sbx.is_running()
+        # paused: not running until connect
+        sbx.pause()
+        assert sbx.is_running() is False
+        r = _health(server, sbx.sandbox_id)
+        _assert_not_running_answer(r, sbx.sandbox_id)
+        assert "paused" in r.json()["message"]
+        with pytest.raises(SandboxNotRunningException):
+            sbx.commands.run("true")
+        with pytest.raises(SandboxNotRunningException):
+            sbx.files.read("/etc/hostname")
+        sbx = Sandbox.connect(sbx.sandbox_id)
+        assert sbx.is_running()
+        assert sbx.commands.run("echo back").stdout.strip() == "back"
+    finally:
+        sbx.kill()
+    # killed
+    assert sbx.is_running() is False
+    _assert_not_running_answer(_health(server, sbx.sandbox_id), sbx.sandbox_id)
+    with pytest.raises(SandboxNotRunningException):
+        sbx.commands.run("true")
+
+
+def test_expired_sandbox_is_not_running(server):
+    sbx = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "kill"})
+    deadline = time.time() + 30
+    while time.time() < deadline and sbx.is_running():
+        time.sleep(0.5)
+    assert sbx.is_running() is False
+    with pytest.raises(SandboxNotRunningException):
+        sbx.files.write("/tmp/x", "y")
+
+
+@pytest.mark.parametrize("how", ["kill", "pause"])
+def test_command_stream_ends_when_sandbox_goes(server, how):
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        handle = sbx.commands.run("echo started; sleep 60", background=True)
+        killer = threading.Timer(1.5, lambda: sbx.kill() if how == "kill" else sbx.pause())
+        killer.start()
+        t0 = time.time()
+        with pytest.raises(SandboxNotRunningException) as ei:
+            handle.wait()
+        killer.join()
+        assert time.time() - t0 < 30
+        assert "killed" in str(ei.value)
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+HOST_ECHO = r'''
+import http.server, json
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"host": self.headers.get("Host"), "te": self.headers.get("Transfer-Encoding"),
+                           "cl": self.headers.get("Content-Length")}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    do_DELETE = do_GET
+http.server.HTTPServer(("0.0.0.0", 8001), H).serve_forever()
+'''
+
+
+def _wait_served(url: str, headers: dict, timeout_s: float = 30) -> httpx.Response:
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            r = httpx.get(url, headers=headers, timeout=10)
+            if r.status_code == 200 or time.time() > deadline:
+                return r
+        except httpx.HTTPError:
+            if time.time() > deadline:
+                raise
+        time.sleep(0.3)
+
+
+def test_proxy_large_get_never_truncated(sandbox, server):
+    """1 MiB from python3 -m http.server, 50 times over one keep-alive connection and
+    50 times on fresh ones: every body complete (a chunked empty body on a GET used to
+    make the server reset the connection mid-response)."""
+    sandbox.commands.run("mkdir -p /tmp/www && head -c 1048576 /dev/urandom > /tmp/www/big.bin && "
+                         "sha256sum /tmp/www/big.bin > /tmp/www/big.sha", timeout=30)
+    want = sandbox.commands.run("cut -d' ' -f1 /tmp/www/big.sha").stdout.strip()
+    sandbox.commands.run("cd /tmp/www && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+    hdrs = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    assert _wait_served(f"{server.url}/big.sha", hdrs).status_code == 200
+    import hashlib
+
+    with httpx.Client(timeout=30) as c:
+        for i in range(50):
+            r = c.get(f"{server.url}/big.bin", headers=hdrs)
+            assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == want, (i, len(r.content))
+    for i in range(50):
+        r = httpx.get(f"{server.url}/big.bin", headers=hdrs, timeout=30)
+        assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == want, (i, len(r.content))
+
+
+def test_proxy_forwards_public_host_and_no_body(sandbox, server):
+    sandbox.files.write("/tmp/echo.py", HOST_ECHO)
+    sandbox.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
+    public = f"8001-{sandbox.sandbox_id}.localhost:{server.port}"
+    r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": public})
+    assert r.json() == {"host": public, "te": None, "cl": None}
+    r = httpx.request("DELETE", f"http://127.0.0.1:{server.port}/", headers={"Host": public}, timeout=10)
+    assert r.json()["te"] is None and r.json()["cl"] in (None, "0")
+    # header routing: the Host the client used goes along too
+    r = httpx.get(f"{server.url}/", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8001"},
+                  timeout=10)
+    assert r.json()["host"] == f"127.0.0.1:{server.port}"
+
+
+def test_envd_early_error_passes_through(sandbox, server):
+    """A 20 MB upload to a directory: envd answers before reading the body; the client
+    gets envd's status and message, not a proxy 502."""
+    sandbox.commands.run("mkdir -p /home/user/adir")
+    from e2b import InvalidArgumentException, SandboxException
+
+    with pytest.raises(SandboxException) as ei:
+        sandbox.files.write("/home/user/adir", b"x" * (20 << 20))
+    assert "is a directory" in str(ei.value), ei.value
+    assert not isinstance(ei.value, SandboxNotRunningException)
+    assert sandbox.is_running()
+    # and the raw answer is envd's, status included
+    r = httpx.post(f"{server.url}/files", params={"path": "/home/user/adir", "username": "user"},
+                   files={"file": ("f", b"y" * (20 << 20))},
+                   headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "49983",
+                            **({"X-Access-Token": sandbox._envd_access_token} if getattr(sandbox, "_envd_access_token", None) else {})},
+                   timeout=60)
+    assert 400 <= r.status_code < 500 and "is a directory" in r.text, (r.status_code, r.text[:300])
+
+
+def test_connect_frame_tracker_boundaries():
+    from forkyard.api.proxy import _ConnectFrames, connect_end_error
+
+    msg = b"\x00" + (3).to_bytes(4, "big") + b"abc"
+    f = _ConnectFrames()
+    assert f.at_boundary
+    stream = msg * 3 + b"\x00" + (0).to_bytes(4, "big")  # an empty message too
+    for i in range(len(stream)):  # byte by byte: boundaries only after whole messages
+        f.feed(stream[i:i + 1])
+        assert f.at_boundary == (i + 1 in (8, 16, 24, 29)), i
+    f.feed(msg[:6])
+    assert not f.at_boundary
+    end = connect_end_error("unavailable", "The sandbox x was not found")
+    assert end[0] == 2 and int.from_bytes(end[1:5], "big") == len(end) - 5
+
+
+# ---- create fields: every E2B field honoured or refused with 400 naming it -------------
+#: (field, value) pairs forkyard honours; each creates a sandbox.
+HONOURED = [
+    ("timeout", 30), ("autoPause", True), ("autoPause", False), ("autoPauseMemory", True),
+    ("autoResume", {"enabled": False}), ("secure", True), ("secure", False),
+    ("allow_internet_access", True), ("network", {}), ("network", {"allowPublicTraffic": True}),
+    ("network", {"allowOut": [], "denyOut": []}), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
+    ("mcp", None), ("iam", {}), ("volumeMounts", []),
+]
+#: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
+REFUSED = [
+    ("autoPauseMemory", False, "autoPauseMemory"),
+    ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
+    ("allow_internet_access", False, "allow_internet_access"),
+    ("network", {"denyOut": ["0.0.0.0/0"]}, "denyOut"),
+    ("network", {"allowOut": ["198.51.100.1"]}, "allowOut"),
+    ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
+    ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
+    ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
+    ("network", {"maskRequestHost": "example.com"}, "maskRequestHost"),
+    ("network", {"httpsPorts": [8443]}, "httpsPorts"),
+    ("network", {"rules": {"api.example.com": {"headers": {"a": "b"}}}}, "rules"),
+    ("network", {"bogus": 1}, "bogus"),
+    ("mcp", {"github": {}}, "mcp"),
+    ("iam", {"tokens": {"t": {"audience": "a", "tokenType": "oidc"}}}, "iam"),
+    ("volumeMounts", [{"name": "v", "path": "/mnt"}], "volumeMounts"),
+    ("noSuchField", 1, "noSuchField"),
+    ("timeout", "soon", "timeout"),
+]
+
+
+@pytest.mark.parametrize("path", ["/sandboxes", "/v2/sandboxes"])
+def test_create_fields_refused_with_400_naming_them(server, path):
+    with server.api() as c:
+        for field, value, name in REFUSED:
+            r = c.post(path, json={"templateID": "base", field: value, "metadata": {"fields": "refused"}})
+            assert r.status_code == 400, (field, value, r.text)
+            assert name in r.json()["message"], (field, r.json())
+        assert [s for s in c.get("/v2/sandboxes").json() if s["metadata"].get("fields") == "refused"] == []
+
+
+def test_create_fields_honoured(server):
+    with server.api() as c:
+        r = c.post("/sandboxes", json={"templateID": "base", **{f: v for f, v in HONOURED if f != "autoPause"},
+                                       "autoPause": False, "metadata": {"fields": "all"}})
+        assert r.status_code == 201, r.text
+        sid = r.json()["sandboxID"]
+        try:
+            detail = c.get(f"/sandboxes/{sid}").json()
+            assert detail["metadata"] == {"fields": "all"}
+            assert detail["lifecycle"]["onTimeout"] == "kill"
+        finally:
+            c.delete(f"/sandboxes/{sid}")
+
+
+def test_create_refusals_through_the_sdk(server):
+    from e2b import InvalidArgumentException, SandboxException
+
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create("base", allow_internet_access=False, timeout=30)
+    assert "allow_internet_access" in str(ei.value)
+    with pytest.raises(SandboxException) as ei:
+        Sandbox.create("base", network={"deny_out": ["0.0.0.0/0"]}, timeout=30)
+    assert "denyOut" in str(ei.value)
+    sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
+                         lifecycle={"on_timeout": "pause", "auto_resume": False})
+    sbx.kill()
+
+
+# ---- auto-resume ---------------------------------------------------------------------------
+def test_auto_resume_through_envd_and_user_port(server):
+    with server.api() as c:
+        r = c.post("/sandboxes", json={"templateID": "base", "autoPause": False, "autoResume": {"enabled": True}})
+        assert r.status_code == 400 and "autoResume" in r.json()["message"]
+    sbx = Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        assert sbx.get_info().lifecycle["auto_resume"] is True if isinstance(sbx.get_info().lifecycle, dict) else True
+        sbx.files.write("/tmp/www/index.html", "kept")
+        sbx.commands.run("cd /tmp/www && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"}
+        assert _wait_served(f"{server.url}/index.html", hdrs).text == "kept"
+        # a user port wakes it (the server process was checkpointed with it)
+        sbx.pause()
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        r = httpx.get(f"{server.url}/index.html", headers=hdrs, timeout=60)
+        assert r.status_code == 200 and r.text == "kept"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+        # envd traffic wakes it too; is_running() itself is traffic
+        sbx.pause()
+        assert sbx.commands.run("cat /tmp/www/index.html").stdout == "kept"
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "running"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+    # killed: nothing to wake
+    _assert_not_running_answer(_health(server, sbx.sandbox_id), sbx.sandbox_id)
+
+
+def test_auto_resume_after_timeout_pause(server):
+    sbx = Sandbox.create("base", timeout=2, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sbx.commands.run("echo before > /tmp/state")
+        deadline = time.time() + 30
+        while time.time() < deadline and Sandbox.get_info(sbx.sandbox_id).state.value != "paused":
+            time.sleep(0.5)
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        assert sbx.files.read("/tmp/state") == "before\n"
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+
+
+# ---- file metadata -------------------------------------------------------------------------
+def test_write_without_metadata_clears_earlier_metadata(sandbox):
+    info = sandbox.files.write("/home/user/m.txt", "one", metadata={"owner": "a", "kind": "x"})
+    assert sandbox.files.get_info("/home/user/m.txt").metadata == {"owner": "a", "kind": "x"}
+    sandbox.files.write("/home/user/m.txt", "two", metadata={"owner": "b"})
+    assert sandbox.files.get_info("/home/user/m.txt").metadata == {"owner": "b"}
+    sandbox.files.write("/home/user/m.txt", "three")
+    assert not sandbox.files.get_info("/home/user/m.txt").metadata
+    assert sandbox.files.read("/home/user/m.txt") == "three"
+
+
+# ---- defaults ------------------------------------------------------------------------------
+def test_server_default_auto_pause_setting(server, tmp_path):
+    """FORKYARD_DEFAULT_AUTO_PAUSE=false gives E2B's default (kill at timeout) to sandboxes
+    created without autoPause; an explicit autoPause still wins. A bad value stops the
+    server at start with the variable named."""
+    import conftest
+    from forkyard.config import Settings
+
+    with pytest.raises(ValueError, match="FORKYARD_DEFAULT_AUTO_PAUSE"):
+        import os
+        os.environ["FORKYARD_DEFAULT_AUTO_PAUSE"] = "maybe"
+        try:
+            Settings()
+        finally:
+            del os.environ["FORKYARD_DEFAULT_AUTO_PAUSE"]
+
+    class KillDefault(conftest.ServerProc):
+        def env(self):
+            return {**super().env(), "FORKYARD_DEFAULT_AUTO_PAUSE": "false", "FORKYARD_NET_PREFIX": conftest.NET_PREFIX + "k",
+                    "FORKYARD_OUTER_NET": f"10.{180 + conftest._N}.0.0/16"}
+
+    srv = KillDefault(tmp_path / "killdefault", server.templates_dir)
+    srv.data_dir.mkdir()
+    srv.start()
+    try:
+        with srv.api() as c:
+            plain = c.post("/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+            paused = c.post("/sandboxes", json={"templateID": "base", "timeout": 60, "autoPause": True}).json()["sandboxID"]
+            assert c.get(f"/sandboxes/{plain}").json()["lifecycle"]["onTimeout"] == "kill"
+            assert c.get(f"/sandboxes/{paused}").json()["lifecycle"]["onTimeout"] == "pause"
+        with server.api() as c:  # the default server keeps forkyard's default
+            sid = c.post("/sandboxes", json={"templateID": "base", "timeout": 60}).json()["sandboxID"]
+            assert c.get(f"/sandboxes/{sid}").json()["lifecycle"]["onTimeout"] == "pause"
+            c.delete(f"/sandboxes/{sid}")
+    finally:
+        srv.kill_all()
+        srv.stop()
+        from forkyard.network.slots import NetworkManager
+
+        NetworkManager(None, outer_net=f"10.{180 + conftest._N}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
