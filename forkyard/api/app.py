@@ -128,4 +128,19 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
-    return proxy
+    return _observed(proxy, api, orch)
+
+
+def _observed(proxy, api: FastAPI, orch: Orchestrator):
+    """``proxy`` behind :class:`~forkyard.obs.middleware.ObsMiddleware`: ``/metrics``
+    (node state + process counters), ``/console``, request ids and access logs."""
+    import asyncio
+
+    from forkyard.obs.collect import node_families
+    from forkyard.obs.middleware import ObsMiddleware
+
+    async def collect():
+        return await asyncio.to_thread(node_families, orch)
+
+    return ObsMiddleware(proxy, "node", collect=collect,
+                         keys=lambda: [api.state.api_key, getattr(api.state, "cluster_secret", None)])

@@ -118,17 +118,19 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from forkyard.cli.main import _logging
+        from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.scheduler import create_scheduler_app
         from forkyard.cluster.store import ClusterStore
 
-        _logging(log_level)
+        _logging(log_level, "scheduler")
         secret = _secret()
         url = redis or redis_url()
         print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
         # No access log: every node heartbeats every second.
         uvicorn.run(create_scheduler_app(ClusterStore(url), secret), host=host, port=port,
-                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False)
+                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False,
+                    log_config=UVICORN_LOG_CONFIG)
 
     @app.command()
     def gateway(
@@ -145,12 +147,13 @@ def register(app: typer.Typer) -> None:
 
         from forkyard.api.auth import load_or_create_key
         from forkyard.cli.main import _logging
+        from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.gateway import Gateway
         from forkyard.cluster.store import ClusterStore
         from forkyard.config import Settings
 
-        _logging(log_level)
+        _logging(log_level, "gateway")
         secret = _secret()
         settings = Settings()
         if data_dir:
@@ -161,8 +164,12 @@ def register(app: typer.Typer) -> None:
         url = f"http://{host}:{port}"
         print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
-        uvicorn.run(gw, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
-                    timeout_graceful_shutdown=2)
+        from forkyard.obs.collect import cluster_families
+        from forkyard.obs.middleware import ObsMiddleware
+
+        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key])
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
+                    timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG)
 
 
 def _redacted(url: str) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 from pathlib import Path
@@ -98,8 +97,12 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
+    from forkyard.obs.logs import UVICORN_LOG_CONFIG
+
+    # access_log off: forkyard.obs.middleware logs every request with its request id.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=2, timeout_keep_alive=75)
+                timeout_graceful_shutdown=2, timeout_keep_alive=75, access_log=False,
+                log_config=UVICORN_LOG_CONFIG)
 
 
 _NET_LOCK = None
@@ -124,9 +127,14 @@ def _lock_net_prefix(prefix: str) -> None:
     _NET_LOCK = fd
 
 
-def _logging(log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _logging(log_level: str, component: str = "node") -> None:
+    """Structured logs for ``component`` (JSON lines, text on a TTY; ``FORKYARD_LOG_FORMAT``)."""
+    from forkyard.obs import logs
+
+    try:
+        logs.setup(component, log_level)
+    except ValueError as e:
+        _fail(str(e))
 
 
 class _BuildProgress:
