@@ -125,6 +125,9 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(sandboxes_router)
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
+    from forkyard.obs.routes import router as obs_router
+
+    api.include_router(obs_router)
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
@@ -142,5 +145,5 @@ def _observed(proxy, api: FastAPI, orch: Orchestrator):
     async def collect():
         return await asyncio.to_thread(node_families, orch)
 
-    return ObsMiddleware(proxy, "node", collect=collect,
+    return ObsMiddleware(proxy, "node", collect=collect, console=True,
                          keys=lambda: [api.state.api_key, getattr(api.state, "cluster_secret", None)])

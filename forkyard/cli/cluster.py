@@ -167,7 +167,8 @@ def register(app: typer.Typer) -> None:
         from forkyard.obs.collect import cluster_families
         from forkyard.obs.middleware import ObsMiddleware
 
-        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key])
+        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
+                            console=True)
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
                     timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG)
 
