@@ -165,10 +165,12 @@ def _env_key() -> bool:
 from forkyard.cli import admin as _admin  # noqa: E402
 from forkyard.cli import cluster as _cluster  # noqa: E402
 from forkyard.cli import sandboxes as _sandboxes  # noqa: E402
+from forkyard.cli import top as _top  # noqa: E402
 
 _sandboxes.register(app)
 _admin.register(app)
 _cluster.register(app)
+_top.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry
