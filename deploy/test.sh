@@ -22,7 +22,8 @@ if [ ${#obs_pkgs[@]} -gt 0 ]; then
     || { [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d; exit 1; }
   [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d
 fi
-.venv/bin/python -c 'import playwright, prometheus_client' 2>/dev/null \
-  || .venv/bin/python -m pip install -q "playwright>=1.40" "prometheus-client>=0.20"
+.venv/bin/python -c 'import playwright, prometheus_client, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http' 2>/dev/null \
+  || .venv/bin/python -m pip install -q "playwright>=1.40" "prometheus-client>=0.20" \
+       "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp-proto-http>=1.20"
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 exec .venv/bin/python -m pytest -v "$@"

@@ -128,12 +128,16 @@ def _lock_net_prefix(prefix: str) -> None:
 
 
 def _logging(log_level: str, component: str = "node") -> None:
-    """Structured logs for ``component`` (JSON lines, text on a TTY; ``FORKYARD_LOG_FORMAT``)."""
+    """Structured logs for ``component`` (JSON lines, text on a TTY; ``FORKYARD_LOG_FORMAT``)
+    and, with ``FORKYARD_TRACING=otlp``, OpenTelemetry tracing (:mod:`forkyard.obs.tracing`)."""
     from forkyard.obs import logs
+
+    from forkyard.obs import tracing
 
     try:
         logs.setup(component, log_level)
-    except ValueError as e:
+        tracing.setup(component)
+    except (ValueError, RuntimeError) as e:
         _fail(str(e))
 
 

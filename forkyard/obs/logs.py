@@ -40,9 +40,12 @@ def new_request_id(offered: str | None = None) -> str:
 
 
 def outgoing() -> dict[str, str]:
-    """Headers passing the current request id on to another component (``{}`` outside a request)."""
+    """Headers passing the current request id (and, with tracing on, the W3C
+    ``traceparent``) on to another component (``{}`` outside a request)."""
+    from forkyard.obs import tracing
+
     rid = request_id.get()
-    return {REQUEST_ID_HEADER: rid} if rid else {}
+    return {**({REQUEST_ID_HEADER: rid} if rid else {}), **tracing.outgoing()}
 
 
 class JsonFormatter(logging.Formatter):

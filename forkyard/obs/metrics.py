@@ -22,6 +22,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
+from forkyard.obs import tracing
+
 #: Process-wide registry: lifecycle histograms, proxy and HTTP counters, process stats.
 REGISTRY = CollectorRegistry(auto_describe=True)
 ProcessCollector(registry=REGISTRY)
@@ -83,6 +85,7 @@ def observe_phase(name: str, seconds: float) -> None:
     op = _op.get()
     if op is not None:
         PHASE.labels(op, name).observe(seconds)
+        tracing.phase(op, name, seconds)
 
 
 def timed(op: str):
@@ -99,7 +102,8 @@ def timed(op: str):
             t0 = time.perf_counter()
             outcome = "error"
             try:
-                out = await fn(*args, **kwargs)
+                with tracing.operation(op):
+                    out = await fn(*args, **kwargs)
                 outcome = "ok"
                 return out
             finally:

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from forkyard.api.proxy import route_of
-from forkyard.obs import logs, metrics
+from forkyard.obs import logs, metrics, tracing
 
 log = logging.getLogger("forkyard.access")
 
@@ -136,8 +136,12 @@ class ObsMiddleware:
             await send(msg)
 
         failed = False
+        op = None if traffic else operation(scope["method"], path)
         try:
-            await self.app(scope, counted_receive, tagged_send)
+            if traffic or not tracing.enabled():
+                await self.app(scope, counted_receive, tagged_send)
+            else:
+                await self._traced(scope, counted_receive, tagged_send, op, rid, sid, lambda: status)
         except Exception:
             failed = True
             raise
@@ -154,8 +158,25 @@ class ObsMiddleware:
             log.log(logging.DEBUG if traffic or path == "/health" else logging.INFO,
                     "%s %s %s %.1fms", scope["method"], path, status or "-", ms,
                     extra={"method": scope["method"], "path": path, "status": status or None,
-                           "duration_ms": ms, "operation": None if traffic else operation(scope["method"], path)})
+                           "duration_ms": ms, "operation": op})
             logs.request_id.reset(t_rid), logs.sandbox_id.reset(t_sid)
+
+    async def _traced(self, scope, receive, send, op: str | None, rid: str, sid: str | None, status) -> None:
+        """Serve a REST request inside a server span (:mod:`forkyard.obs.tracing`) whose
+        ``traceparent`` replaces the client's in the headers passed on (gateway → node)."""
+        path = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        name = f"{scope['method']} {op or '/' + path.split('/')[1]}"
+        with tracing.request_span(name, headers, {"http.request.method": scope["method"], "url.path": path,
+                                                  "forkyard.request_id": rid, "forkyard.sandbox_id": sid,
+                                                  "forkyard.component": self.component}) as set_attr:
+            scope = dict(scope)
+            scope["headers"] = [(k, v) for k, v in scope["headers"] if k.lower() != b"traceparent"] + \
+                [(k.encode(), v.encode()) for k, v in tracing.outgoing().items()]
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                set_attr("http.response.status_code", status() or 500)
 
     async def _metrics(self, scope, receive, send) -> None:
         from starlette.responses import JSONResponse, Response
