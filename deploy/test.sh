@@ -7,5 +7,23 @@ bash deploy/install.sh
 if ! command -v docker-compose >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
 fi
+# Test-only tools for tests/test_observability.py and tests/test_console.py: a real
+# Prometheus server (started by the test itself, never as a service: policy-rc.d refuses
+# service starts during the install) and Debian's chromium for Playwright (browser
+# downloads are unreachable; the test passes executable_path).
+obs_pkgs=()
+command -v prometheus >/dev/null || obs_pkgs+=(prometheus)
+command -v chromium >/dev/null || obs_pkgs+=(chromium)
+if [ ${#obs_pkgs[@]} -gt 0 ]; then
+  had_policy=0; [ -e /usr/sbin/policy-rc.d ] && had_policy=1
+  [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; }
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${obs_pkgs[@]}" >/dev/null \
+    || { [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d; exit 1; }
+  [ $had_policy = 1 ] || rm -f /usr/sbin/policy-rc.d
+fi
+.venv/bin/python -c 'import playwright, prometheus_client, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http' 2>/dev/null \
+  || .venv/bin/python -m pip install -q "playwright>=1.40" "prometheus-client>=0.20" \
+       "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp-proto-http>=1.20"
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 exec .venv/bin/python -m pytest -v "$@"

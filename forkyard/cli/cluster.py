@@ -119,18 +119,20 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from forkyard.cli.main import _logging
+        from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.scheduler import create_scheduler_app
         from forkyard.cluster.store import ClusterStore
 
-        _logging(log_level)
+        _logging(log_level, "scheduler")
         os.umask(0o077)  # anything it writes is private (forkyard.fsperms)
         secret = _secret()
         url = redis or redis_url()
         print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
         # No access log: every node heartbeats every second.
         uvicorn.run(create_scheduler_app(ClusterStore(url), secret), host=host, port=port,
-                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False)
+                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False,
+                    log_config=UVICORN_LOG_CONFIG)
 
     @app.command()
     def gateway(
@@ -147,12 +149,13 @@ def register(app: typer.Typer) -> None:
 
         from forkyard.api.auth import load_or_create_key
         from forkyard.cli.main import _logging
+        from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.gateway import Gateway
         from forkyard.cluster.store import ClusterStore
         from forkyard.config import Settings
 
-        _logging(log_level)
+        _logging(log_level, "gateway")
         os.umask(0o077)  # the API key file it may create is private (forkyard.fsperms)
         secret = _secret()
         settings = Settings()
@@ -165,9 +168,14 @@ def register(app: typer.Typer) -> None:
         print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
         from forkyard.api.limits import uvicorn_limits
+        from forkyard.obs.collect import cluster_families
+        from forkyard.obs.middleware import ObsMiddleware
 
-        uvicorn.run(gw, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
-                    timeout_graceful_shutdown=2, **uvicorn_limits())
+        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
+                            console=True)
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
+                    timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
+                    **uvicorn_limits())
 
 
 def _redacted(url: str) -> str:

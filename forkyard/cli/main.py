@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import shutil
 import sys
 from pathlib import Path
@@ -103,9 +102,12 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
     from forkyard.api.limits import uvicorn_limits
+    from forkyard.obs.logs import UVICORN_LOG_CONFIG
 
+    # access_log off: forkyard.obs.middleware logs every request with its request id.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
-                timeout_graceful_shutdown=2, timeout_keep_alive=75, **uvicorn_limits())
+                timeout_graceful_shutdown=2, timeout_keep_alive=75, access_log=False,
+                log_config=UVICORN_LOG_CONFIG, **uvicorn_limits())
 
 
 _NET_LOCK = None
@@ -130,9 +132,18 @@ def _lock_net_prefix(prefix: str) -> None:
     _NET_LOCK = fd
 
 
-def _logging(log_level: str) -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+def _logging(log_level: str, component: str = "node") -> None:
+    """Structured logs for ``component`` (JSON lines, text on a TTY; ``FORKYARD_LOG_FORMAT``)
+    and, with ``FORKYARD_TRACING=otlp``, OpenTelemetry tracing (:mod:`forkyard.obs.tracing`)."""
+    from forkyard.obs import logs
+
+    from forkyard.obs import tracing
+
+    try:
+        logs.setup(component, log_level)
+        tracing.setup(component)
+    except (ValueError, RuntimeError) as e:
+        _fail(str(e))
 
 
 class _BuildProgress:
@@ -163,10 +174,12 @@ def _env_key() -> bool:
 from forkyard.cli import admin as _admin  # noqa: E402
 from forkyard.cli import cluster as _cluster  # noqa: E402
 from forkyard.cli import sandboxes as _sandboxes  # noqa: E402
+from forkyard.cli import top as _top  # noqa: E402
 
 _sandboxes.register(app)
 _admin.register(app)
 _cluster.register(app)
+_top.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry

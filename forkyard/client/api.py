@@ -200,6 +200,14 @@ class AsyncForkyard:
         r = await self._request("GET", "/health", ok_404=True)
         return r.status_code == 200
 
+    async def node_metrics(self) -> dict[str, Any]:
+        """``GET /metrics/node``: on a node ``{"sandboxes": {"running", "paused"},
+        "spareSlots", "pausesInFlight", …}``; on a gateway ``{"sandboxes": …, "nodes":
+        [{"nodeID", "status", "heartbeatAge" (s), "report": {running, paused,
+        max_sandboxes, vcpus, vcpus_reserved, memory_mb, load1, …}}]}``."""
+        r = await self._request("GET", "/metrics/node", what="node metrics")
+        return r.json()
+
     # -- sandboxes ------------------------------------------------------------------------
     async def list_sandboxes(self, state: Iterable[str] | None = None, metadata: dict[str, str] | None = None,
                              template: str | None = None) -> list[SandboxInfo]:

@@ -41,6 +41,7 @@ from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_UP, NodeInfo
+from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 
@@ -137,7 +138,7 @@ class Gateway:
 
     async def _schedule(self, body: dict) -> dict:
         try:
-            r = await self.sched.post("/v1/placements", json=body)
+            r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing())
         except httpx.HTTPError as e:
             raise _Fail(503, f"scheduler unreachable ({e!r}); retry shortly") from e
         if r.status_code != 200:
@@ -151,7 +152,7 @@ class Gateway:
     async def _node_call(self, node: NodeInfo, method: str, path: str, body=None) -> httpx.Response:
         try:
             return await self._client(node).request(method, node.url + path, json=body,
-                                                    headers={SECRET_HEADER: self.secret},
+                                                    headers={SECRET_HEADER: self.secret, **logs.outgoing()},
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e

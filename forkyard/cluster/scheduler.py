@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from forkyard.cluster.config import secret_ok
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.obs import metrics
 from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S, NODE_DRAINING, NODE_UP, NodeReport
 
 log = logging.getLogger("forkyard.scheduler")
@@ -185,6 +186,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             plan = place(all_nodes, placing, now, count=body.count, vcpus=body.vcpus,
                          snapshot_id=snapshot, prefer=prefer, exclude=exclude)
         except NoCapacity as e:
+            metrics.admission_refused("no_capacity")
             raise HTTPException(503, str(e)) from e
         if body.kind == "resume":
             target = plan[0][0]
@@ -200,7 +202,13 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             await store.add_placing(node.node_id, n)
         return {"placements": [_entry(node, n) for node, n in plan]}
 
-    return _Guard(app, secret)
+    from forkyard.obs.collect import cluster_families
+    from forkyard.obs.middleware import ObsMiddleware
+
+    # /metrics is answered before the guard: a scrape carries the metrics token (or the
+    # secret), or comes from loopback (forkyard.obs.metrics.scrape_allowed).
+    return ObsMiddleware(_Guard(app, secret), "scheduler", collect=lambda: cluster_families(store),
+                         keys=lambda: [secret])
 
 
 def _entry(node, count: int, node_id: str | None = None) -> dict:

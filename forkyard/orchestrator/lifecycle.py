@@ -25,6 +25,7 @@ import secrets
 import time
 from pathlib import Path
 
+from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
@@ -123,6 +124,7 @@ class LifecycleMixin:
             await asyncio.wait([task])
 
     # ---- pause / resume ---------------------------------------------------------------
+    @metrics.timed("pause")
     async def pause(self, sandbox_id: str, require_healthy: bool = False, only_if=None) -> SandboxRecord:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
@@ -243,6 +245,7 @@ class LifecycleMixin:
             raise CreateFailed(f"paused state of sandbox {rec.id} is missing from the repository")
         return image, None
 
+    @metrics.timed("resume")
     async def resume(self, sandbox_id: str, timeout_s: int | None = None,
                      auto_pause: bool | None = None) -> SandboxRecord:
         """Restore a paused sandbox under the same id; processes, memory and files
@@ -334,6 +337,7 @@ class LifecycleMixin:
         return True
 
     # ---- snapshots --------------------------------------------------------------------
+    @metrics.timed("snapshot")
     async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:
         """Persist the running sandbox's memory + filesystem as a reusable snapshot
         (usable as ``templateID``); the sandbox is stopped only for the checkpoint.
@@ -379,6 +383,7 @@ class LifecycleMixin:
             raise NotFound(f"snapshot {ref!r} not found")
 
     # ---- fork -------------------------------------------------------------------------
+    @metrics.timed("fork")
     async def fork(self, sandbox_id: str, count: int = 1, timeout_s: int | None = None) -> list[SandboxRecord | Exception]:
         """Checkpoint the running source once (it keeps running, id and expiry
         unchanged) and restore ``count`` children in parallel.
@@ -406,6 +411,7 @@ class LifecycleMixin:
         finally:
             self.snapshots.discard(staging)
 
+    @metrics.timed("fork_export")
     async def fork_export(self, sandbox_id: str, count: int, timeout_s: int | None = None
                           ) -> tuple[list[SandboxRecord | Exception], str]:
         """:meth:`fork` for a cluster whose children do not all fit on this node: the
@@ -424,6 +430,7 @@ class LifecycleMixin:
         image = await self._commit(staging, image)
         return await self._spawn_children(image, count, timeout_s, src.auto_pause, None), image.snapshot_id
 
+    @metrics.timed("fork_children")
     async def fork_children(self, image_id: str, count: int, timeout_s: int | None = None,
                             auto_pause: bool = True) -> list[SandboxRecord | Exception]:
         """Start ``count`` fork children on this node from a ``fork`` image another

@@ -23,6 +23,7 @@ import httpx
 
 from forkyard.config import Settings
 from forkyard.network.base import Slot
+from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
@@ -469,6 +470,7 @@ class Orchestrator(LifecycleMixin):
             raise BadRequest(f"timeout must be between 1 and {MAX_TIMEOUT_S} seconds")
         return timeout_s
 
+    @metrics.timed("create")
     async def create(
         self,
         template_id: str,
@@ -548,6 +550,7 @@ class Orchestrator(LifecycleMixin):
                 log.error("release of slot %s failed: %s", slot_index, e)
         shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
 
+    @metrics.timed("kill")
     async def kill(self, sandbox_id: str, only_if=None) -> None:
         """Kill a running or paused sandbox and free everything it held. ``only_if``
         (``f(sandbox_id) -> bool``, checked under the sandbox's lock) lets expiry back

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
+from forkyard.obs import metrics
+
 _current: ContextVar[list[tuple[str, float]] | None] = ContextVar("forkyard_timings", default=None)
 
 
@@ -17,7 +19,9 @@ def start() -> list[tuple[str, float]]:
 
 
 def record(name: str, ms: float) -> None:
-    """Add phase ``name`` lasting ``ms`` milliseconds (no-op outside a collecting request)."""
+    """Add phase ``name`` lasting ``ms`` milliseconds (no-op outside a collecting request);
+    also observed in ``forkyard_lifecycle_phase_seconds`` under the running operation."""
+    metrics.observe_phase(name, ms / 1000)
     phases = _current.get()
     if phases is not None:
         phases.append((name, ms))
