@@ -1,5 +1,6 @@
 """Snapshot repository benchmark: bytes stored and wall time per commit, restore with a
-cold vs warm node cache, on posix_fs and on S3 (a local ``moto_server`` process).
+cold vs warm node cache, on posix_fs and on S3 (a local MinIO process: real S3 with authentication,
+``tests/_minio.py``; built once by ``deploy/test.sh``).
 
 Real runsc images of the ``base`` template (envd as init): ``c0`` (optionally after
 writing ``--fill-mb`` MB of random data), ``c1`` after writing 1 MB more, and
@@ -22,7 +23,6 @@ import argparse
 import asyncio
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +33,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, templates_dir
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from _minio import REGION as MINIO_REGION
+from _minio import MinIO
+
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
 from forkyard.repository.config import RepoConfig
@@ -42,7 +46,7 @@ from forkyard.runtime.gvisor.driver import GVisorDriver
 
 MB = 1 << 20
 ROOT = DATA / "repository"
-BUCKET, REGION, KEY, SECRET = "forkyard-bench", "us-east-1", "bench-key", "bench-secret"
+BUCKET, REGION, KEY, SECRET = "forkyard-bench", MINIO_REGION, "bench-key", "bench-secret"
 
 
 def _wait_http(url: str, timeout: float = 60.0) -> None:
@@ -105,20 +109,11 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
         net.teardown_host()
 
 
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """``moto_server`` on a free loopback port with bucket :data:`BUCKET`."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/", 120)
-    boto3.client("s3", endpoint_url=url, region_name=REGION, aws_access_key_id=KEY,
-                 aws_secret_access_key=SECRET).create_bucket(Bucket=BUCKET)
-    return proc, url
+def start_minio() -> tuple[MinIO, str]:
+    """MinIO on a free loopback port with bucket :data:`BUCKET`."""
+    srv = MinIO(KEY, SECRET).start()
+    srv.make_bucket(BUCKET)
+    return srv, srv.url
 
 
 def _config(kind: str, s3_url: str | None, run: str) -> RepoConfig:
@@ -197,12 +192,11 @@ def main() -> None:
     images = ROOT / "images"
     shutil.rmtree(ROOT, ignore_errors=True)
     asyncio.run(make_images(rootfs, images, args.fill_mb, args.forks, args.settle))
-    proc, url = start_moto()
+    s3, url = start_minio()
     try:
         results = [bench_backend(k, images, args.forks, args.n, url) for k in ("posix_fs", "s3")]
     finally:
-        proc.terminate()
-        proc.wait(10)
+        s3.stop()
         shutil.rmtree(ROOT, ignore_errors=True)
     for r in results:
         print(f"== {r['backend']}  (image {r['image_mb']:.1f} MB; repository after all commits {r['repository_mb']:.2f} MB)")

@@ -54,7 +54,7 @@ if [ ! -x .venv/bin/python ]; then
   say "creating .venv"
   "${PYTHON:-python3}" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import forkyard, e2b, pytest, blake3, fastcdc.fastcdc_cy, moto.server, redis' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
+if ! .venv/bin/python -c 'import forkyard, e2b, pytest, blake3, fastcdc.fastcdc_cy, boto3, redis' 2>/dev/null || [ pyproject.toml -nt .venv/.stamp ]; then
   say "pip install -e .[test] into .venv"
   .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
   touch .venv/.stamp

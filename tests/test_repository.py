@@ -1,5 +1,5 @@
 """Snapshot repository (issue 4): manifest + content-addressed chunks on posix_fs and on a
-real S3 server (``moto_server``, a separate HTTP process on loopback), node cache bound,
+real S3 server (MinIO, with real authentication and a region: ``_minio.py``), node cache bound,
 restore after the cache is wiped, corruption, GC, and a real runsc restore from a
 materialized image.
 
@@ -26,6 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import _hostutil as hu
+from _minio import REGION as MINIO_REGION
+from _minio import MinIO
 import pytest
 from conftest import TEST_ROOT, ServerProc
 
@@ -35,6 +37,7 @@ from forkyard.repository import (
     ChunkCorrupt,
     ChunkMissing,
     RepositoryConfigError,
+    RepositoryError,
     SnapshotNotFound,
 )
 from forkyard.repository.chunks import chunk_key
@@ -51,54 +54,25 @@ _N = os.getpid() % 10
 PREFIX = "fr" + "abcdefghij"[_N]
 OUTER_NET = f"10.{190 + _N}.0.0/16"
 BUCKET = "forkyard-test"
-REGION = "us-east-1"
+REGION = MINIO_REGION
 KEY, SECRET = "forkyard-test-key", "forkyard-test-secret"
 
 
 # ------------------------------------------------------------------------ S3 server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_moto() -> tuple[subprocess.Popen, str]:
-    """A ``moto_server`` process on a free loopback port with bucket :data:`BUCKET`."""
-    import boto3
-
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"moto_server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(url + "/", timeout=2).read()
-            break
-        except OSError:
-            if time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("moto_server did not answer in 120 s")
-            time.sleep(0.2)
-    boto3.client("s3", endpoint_url=url, region_name=REGION, aws_access_key_id=KEY,
-                 aws_secret_access_key=SECRET).create_bucket(Bucket=BUCKET)
-    return proc, url
+@pytest.fixture(scope="session")
+def minio():
+    """A MinIO server with bucket :data:`BUCKET`, for the whole session."""
+    srv = MinIO(KEY, SECRET).start()
+    srv.make_bucket(BUCKET)
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope="session")
-def s3_endpoint():
-    """A ``moto_server`` process on a free loopback port with bucket :data:`BUCKET`."""
-    proc, url = _start_moto()
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def s3_endpoint(minio) -> str:
+    return minio.url
 
 
 def s3_client(endpoint: str):
@@ -258,6 +232,41 @@ def test_s3_settings_must_be_explicit(tmp_path):
         RepoConfig.from_env(tmp_path, {"FORKYARD_CACHE_BYTES": "lots"})
     cfg = RepoConfig.from_env(tmp_path / "repo", {"FORKYARD_CACHE_BYTES": "12345"})
     assert cfg.url == str(tmp_path / "repo") and cfg.cache_bytes == 12345
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"access_key": "nobody"}, "does not know access key 'nobody': check AWS_ACCESS_KEY_ID \\(InvalidAccessKeyId\\)"),
+    ({"secret_key": "wrong-secret"}, "rejected the request signature: check AWS_SECRET_ACCESS_KEY \\(SignatureDoesNotMatch\\)"),
+    ({"s3_region": "us-east-1"}, f"is in region '{REGION}', not FORKYARD_S3_REGION='us-east-1': set FORKYARD_S3_REGION={REGION}"),
+    ({"url": "s3://no-such-bucket/p"}, "bucket does not exist: create it"),
+    ({"s3_endpoint": "http://127.0.0.1:1"}, "cannot be reached .*check FORKYARD_S3_ENDPOINT"),
+])
+def test_s3_startup_errors_say_what_to_fix(tmp_path, s3_endpoint, change, message):
+    """Against a real S3 server (MinIO checks signatures and keys): each wrong setting
+    stops the repository at startup with the setting to fix, and nothing is written."""
+    cfg = RepoConfig(url=f"s3://{BUCKET}/bad", s3_endpoint=s3_endpoint, s3_region=REGION, access_key=KEY,
+                     secret_key=SECRET)
+    with pytest.raises(RepositoryConfigError, match=message):
+        SnapshotStore(tmp_path, replace(cfg, **change), auto_gc=False)
+    assert "Contents" not in s3_client(s3_endpoint).list_objects_v2(Bucket=BUCKET, Prefix="bad/")
+    SnapshotStore(tmp_path / "ok", cfg, auto_gc=False).close()  # the right settings work
+
+
+def test_s3_refuses_wrong_credentials_after_startup(tmp_path, s3_endpoint):
+    """A real server checks every request: a repository whose secret is changed under
+    it fails its next put with the server's own error, and nothing lands."""
+    st = SnapshotStore(tmp_path, RepoConfig(url=f"s3://{BUCKET}/rot", s3_endpoint=s3_endpoint, s3_region=REGION,
+                                            access_key=KEY, secret_key=SECRET), auto_gc=False)
+    try:
+        import boto3
+
+        st.repo.backend._client = boto3.client("s3", endpoint_url=s3_endpoint, region_name=REGION,
+                                               aws_access_key_id=KEY, aws_secret_access_key="rotated")
+        with pytest.raises(RepositoryError, match="SignatureDoesNotMatch"):
+            st.repo.backend.put("probe", b"x")
+        assert "Contents" not in s3_client(s3_endpoint).list_objects_v2(Bucket=BUCKET, Prefix="rot/")
+    finally:
+        st.close()
 
 
 def test_commit_and_restore_round_trip(rig, make_store, backend_kind):
@@ -532,6 +541,20 @@ def test_server_refuses_s3_without_region(tmp_path):
     assert "FORKYARD_S3_REGION" in srv.log.read_text()
 
 
+def test_server_refuses_wrong_s3_secret(tmp_path, s3_endpoint):
+    """``forkyard serve`` against a real S3 server with a wrong secret exits at startup
+    and its log says which setting to fix."""
+    srv = S3Server(tmp_path / "data", {"FORKYARD_REPO": f"s3://{BUCKET}/x", "FORKYARD_S3_ENDPOINT": s3_endpoint,
+                                       "FORKYARD_S3_REGION": REGION, "AWS_ACCESS_KEY_ID": KEY,
+                                       "AWS_SECRET_ACCESS_KEY": "not-the-secret"})
+    (tmp_path / "data").mkdir()
+    with pytest.raises(RuntimeError, match="exited"):
+        srv.start()
+    log = " ".join(srv.log.read_text().split())  # the console wraps long lines
+    assert "check AWS_SECRET_ACCESS_KEY (SignatureDoesNotMatch)" in log, log[-2000:]
+    assert "not-the-secret" not in log and "Traceback" not in log
+
+
 def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint):
     """The real server on an S3 repository: pause, wipe the node cache, resume (image
     materialized from S3), snapshot, wipe again, create from the snapshot."""
@@ -587,7 +610,9 @@ def test_pause_survives_an_unreachable_repository(base_template):
     process and files intact. Killing the sandbox then removes the staged image."""
     from e2b import Sandbox
 
-    moto, url = _start_moto()
+    s3 = MinIO(KEY, SECRET).start()
+    s3.make_bucket(BUCKET)
+    url = s3.url
     data = TEST_ROOT / f"server-{SERVER_PREFIX}-down"
     shutil.rmtree(data, ignore_errors=True)
     data.mkdir(parents=True)
@@ -599,8 +624,7 @@ def test_pause_survives_an_unreachable_repository(base_template):
         sbx = Sandbox.create("base", timeout=120, **opts)
         sbx.files.write("/home/user/note", "staged")
         bg = sbx.commands.run("sleep 600", background=True)
-        moto.kill()
-        moto.wait(10)
+        s3.kill()
         assert sbx.pause() is True
         srv.settle(120)
         assert "commit failed" in srv.log.read_text()
@@ -620,7 +644,6 @@ def test_pause_survives_an_unreachable_repository(base_template):
                 srv.kill_all()
         finally:
             srv.stop()
-            if moto.poll() is None:
-                moto.kill()
+            s3.stop()
             NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
             shutil.rmtree(data, ignore_errors=True)

@@ -53,6 +53,7 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
     import uvicorn
 
     from forkyard.api.app import create_app
+    from forkyard.repository.errors import RepositoryConfigError
     from forkyard.templates import registry
 
     settings = Settings()
@@ -83,6 +84,8 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         application = create_app(settings)
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
         _fail(f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
+    except RepositoryConfigError as e:  # the message names the setting to fix
+        _fail(f"snapshot repository: {e}")
     url = f"http://{settings.host}:{settings.port}"
     if cluster is not None:
         from forkyard.cluster.agent import NodeAgent

@@ -28,6 +28,7 @@ from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
+from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
 from forkyard.templates import registry
@@ -78,6 +79,7 @@ class Orchestrator(LifecycleMixin):
         self._ttl_task: asyncio.Task | None = None
         # No keep-alive: a slot's outer address is reused by later sandboxes, and a
         # pooled connection to a dead sandbox would hang or fail the next one.
+        self._cpu = CpuMeter(driver)
         self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._next_slot = 0
         #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
@@ -772,7 +774,12 @@ class Orchestrator(LifecycleMixin):
 
     # ---- metrics ------------------------------------------------------------------
     async def metrics(self, sandbox_id: str) -> dict:
-        """envd's ``/metrics`` JSON for a running sandbox.
+        """Usage of a running sandbox: envd's ``/metrics`` JSON (memory from the
+        sandbox's own ``/proc/meminfo``, disk from ``statfs("/")``) with the CPU figures
+        measured on the host (:class:`~forkyard.orchestrator.usage.CpuMeter`:
+        ``cpu_used_pct`` 0-100 over the sandbox's CPU quota, ``cpu_count`` that quota)
+        and ``disk_total`` capped at the host filesystem holding the sandbox's writable
+        layer (gVisor's overlay reports an unbounded size).
 
         Raises:
             NotFound: unknown or not running sandbox.
@@ -781,6 +788,15 @@ class Orchestrator(LifecycleMixin):
         rec = self.get(sandbox_id)
         host, _ = self.target(sandbox_id, 0)
         try:
-            return await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
+            m = await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
         except httpx.HTTPError as e:
             raise CreateFailed(f"envd of sandbox {sandbox_id} did not answer /metrics: {e}") from e
+        cpu = await self._cpu.percent(sandbox_id)
+        if cpu is not None:
+            m["cpu_used_pct"], m["cpu_count"] = cpu[0], max(1, round(cpu[1]))
+        try:
+            st = os.statvfs(self.settings.sandboxes_dir)
+            m["disk_total"] = min(int(m.get("disk_total", 0)) or 1 << 62, st.f_blocks * st.f_frsize)
+        except OSError:
+            pass
+        return m

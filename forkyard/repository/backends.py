@@ -262,10 +262,54 @@ class S3Backend(Backend):
 
         self._ClientError = ClientError
         self._Errors = (ClientError, BotoCoreError)
+        self._check_bucket(endpoint, region, access_key)
+
+    #: What to do about each S3 error code at startup (codes: AWS S3 API reference,
+    #: "Error responses"; the same ones MinIO sends).
+    _ADVICE = {
+        "InvalidAccessKeyId": "the server does not know access key {key!r}: check AWS_ACCESS_KEY_ID",
+        "SignatureDoesNotMatch": "the server rejected the request signature: check AWS_SECRET_ACCESS_KEY",
+        "AccessDenied": "access key {key!r} may not use this bucket: grant it s3:ListBucket, "
+                        "s3:GetObject, s3:PutObject and s3:DeleteObject",
+        "AuthorizationHeaderMalformed": "the server refused the signing region {region!r}: "
+                                        "set FORKYARD_S3_REGION to the bucket's region",
+        "NoSuchBucket": "the bucket does not exist: create it (e.g. `aws s3 mb s3://{bucket}` or "
+                        "`mc mb ALIAS/{bucket}`) or fix the bucket in FORKYARD_REPO",
+    }
+
+    def _check_bucket(self, endpoint: str, region: str, access_key: str) -> None:
+        """Fail at startup, with what to do, unless the bucket exists, the credentials
+        work and ``region`` is the bucket's region.
+
+        HEAD answers carry no error body, so a refused HEAD is repeated as a one-key
+        listing whose XML error names the cause. A bucket in another region than
+        ``region`` is refused even when the server would accept it (botocore redirects
+        such requests, costing a round trip each; signatures belong to one region).
+
+        Raises:
+            RepositoryConfigError: the message names the setting to fix.
+        """
+        where = f"S3 bucket {self.bucket!r} at {endpoint}"
         try:
-            self._client.head_bucket(Bucket=bucket)
+            head = self._client.head_bucket(Bucket=self.bucket)
         except self._Errors as e:
-            raise RepositoryConfigError(f"S3 bucket {bucket!r} at {endpoint} is not usable: {e}") from e
+            if not isinstance(e, self._ClientError):
+                raise RepositoryConfigError(f"{where} cannot be reached ({e}): check FORKYARD_S3_ENDPOINT "
+                                            "and that the S3 server is running") from e
+            try:
+                self._client.list_objects_v2(Bucket=self.bucket, MaxKeys=1)
+                err = e
+            except self._Errors as e2:
+                err = e2
+            code = self._code(err) or self._code(e)
+            if code in ("404", "NotFound"):
+                code = "NoSuchBucket"
+            advice = self._ADVICE.get(code, "").format(key=access_key, region=region, bucket=self.bucket)
+            raise RepositoryConfigError(f"{where} is not usable: {advice or err} ({code})") from e
+        actual = head.get("BucketRegion") or head["ResponseMetadata"]["HTTPHeaders"].get("x-amz-bucket-region")
+        if actual and actual != region:
+            raise RepositoryConfigError(f"{where} is in region {actual!r}, not FORKYARD_S3_REGION={region!r}: "
+                                        f"set FORKYARD_S3_REGION={actual}")
 
     def _code(self, e: Exception) -> str:
         if isinstance(e, self._ClientError):

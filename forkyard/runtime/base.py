@@ -61,6 +61,20 @@ class SandboxSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class RuntimeUsage:
+    """Resource use of one sandbox as the host sees it.
+
+    Attributes:
+        cpu_ns: CPU time used by every process of the sandbox since it started
+            (nanoseconds; monotonic while the sandbox lives).
+        cpu_limit: CPUs the sandbox may use (its CPU quota / period), e.g. 2.0.
+    """
+
+    cpu_ns: int
+    cpu_limit: float
+
+
 class RuntimeDriver(abc.ABC):
     """Abstract sandbox runtime. All methods are coroutines and raise
     :class:`RuntimeError_` with the runtime's message on failure."""
@@ -121,3 +135,8 @@ class RuntimeDriver(abc.ABC):
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`."""
         raise NotImplementedError(f"{self.name} runtime has no restore")
+
+    async def usage(self, sandbox_id: str) -> RuntimeUsage | None:
+        """Host-side resource use of a running sandbox, or None when the runtime has
+        no such figure (then callers report what the sandbox itself says)."""
+        return None

@@ -2,6 +2,7 @@ package httpapi
 
 import (
 	"bufio"
+	"io"
 	"math"
 	"net/http"
 	"os"
@@ -15,13 +16,20 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Metrics is the body of GET /metrics (E2B's field names).
+// Metrics is the body of GET /metrics (E2B envd's field names).
+//
+// Under gVisor the sandbox's /proc/stat is all zeros, so CPUUsedPct is 0
+// there; the forkyard host replaces it with a figure from the sandbox's
+// cgroup (forkyard/orchestrator). Memory figures come from the sandbox's own
+// /proc/meminfo (gVisor accounts its memory there); disk figures from
+// statfs("/") (the rootfs overlay).
 type Metrics struct {
 	Timestamp   int64   `json:"ts"`
 	CPUCount    int     `json:"cpu_count"`
 	CPUUsedPct  float64 `json:"cpu_used_pct"`
 	MemTotal    uint64  `json:"mem_total"`
 	MemUsed     uint64  `json:"mem_used"`
+	MemCache    uint64  `json:"mem_cache"`
 	MemTotalMiB uint64  `json:"mem_total_mib"`
 	MemUsedMiB  uint64  `json:"mem_used_mib"`
 	DiskUsed    uint64  `json:"disk_used"`
@@ -32,23 +40,29 @@ type Metrics struct {
 // since the previous sample.
 type metricsSampler struct {
 	mu              sync.Mutex
+	statPath        string
 	lastBusy, lastT uint64
 }
 
 func newMetricsSampler() *metricsSampler {
-	m := &metricsSampler{}
-	m.lastBusy, m.lastT, _ = readCPU()
+	m := &metricsSampler{statPath: "/proc/stat"}
+	m.lastBusy, m.lastT, _ = m.read()
 	return m
 }
 
-// readCPU returns busy and total jiffies from the aggregate "cpu" line.
-func readCPU() (busy, total uint64, ok bool) {
-	f, err := os.Open("/proc/stat")
+func (m *metricsSampler) read() (busy, total uint64, ok bool) {
+	f, err := os.Open(m.statPath)
 	if err != nil {
 		return 0, 0, false
 	}
 	defer f.Close()
-	sc := bufio.NewScanner(f)
+	return parseCPU(f)
+}
+
+// parseCPU returns busy and total jiffies from the aggregate "cpu" line of
+// /proc/stat (proc(5)): total = user..steal, idle = idle + iowait.
+func parseCPU(r io.Reader) (busy, total uint64, ok bool) {
+	sc := bufio.NewScanner(r)
 	for sc.Scan() {
 		fields := strings.Fields(sc.Text())
 		if len(fields) < 5 || fields[0] != "cpu" {
@@ -74,8 +88,10 @@ func readCPU() (busy, total uint64, ok bool) {
 	return 0, 0, false
 }
 
+// cpuPct is the busy share (0-100, all CPUs together, like gopsutil's
+// cpu.Percent that E2B's envd uses) since the previous call.
 func (m *metricsSampler) cpuPct() float64 {
-	busy, total, ok := readCPU()
+	busy, total, ok := m.read()
 	if !ok {
 		return 0
 	}
@@ -90,14 +106,14 @@ func (m *metricsSampler) cpuPct() float64 {
 	return math.Round(float64(db)/float64(dt)*10000) / 100
 }
 
-func readMem() (total, used uint64) {
-	f, err := os.Open("/proc/meminfo")
-	if err != nil {
-		return 0, 0
-	}
-	defer f.Close()
+// memInfo holds /proc/meminfo figures in bytes.
+type memInfo struct{ total, used, cache uint64 }
+
+// parseMeminfo reads /proc/meminfo text (proc(5), kB units): used = MemTotal -
+// MemAvailable (MemFree + Buffers + Cached without it), cache = Cached.
+func parseMeminfo(r io.Reader) memInfo {
 	vals := map[string]uint64{}
-	sc := bufio.NewScanner(f)
+	sc := bufio.NewScanner(r)
 	for sc.Scan() {
 		k, rest, ok := strings.Cut(sc.Text(), ":")
 		if !ok {
@@ -110,7 +126,7 @@ func readMem() (total, used uint64) {
 		v, _ := strconv.ParseUint(fields[0], 10, 64)
 		vals[k] = v * 1024
 	}
-	total = vals["MemTotal"]
+	total := vals["MemTotal"]
 	avail, ok := vals["MemAvailable"]
 	if !ok {
 		avail = vals["MemFree"] + vals["Buffers"] + vals["Cached"]
@@ -118,26 +134,41 @@ func readMem() (total, used uint64) {
 	if avail > total {
 		avail = total
 	}
-	return total, total - avail
+	return memInfo{total: total, used: total - avail, cache: vals["Cached"]}
+}
+
+func readMem() memInfo {
+	f, err := os.Open("/proc/meminfo")
+	if err != nil {
+		return memInfo{}
+	}
+	defer f.Close()
+	return parseMeminfo(f)
+}
+
+// diskUsage is statfs(path): used = (blocks - free) * bsize, total = blocks * bsize.
+func diskUsage(path string) (used, total uint64) {
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(path, &sfs); err != nil {
+		return 0, 0
+	}
+	bs := uint64(sfs.Bsize)
+	return (sfs.Blocks - sfs.Bfree) * bs, sfs.Blocks * bs
 }
 
 func (a *API) getMetrics(w http.ResponseWriter, _ *http.Request) {
-	memTotal, memUsed := readMem()
+	mem := readMem()
 	m := Metrics{
 		Timestamp:   time.Now().UTC().Unix(),
 		CPUCount:    runtime.NumCPU(),
 		CPUUsedPct:  a.metrics.cpuPct(),
-		MemTotal:    memTotal,
-		MemUsed:     memUsed,
-		MemTotalMiB: memTotal >> 20,
-		MemUsedMiB:  memUsed >> 20,
+		MemTotal:    mem.total,
+		MemUsed:     mem.used,
+		MemCache:    mem.cache,
+		MemTotalMiB: mem.total >> 20,
+		MemUsedMiB:  mem.used >> 20,
 	}
-	var sfs unix.Statfs_t
-	if err := unix.Statfs("/", &sfs); err == nil {
-		bs := uint64(sfs.Bsize)
-		m.DiskTotal = sfs.Blocks * bs
-		m.DiskUsed = (sfs.Blocks - sfs.Bfree) * bs
-	}
+	m.DiskUsed, m.DiskTotal = diskUsage("/")
 	writeJSON(w, http.StatusOK, m)
 }
 

@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"connectrpc.com/connect"
 
@@ -62,10 +63,27 @@ func TestHealthInitEnvsMetrics(t *testing.T) {
 	if err := json.Unmarshal(body, &m); err != nil || resp.StatusCode != 200 {
 		t.Fatalf("metrics %d %s", resp.StatusCode, body)
 	}
-	for _, k := range []string{"ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "disk_used", "disk_total"} {
+	for _, k := range []string{"ts", "cpu_count", "cpu_used_pct", "mem_total", "mem_used", "mem_cache", "disk_used", "disk_total"} {
 		if _, ok := m[k]; !ok {
 			t.Fatalf("metrics lacks %s: %s", k, body)
 		}
+	}
+	// Outside gVisor every figure is real: memory and disk in use are never 0, and a
+	// busy loop between two samples makes the CPU share positive.
+	for _, k := range []string{"cpu_count", "mem_total", "mem_used", "disk_used", "disk_total"} {
+		if v, _ := m[k].(float64); v <= 0 {
+			t.Fatalf("metrics %s = %v: %s", k, m[k], body)
+		}
+	}
+	if m["mem_used"].(float64) > m["mem_total"].(float64) || m["disk_used"].(float64) > m["disk_total"].(float64) {
+		t.Fatalf("used above total: %s", body)
+	}
+	stop := time.Now().Add(300 * time.Millisecond)
+	for x := 0; time.Now().Before(stop); x++ {
+	}
+	_, body = e.do("GET", "/metrics", nil, nil)
+	if err := json.Unmarshal(body, &m); err != nil || m["cpu_used_pct"].(float64) <= 0 {
+		t.Fatalf("cpu_used_pct after a busy loop: %s", body)
 	}
 	if resp, _ := e.do("POST", "/init", strings.NewReader("{bad"), nil); resp.StatusCode != http.StatusBadRequest {
 		t.Fatalf("bad init %d", resp.StatusCode)

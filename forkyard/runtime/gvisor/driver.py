@@ -34,7 +34,7 @@ import subprocess
 from pathlib import Path
 
 from forkyard.config import Settings
-from forkyard.runtime.base import RuntimeDriver, RuntimeError_, RuntimeMismatch, SandboxSpec
+from forkyard.runtime.base import RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage, SandboxSpec
 from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.runtime.gvisor.reaper import ensure_reaper
 
@@ -80,6 +80,39 @@ def _remove_cgroups(sandbox_id: str) -> None:
             path.rmdir()
         except OSError:
             pass  # absent, or still has processes/children
+
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def cgroup_usage(sandbox_id: str, root: Path = _CGROUP_ROOT) -> RuntimeUsage | None:
+    """CPU time and CPU limit of the sandbox's cgroup, or None when it has none.
+
+    cgroup v1 (runsc's choice on hybrid hosts): ``cpuacct/<path>/cpuacct.usage`` (ns)
+    and ``cpu/<path>/cpu.cfs_quota_us`` / ``cpu.cfs_period_us``; cgroup v2:
+    ``<path>/cpu.stat`` ``usage_usec`` and ``cpu.max`` (kernel docs, cgroup-v1/cpuacct
+    and cgroup-v2 "CPU"). No quota (``-1`` / ``max``) reads as the host's CPU count.
+    gVisor's in-sandbox ``/proc/stat`` is all zeros (measured), hence the host side.
+    """
+    rel = ocispec.cgroup_path(sandbox_id).lstrip("/")
+    try:
+        v1 = root / "cpuacct" / rel / "cpuacct.usage"
+        if v1.exists():
+            ns = int(v1.read_text())
+            quota = int((root / "cpu" / rel / "cpu.cfs_quota_us").read_text())
+            period = int((root / "cpu" / rel / "cpu.cfs_period_us").read_text())
+        else:
+            v2 = root / rel / "cpu.stat"
+            if not v2.exists():
+                return None
+            stat = dict(line.split() for line in v2.read_text().splitlines() if line.strip())
+            ns = int(stat["usage_usec"]) * 1000
+            q, _, p = (root / rel / "cpu.max").read_text().strip().partition(" ")
+            quota, period = (-1 if q == "max" else int(q)), int(p or 100000)
+    except (OSError, ValueError, KeyError):
+        return None  # the sandbox went away between the reads
+    limit = quota / period if quota > 0 and period > 0 else float(os.cpu_count() or 1)
+    return RuntimeUsage(cpu_ns=ns, cpu_limit=limit)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -526,6 +559,10 @@ class GVisorDriver(RuntimeDriver):
             return False
         pid = int(st.get("pid") or 0)
         return pid > 0 and _pid_alive(pid)
+
+    async def usage(self, sandbox_id: str) -> RuntimeUsage | None:
+        """The sandbox's cgroup CPU figures (see :func:`cgroup_usage`)."""
+        return cgroup_usage(sandbox_id)
 
     async def freeze(self, sandbox_id: str) -> None:
         """Stop every task of the sandbox in place (``runsc pause``); memory and
