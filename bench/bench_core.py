@@ -88,7 +88,7 @@ def main() -> None:
     finally:
         stop_server(proc)
 
-    print(f"\nforkyard core benchmark, n={args.n}, runsc {subprocess.run(['runsc', '--version'], capture_output=True, text=True).stdout.split()[2]}")
+    print(f"\nforkyard core benchmark, n={args.n}, runsc {subprocess.run([Settings().runsc, '--version'], capture_output=True, text=True).stdout.split()[2]}")
     print(row("raw runsc run --detach", raw_run))
     print(row("raw runsc exec true", raw_exec))
     print(row("Sandbox.create('base')", create, raw_run))

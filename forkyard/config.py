@@ -41,6 +41,11 @@ def _env_path(name: str, default: str) -> Path:
     return Path(os.environ.get(name, default)).expanduser().resolve()
 
 
+#: Where ``deploy/runsc/build.sh`` installs the pinned, patched gVisor build (a link to
+#: ``runsc-<build>`` beside it); see docs/runtime.md.
+DEFAULT_RUNSC = "/usr/local/lib/forkyard/runsc"
+
+
 @dataclass
 class Settings:
     """Server settings.
@@ -48,7 +53,9 @@ class Settings:
     Attributes:
         data_dir: root of all state (``FORKYARD_DATA_DIR``, default ``/var/lib/forkyard``).
         host/port: API bind address (``FORKYARD_HOST`` 127.0.0.1, ``FORKYARD_PORT`` 3000).
-        runsc: path or name of the runsc binary (``FORKYARD_RUNSC``).
+        runsc: the runsc binary (``FORKYARD_RUNSC``, default :data:`DEFAULT_RUNSC`, the
+            pinned build ``deploy/runsc/build.sh`` installs); a bare name is looked up in
+            PATH. Resolved to an absolute file once when the runtime driver starts.
         envd_binary: static envd binary injected into sandboxes (``FORKYARD_ENVD``,
             default ``<repo>/envd/bin/envd``).
         default_vcpu / default_memory_mb: per-sandbox limits (2 vCPU, 512 MiB — E2B defaults).
@@ -72,7 +79,7 @@ class Settings:
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
     host: str = field(default_factory=lambda: os.environ.get("FORKYARD_HOST", "127.0.0.1"))
     port: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_PORT", "3000")))
-    runsc: str = field(default_factory=lambda: os.environ.get("FORKYARD_RUNSC", "runsc"))
+    runsc: str = field(default_factory=lambda: os.environ.get("FORKYARD_RUNSC", DEFAULT_RUNSC))
     envd_binary: Path = field(
         default_factory=lambda: _env_path(
             "FORKYARD_ENVD", str(Path(__file__).resolve().parent.parent / "envd" / "bin" / "envd")

@@ -85,8 +85,9 @@ def test_pause_require_healthy_guest_refuses_an_unresponsive_envd(sandbox, serve
     import subprocess
 
     from conftest import SERVER_DIR
+    from forkyard.config import Settings
 
-    runsc = ["runsc", f"--root={SERVER_DIR / 'runsc'}"]
+    runsc = [Settings().runsc, f"--root={SERVER_DIR / 'runsc'}"]
     subprocess.run([*runsc, "pause", sandbox.sandbox_id], check=True, capture_output=True)
     try:
         with server.api() as c:

@@ -10,6 +10,7 @@ import subprocess
 from e2b import Sandbox
 
 from conftest import CLEAN, host_leftovers
+from forkyard.config import Settings
 
 
 def test_restart_readopts_running_sandbox(server):
@@ -46,7 +47,7 @@ def test_pause_image_of_another_runtime_build_is_refused_with_409(server, tmp_pa
     """A pause image records the runsc build that wrote it. After the node's runtime
     changes build, resuming it answers 409 naming both builds and the sandbox stays
     paused; back on the original build it resumes with its files."""
-    real = shutil.which("runsc")
+    real = os.path.realpath(shutil.which(Settings().runsc))
     real_build = subprocess.run([real, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
     other = tmp_path / "runsc"
     other.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'runsc version 0.0~test-other-build'; exit 0; }}\n"

@@ -89,9 +89,10 @@ def _check_runsc() -> tuple[str, str, str]:
     from forkyard.config import Settings
 
     runsc = Settings().runsc
-    path = shutil.which(runsc) or (runsc if Path(runsc).exists() else None)
+    path = shutil.which(runsc)
     if not path:
-        return "fail", f"runsc not found ({runsc!r})", "run ./deploy/up.sh (installs gVisor) or set FORKYARD_RUNSC"
+        return "fail", f"runsc not found ({runsc!r})", "run ./deploy/up.sh (builds gVisor) or set FORKYARD_RUNSC"
+    path = os.path.realpath(path)
     try:
         v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=20, check=False)
         first = (v.stdout or v.stderr).splitlines()[0] if (v.stdout or v.stderr) else ""

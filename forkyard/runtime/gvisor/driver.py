@@ -13,7 +13,7 @@ One sandbox = one runsc container (container id = sandbox id) under
   start when ``/proc/sys/net/core/rmem_default`` exists, which on kernels ≥ 6 is true in
   every netns; runsc is therefore started in a private mount namespace with a tmpfs over
   ``/proc/sys/net`` (``unshare --mount --propagation private`` + ``mount``), see
-  shared/DESIGN.md. Only ``run``/``restore`` need it.
+  docs/runtime.md. Only ``run``/``restore`` need it.
 * cgroups: ``/forkyard/<id>`` with memory limit and CPU quota from the spec (runsc
   creates and removes them; the sentry also sizes its ``MemTotal`` from the limit).
 * stdout/stderr of runsc ``run``/``restore`` — and so of the init process — go to
@@ -204,9 +204,11 @@ class GVisorDriver(RuntimeDriver):
             raise ValueError(f"unknown checkpoint compression {checkpoint_compression!r}")
         self.checkpoint_compression = checkpoint_compression
         self.sudo_broker = sudo_broker
-        # Resolved once, at start: a later change of PATH (or a second runsc earlier in
-        # it) must never switch builds under running sandboxes and their checkpoints.
-        self.runsc_path = shutil.which(settings.runsc)
+        # Resolved once, at start, links included: a later change of PATH (or a second
+        # runsc earlier in it), or an install that moves the runsc link to a newer build,
+        # must never switch builds under running sandboxes and their checkpoints.
+        found = shutil.which(settings.runsc)
+        self.runsc_path = os.path.realpath(found) if found else None
         self.build = runsc_build(self.runsc_path) if self.runsc_path else ""
         ensure_reaper()
 
