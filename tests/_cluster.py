@@ -23,8 +23,7 @@ import httpx
 
 from conftest import TEST_ROOT, free_port
 
-_N = os.getpid() % 16
-_LETTER = "abcdefghijklmnop"[_N]
+from _slot import LETTER as _LETTER, SLOT as _N  # noqa: E402 — this session's slot
 
 
 class Proc:

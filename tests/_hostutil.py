@@ -1,6 +1,7 @@
 """Host-side helpers for the runtime/network tests (real runsc, real netns; no mocks).
 
-The tests use their own network-slot prefix and outer range (``ft<N>``, 10.210.0.0/16)
+The tests use their own network-slot prefix and outer range (``ft<slot letter><N>``,
+10.<192 + slot>.0.0/16)
 and their own runsc root, so they neither disturb nor get reconciled away by a forkyard
 server (default ``fy`` slots) running on the same host, e.g. from the API tests.
 
@@ -19,8 +20,10 @@ from statistics import median
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
 
-TEST_PREFIX = "ft"
-TEST_OUTER_NET = "10.210.0.0/16"
+from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
+
+TEST_PREFIX = "ft" + LETTER
+TEST_OUTER_NET = f"10.{192 + SLOT}.0.0/16"  # 10.192-207: clear of the default 10.209
 HTTP_PORT = 49983
 #: init for tests until envd is used: a tiny HTTP server on the envd port.
 HTTP_INIT = ["/usr/bin/python3", "-m", "http.server", str(HTTP_PORT)]
@@ -41,9 +44,9 @@ def template_settings() -> Settings:
 
 
 def runtime_settings() -> Settings:
-    """Settings for driver tests: runsc root and sandboxes under ``<root>/rt``."""
+    """Settings for driver tests: runsc root and sandboxes under ``<root>/rt-<slot letter>``."""
     root = data_root()
-    return Settings(data_dir=root / "rt", templates_override=str(root / "templates"))
+    return Settings(data_dir=root / f"rt-{LETTER}", templates_override=str(root / "templates"))
 
 
 def network_manager(settings: Settings | None = None) -> NetworkManager:

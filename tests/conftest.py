@@ -25,9 +25,10 @@ from forkyard.config import Settings
 TEST_ROOT = Path(os.environ.get("FORKYARD_TEST_DATA_DIR", "/var/lib/forkyard-test"))
 #: Per-session network prefix, outer range and state dir, so two test sessions on one
 #: host (developers, helpers) never touch each other's sandboxes.
-_N = os.getpid() % 20
-NET_PREFIX = "fy" + "abcdefghijklmnopqrst"[_N]
-OUTER_NET = f"10.{220 + _N}.0.0/16"
+from _slot import LETTER, SLOT  # noqa: E402 — this session's own slot (tests/_slot.py)
+
+NET_PREFIX = "fy" + LETTER
+OUTER_NET = f"10.{220 + SLOT}.0.0/16"
 SERVER_DIR = TEST_ROOT / f"server-{NET_PREFIX}"
 
 

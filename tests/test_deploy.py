@@ -42,11 +42,12 @@ from tests.conftest import TEST_ROOT, free_port
 REPO = Path(__file__).resolve().parent.parent
 UNITS = ["forkyard-node", "forkyard-scheduler", "forkyard-gateway", "forkyard-redis"]
 PREFIX = "/opt/forkyard"
-_N = os.getpid() % 20
+from tests._slot import LETTER, SLOT  # noqa: E402 — this session's slot
+
 #: Network names and outer range of the node these tests start (conftest uses 10.220+N,
-#: the cluster tests 10.240+N, tests/_hostutil 10.210; 10.219 is free).
-NET_PREFIX = "dp" + "abcdefghijklmnopqrst"[_N]
-OUTER_NET = "10.219.0.0/16"
+#: the cluster tests 10.240+N, tests/_hostutil 10.192+N; 10.219 is free).
+NET_PREFIX = "dp" + LETTER
+OUTER_NET = f"10.219.{SLOT * 16}.0/20"
 
 
 def _cli():

@@ -1,10 +1,12 @@
 """Network slots on the real host: netns, veths, NAT and isolation (no gVisor here).
 
-Uses the test prefix ``ft`` / 10.210.0.0/16 (see ``_hostutil``); every test releases
+Uses this session's test prefix and outer range (``P`` = ``ft<letter>``, see ``_hostutil``); every test releases
 what it allocated and the module asserts nothing of the prefix is left.
 """
 
 from __future__ import annotations
+
+import ipaddress
 
 import json
 import socket
@@ -15,6 +17,8 @@ import time
 import pytest
 
 import _hostutil as hu
+
+P = hu.TEST_PREFIX
 from forkyard.config import GUEST_GATEWAY, GUEST_IP
 from forkyard.network.slots import NetworkManager
 
@@ -48,15 +52,16 @@ def slots(nm):
     yield alloc
     for idx in taken:
         nm.release(idx)
-        assert f"ft{idx}" not in hu.netns_names() and f"ft{idx}s" not in hu.netns_names()
-        assert f"ftv{idx}" not in hu.host_links()
+        assert f"{P}{idx}" not in hu.netns_names() and f"{P}{idx}s" not in hu.netns_names()
+        assert f"{P}v{idx}" not in hu.host_links()
 
 
 def test_slot_layout(nm, slots):
     slot = slots(3)
     host_ip, outer_ip = nm.addresses(3)
-    assert slot.index == 3 and slot.netns_path == "/run/netns/ft3s"
-    assert (host_ip, outer_ip) == ("10.210.0.13", "10.210.0.14") and slot.outer_ip == outer_ip
+    assert slot.index == 3 and slot.netns_path == f"/run/netns/{P}3s"
+    base = ipaddress.ip_network(hu.TEST_OUTER_NET).network_address
+    assert (host_ip, outer_ip) == (str(base + 13), str(base + 14)) and slot.outer_ip == outer_ip
 
     guest = {l["ifname"]: l for l in _ip_json(slot.netns_path, "addr")}
     assert sorted(guest) == ["eth0", "lo"]
@@ -65,14 +70,14 @@ def test_slot_layout(nm, slots):
     routes = _ip_json(slot.netns_path, "route")
     assert {"dst": "default", "gateway": GUEST_GATEWAY} in [{"dst": r["dst"], "gateway": r.get("gateway")} for r in routes]
 
-    middle = {l["ifname"]: l for l in _ip_json("/run/netns/ft3", "addr")}
+    middle = {l["ifname"]: l for l in _ip_json(f"/run/netns/{P}3", "addr")}
     assert sorted(middle) == ["lo", "vg", "vo"]
-    nat = subprocess.run(["nsenter", "--net=/run/netns/ft3", "iptables", "-t", "nat", "-S"],
+    nat = subprocess.run(["nsenter", f"--net=/run/netns/{P}3", "iptables", "-t", "nat", "-S"],
                          capture_output=True, text=True, check=True).stdout
     assert f"-d {outer_ip}/32 -i vo -j DNAT --to-destination {GUEST_IP}" in nat
     assert "-A POSTROUTING -o vo -j MASQUERADE" in nat
 
-    host = _ip_json(None, "addr", "show", "ftv3")[0]
+    host = _ip_json(None, "addr", "show", f"{P}v3")[0]
     assert [(a["local"], a["prefixlen"]) for a in host["addr_info"] if a["family"] == "inet"] == [(host_ip, 30)]
     assert "UP" in host["flags"]
 
@@ -82,7 +87,7 @@ def test_release_is_idempotent(nm):
     nm.release(4)
     nm.release(4)
     nm.release(4000)  # never allocated
-    assert "ft4s" not in hu.netns_names() and "ftv4" not in hu.host_links()
+    assert f"{P}4s" not in hu.netns_names() and f"{P}v4" not in hu.host_links()
 
 
 def test_allocate_is_idempotent_and_rebuilds_partial_slots(nm, slots):
@@ -93,18 +98,18 @@ def test_allocate_is_idempotent_and_rebuilds_partial_slots(nm, slots):
     assert again == first
 
     # Partial state: the middle netns vanished (its veths with it) -> full rebuild.
-    subprocess.run(["ip", "netns", "delete", "ft5"], check=True)
+    subprocess.run(["ip", "netns", "delete", f"{P}5"], check=True)
     deadline = time.time() + 5  # the kernel tears a netns down asynchronously
-    while "ftv5" in hu.host_links() and time.time() < deadline:
+    while f"{P}v5" in hu.host_links() and time.time() < deadline:
         time.sleep(0.02)
-    assert "ftv5" not in hu.host_links()
+    assert f"{P}v5" not in hu.host_links()
     assert nm.allocate(5) == first
-    assert "ftv5" in hu.host_links() and "ft5" in hu.netns_names()
+    assert f"{P}v5" in hu.host_links() and f"{P}5" in hu.netns_names()
 
     # Guest address gone (what runsc does when a sandbox starts) and nothing runs in
     # the netns -> allocate puts it back.
-    subprocess.run(["nsenter", "--net=/run/netns/ft5s", "ip", "addr", "flush", "dev", "eth0"], check=True)
-    subprocess.run(["nsenter", "--net=/run/netns/ft5s", "ip", "route", "flush", "all"], check=False)
+    subprocess.run(["nsenter", f"--net=/run/netns/{P}5s", "ip", "addr", "flush", "dev", "eth0"], check=True)
+    subprocess.run(["nsenter", f"--net=/run/netns/{P}5s", "ip", "route", "flush", "all"], check=False)
     nm.allocate(5)
     eth0 = _ip_json(first.netns_path, "addr", "show", "eth0")[0]
     assert [a["local"] for a in eth0["addr_info"] if a["family"] == "inet"] == [GUEST_IP]
@@ -123,9 +128,11 @@ def test_existing_indexes(nm, slots):
 def test_index_range(nm):
     with pytest.raises(ValueError):
         nm.allocate(-1)
+    last = ipaddress.ip_network(hu.TEST_OUTER_NET).num_addresses // 4 - 1  # one /30 per slot
     with pytest.raises(ValueError):
-        nm.allocate(16384)
-    assert nm.addresses(16383) == ("10.210.255.253", "10.210.255.254")
+        nm.allocate(last + 1)
+    top = ipaddress.ip_network(hu.TEST_OUTER_NET).broadcast_address
+    assert nm.addresses(last) == (str(top - 2), str(top - 1))
 
 
 def test_allocate_release_timing(nm):
@@ -148,17 +155,17 @@ def test_setup_host_is_idempotent(nm):
     assert open("/proc/sys/net/ipv4/ip_forward").read().strip() == "1"
     for table, parent in (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING")):
         rules = subprocess.run(["iptables", "-t", table, "-S", parent], capture_output=True, text=True, check=True).stdout
-        assert rules.count(f"-j FORKYARD-FT-{parent}") == 1, rules
+        assert rules.count(f"-j FORKYARD-{P.upper()}-{parent}") == 1, rules
 
 
 def test_teardown_host():
-    other = NetworkManager(None, outer_net="10.211.0.0/16", prefix="fw")
+    other = NetworkManager(None, outer_net=f"10.211.{hu.SLOT * 16}.0/20", prefix="fw" + hu.LETTER)
     other.setup_host()
-    assert "FORKYARD-FW-INPUT" in subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
+    assert f"FORKYARD-FW{hu.LETTER.upper()}-INPUT" in subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
     other.teardown_host()
     other.teardown_host()
-    assert "FORKYARD-FW" not in subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
-    assert "FORKYARD-FW" not in subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
+    assert f"FORKYARD-FW{hu.LETTER.upper()}-" not in subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
+    assert f"FORKYARD-FW{hu.LETTER.upper()}-" not in subprocess.run(["iptables", "-t", "nat", "-S"], capture_output=True, text=True).stdout
 
 
 def test_overlapping_outer_range_is_refused():

@@ -83,7 +83,7 @@ async def sandboxes(settings, nm, base_rootfs):
         hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
         nm.release(index)
         shutil.rmtree(spec.workdir, ignore_errors=True)
-        assert f"ft{index}s" not in hu.netns_names() and f"ftv{index}" not in hu.host_links()
+        assert f"{hu.TEST_PREFIX}{index}s" not in hu.netns_names() and f"{hu.TEST_PREFIX}v{index}" not in hu.host_links()
 
 
 def http_get(ip: str, port: int = hu.HTTP_PORT, timeout: float = 15.0) -> int:
@@ -409,7 +409,10 @@ async def test_without_broker_sudo_says_why(settings, sandboxes):
     spec, _ = sandboxes(32, "rt-nobroker")
     await GVisorDriver(settings, init_argv=hu.HTTP_INIT, sudo_broker=False).create(spec)
     r = hu.runsc_exec(settings, spec.sandbox_id, ["sudo", "id", "-u"], user=USER, groups=USER_GROUPS)
-    assert r.returncode != 0 and "no new privileges" in r.stderr  # real sudo's own message
+    # Real sudo's own message: "no new privileges" (runsc 20240729) or, since gVisor
+    # ignores the setuid bit under no_new_privs, "must be owned by uid 0 and have the
+    # setuid bit set" (2026-09 build).
+    assert r.returncode != 0 and ("no new privileges" in r.stderr or "setuid bit" in r.stderr), r.stderr
     assert sh(settings, spec.sandbox_id, "sudo id -un").strip() == "root"  # root is unaffected
 
 
