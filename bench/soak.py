@@ -58,7 +58,34 @@ def repository_bytes(repo: Path) -> int:
                for p in (repo / d).rglob("*") if p.is_file())
 
 
-def host_state(data: Path, pid: int, spare: set[int]) -> dict[str, int]:
+def server_fds(pid: int, port: int) -> list[str]:
+    """What the server's open fds point at, not counting connections clients hold open
+    to its API port (keep-alive pools of the soak's own clients); sockets are named by
+    their /proc/net entry (local and remote address) where found."""
+    clients, names = set(), {}
+    for table in ("tcp", "tcp6", "udp", "unix"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if table == "unix":
+                names[f[6]] = f"unix {f[7] if len(f) > 7 else ''}"
+                continue
+            names[f[9]] = f"{table} {f[1]}->{f[2]} st{f[3]}"
+            if table.startswith("tcp") and int(f[1].rsplit(":", 1)[1], 16) == port and f[3] != "0A":
+                clients.add(f[9])  # accepted, not the listener
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        inode = target[8:-1] if target.startswith("socket:[") else None
+        if inode in clients:
+            continue
+        out.append(names.get(inode, target) if inode else target)
+    return sorted(out)
+
+
+def host_state(data: Path, pid: int, spare: set[int], port: int) -> dict[str, int]:
     """Counts of what the server holds on the host (see the module doc)."""
     ns = [l.split()[0] for l in _sh(["ip", "netns", "list"]).splitlines() if l.strip()]
     ns = [n for n in ns if re.match(rf"^{PREFIX}\d+s?$", n) and int(n[len(PREFIX):].rstrip("s")) not in spare]
@@ -67,10 +94,11 @@ def host_state(data: Path, pid: int, spare: set[int]) -> dict[str, int]:
     mounts = [l for l in Path("/proc/self/mounts").read_text().splitlines() if str(data) in l.split()[1]]
     procs = [p for p in _sh(["pgrep", "-af", "runsc"]).splitlines() if f"--root={data / 'runsc'}" in p]
     rules = [l for l in _sh(["iptables-save"]).splitlines() if PREFIX in l or PREFIX.upper() in l]
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    fds = server_fds(pid, port)
+    host_state.fd_targets = fds  # type: ignore[attr-defined]
     repo_bytes = repository_bytes(data / "snapshots" / "repository")
     return {"netns": len(ns), "veth": len(veths), "mounts": len(mounts), "runsc": len(procs),
-            "iptables_rules": len(rules), "server_fds": fds, "repository_bytes": repo_bytes}
+            "iptables_rules": len(rules), "server_fds": len(fds), "repository_bytes": repo_bytes}
 
 
 class Soak:
@@ -184,10 +212,12 @@ def start(data: Path, templates: Path) -> tuple[subprocess.Popen, str, str]:
 async def soak_run(args, proc: subprocess.Popen, url: str, key: str) -> tuple[dict, dict, Soak, float]:
     """Baseline, the cycles, settle, final state: ``(before, after, soak, seconds)``."""
     soak = Soak(url, key)
+    port = int(url.rsplit(":", 1)[1])
     try:
         node = await soak.settle()
         await asyncio.sleep(1)
-        before = host_state(args.data, proc.pid, set((await soak.c.get("/metrics/node")).json()["spareSlots"]))
+        before = host_state(args.data, proc.pid, set((await soak.c.get("/metrics/node")).json()["spareSlots"]), port)
+        fds_before = list(host_state.fd_targets)  # type: ignore[attr-defined]
         t0 = time.time()
         sem = asyncio.Semaphore(args.concurrency)
         pool = [s for s in args.scenarios.split(",") if s in SCENARIOS] or list(SCENARIOS)
@@ -201,7 +231,12 @@ async def soak_run(args, proc: subprocess.Popen, url: str, key: str) -> tuple[di
         took = time.time() - t0
         node = await soak.settle()
         await asyncio.sleep(1)
-        after = host_state(args.data, proc.pid, set(node["spareSlots"]))
+        after = host_state(args.data, proc.pid, set(node["spareSlots"]), port)
+        rest = list(host_state.fd_targets)  # type: ignore[attr-defined]
+        for t in fds_before:
+            if t in rest:
+                rest.remove(t)
+        soak.new_fds = rest
     finally:
         await soak.c.aclose()
     return before, after, soak, took
@@ -235,7 +270,7 @@ def main() -> int:
     report = {"cycles": args.cycles, "concurrency": args.concurrency, "seconds": round(took, 1),
               "outcomes": dict(sorted(soak.outcomes.items())), "before": before, "after": after, "leaked": leaks,
               "final_gc": {k: gc.get(k) for k in ("chunks_freed", "bytes_freed", "chunks_kept")},
-              "errors": soak.errors[:20]}
+              "new_fds": getattr(soak, "new_fds", []), "errors": soak.errors[:20]}
     print(json.dumps(report, indent=1))
     from forkyard.network.slots import NetworkManager
 
