@@ -273,6 +273,7 @@ class LifecycleMixin:
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int | None,
                              auto_pause: bool | None) -> SandboxRecord:
         image, staged = await self._pause_image(rec)
+        self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)  # AtCapacity: stays paused
         rec.state = "resuming"
         if timeout_s is not None:
             rec.timeout_s = timeout_s
@@ -403,6 +404,8 @@ class LifecycleMixin:
         if not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise BadRequest(f"count must be between 1 and {MAX_FORKS}")
         timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        src = self.get(sandbox_id)
+        self.capacity.check(self.store.all(), src.vcpus, src.memory_mb, count)  # before the checkpoint
         src, image, staging = await self._fork_stage(sandbox_id)
         # Children restore straight from the staged image: a fork image is never needed
         # after its children run, so it is not committed to the repository.
@@ -426,6 +429,8 @@ class LifecycleMixin:
         if not isinstance(count, int) or not 0 <= count <= MAX_FORKS:
             raise BadRequest(f"count must be between 0 and {MAX_FORKS}")
         timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
+        src = self.get(sandbox_id)
+        self.capacity.check(self.store.all(), src.vcpus, src.memory_mb, count)
         src, image, staging = await self._fork_stage(sandbox_id)
         image = await self._commit(staging, image)
         return await self._spawn_children(image, count, timeout_s, src.auto_pause, None), image.snapshot_id
@@ -450,6 +455,7 @@ class LifecycleMixin:
             raise NotFound(f"fork image {image_id!r} not found")
         if image.kind != "fork":
             raise BadRequest(f"{image_id!r} is a {image.kind} image, not a fork image")
+        self.capacity.check(self.store.all(), image.vcpus, image.memory_mb, count)
         return await self._spawn_children(image, count, timeout_s, auto_pause, None)
 
     async def _fork_stage(self, sandbox_id: str) -> tuple[SandboxRecord, SnapshotMeta, Path]:

@@ -25,6 +25,7 @@ from forkyard.config import Settings
 from forkyard.network.base import Slot
 from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client
+from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
@@ -100,6 +101,8 @@ class Orchestrator(LifecycleMixin):
         #: Pause images this node made garbage (resumed or killed their sandbox); in a
         #: cluster only these are deleted (see :meth:`_gc_images_sync`).
         self._garbage: set[str] = set()
+        #: What this node may hand out (see :mod:`forkyard.orchestrator.admission`).
+        self.capacity = Capacity.from_env()
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -388,7 +391,8 @@ class Orchestrator(LifecycleMixin):
         for r in self.list():
             if r.state in counts:
                 counts[r.state] += 1
-        return {"sandboxes": counts, "spareSlots": sorted({s.index for s in self._spares} | self._building),
+        return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
+                "spareSlots": sorted({s.index for s in self._spares} | self._building),
                 "pausesInFlight": len(self._pending),
                 "gcInFlight": self._gc_task is not None and not self._gc_task.done()}
 
@@ -525,6 +529,7 @@ class Orchestrator(LifecycleMixin):
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
             rec.envd_access_token = secrets.token_urlsafe(24)
+        self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)  # no await until put: atomic
         self.store.put(rec)
         try:
             await self._start(rec, snap, old_token)

@@ -310,10 +310,13 @@ class GVisorDriver(RuntimeDriver):
         if image_build is not None and image_build != self.build:
             raise RuntimeMismatch(image_build, self.build)
         bundle = ocispec.bundle_dir(spec.workdir)
+        # Images made before /tmp and /dev/shm were sized restore with the mounts they
+        # were made with (a new /tmp mount over a restored one loses its files).
         await self._start(
             spec,
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
+            sized_tmp=(image_dir / ocispec.SIZED_TMP_MARKER).exists(),
         )
         if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
             await self._rearm_envd(spec.sandbox_id)
@@ -348,7 +351,7 @@ class GVisorDriver(RuntimeDriver):
         except FileNotFoundError:
             return False
 
-    async def _start(self, spec: SandboxSpec, op: str, args: list[str]) -> None:
+    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True) -> None:
         sid = spec.sandbox_id
         if not Path(spec.rootfs).is_dir():
             raise RuntimeError_(f"rootfs {spec.rootfs} is not a directory")
@@ -371,7 +374,7 @@ class GVisorDriver(RuntimeDriver):
         spec.workdir.mkdir(parents=True, exist_ok=True)
         if self.overlay == "dir":
             self._overlay_dir(spec.workdir).mkdir(parents=True, exist_ok=True)
-        ocispec.write_bundle(spec, self._process_argv(), envd)
+        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp)
 
         console = spec.workdir / "console.log"
         argv = [
@@ -647,8 +650,15 @@ class GVisorDriver(RuntimeDriver):
         if rc != 0:
             raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")
         write_image_build(image_dir, self.build)
-        if not leave_running and not keep_stopped:
+        st = None
+        bundle = ocispec.bundle_dir(self.settings.sandboxes_dir / sandbox_id)
+        if not bundle.is_dir():
             st = await self.state(sandbox_id)
+            bundle = Path(st["bundle"]) if st and st.get("bundle") else bundle
+        if ocispec.has_sized_tmp(bundle):  # see restore
+            (image_dir / ocispec.SIZED_TMP_MARKER).write_text("1\n")
+        if not leave_running and not keep_stopped:
+            st = st or await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None
             error = await self._cleanup(sandbox_id, workdir)
             if error is not None:

@@ -37,6 +37,21 @@ DEFAULT_ENV = {
 }
 CPU_PERIOD_US = 100_000
 NOFILE = 65536
+def nproc_limit(memory_mb: int) -> int:
+    """Processes (threads included) one non-root user may run in a sandbox
+    (``RLIMIT_NPROC``, enforced by gVisor): one per 2 MiB of memory, at least 64 (256
+    for E2B's default 512 MiB). Measured here (gVisor 20240729, 512 MiB): 1,100
+    ``sleep`` processes as ``user`` got the whole sandbox OOM-killed; with this limit a
+    fork bomb gets EAGAIN and the sandbox lives on."""
+    return max(64, memory_mb // 2)
+
+
+def tmpfs_size_mb(memory_mb: int) -> int:
+    """Size of a sandbox's ``/tmp`` and ``/dev/shm`` tmpfs (MiB): a quarter of its
+    memory each, so filling both leaves half the memory to its processes. (gVisor
+    would otherwise mount a tmpfs as large as the host's RAM, which fills past the
+    sandbox's memory limit and gets the whole sandbox OOM-killed.)"""
+    return max(16, memory_mb // 4)
 
 
 def bundle_dir(workdir: Path) -> Path:
@@ -49,11 +64,26 @@ def cgroup_path(sandbox_id: str) -> str:
     return f"/forkyard/{sandbox_id}"
 
 
+#: File in a checkpoint image saying its sandbox had the sized ``/tmp`` and
+#: ``/dev/shm`` mounts (restore must use the mounts an image was made with).
+SIZED_TMP_MARKER = "forkyard-sized-tmp"
+
+
+def has_sized_tmp(bundle: Path) -> bool:
+    """Whether the bundle's ``config.json`` mounts a sized tmpfs at ``/tmp``."""
+    try:
+        mounts = json.loads((bundle / "config.json").read_text()).get("mounts", [])
+    except (OSError, ValueError):
+        return False
+    return any(m.get("destination") == "/tmp" for m in mounts)
+
+
 def build_spec(
     spec: SandboxSpec,
     init_argv: list[str],
     envd_binary: Path | None,
     etc_dir: Path,
+    sized_tmp: bool = True,
 ) -> dict:
     """Return the OCI spec dict for ``spec``.
 
@@ -72,11 +102,17 @@ def build_spec(
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "strictatime", "mode=755"]},
         {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "noexec", "nodev", "mode=1777"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777"]},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
         {"destination": "/etc/hosts", "type": "bind", "source": str(etc_dir / "hosts"), "options": ["rbind", "rw"]},
         {"destination": "/etc/hostname", "type": "bind", "source": str(etc_dir / "hostname"), "options": ["rbind", "ro"]},
     ]
+    if sized_tmp:
+        size = f"size={tmpfs_size_mb(spec.memory_mb)}m"
+        mounts[3]["options"].append(size)  # /dev/shm
+        mounts.append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                       "options": ["nosuid", "nodev", "mode=1777", size]})
     if envd_binary is not None:
         mounts.append(
             {"destination": ENVD_GUEST_PATH, "type": "bind", "source": str(envd_binary), "options": ["rbind", "ro"]}
@@ -90,7 +126,9 @@ def build_spec(
             "env": [f"{k}={v}" for k, v in env.items()],
             "cwd": "/",
             "capabilities": {k: list(CAPABILITIES) for k in ("bounding", "effective", "permitted", "inheritable")},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": NOFILE, "soft": NOFILE}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": NOFILE, "soft": NOFILE},
+                        {"type": "RLIMIT_NPROC", "hard": nproc_limit(spec.memory_mb),
+                         "soft": nproc_limit(spec.memory_mb)}],
             "noNewPrivileges": False,
         },
         "root": {"path": str(spec.rootfs), "readonly": False},
@@ -114,7 +152,7 @@ def build_spec(
 
 
 def write_bundle(
-    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None
+    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None, sized_tmp: bool = True
 ) -> Path:
     """Write ``<workdir>/bundle/config.json`` and the per-sandbox ``/etc`` files.
 
@@ -128,7 +166,7 @@ def write_bundle(
     (etc_dir / "hostname").write_text(spec.hostname + "\n")
     for name in ("hosts", "hostname"):  # bind-mounted: every user inside reads them
         (etc_dir / name).chmod(0o644)
-    data = build_spec(spec, init_argv, envd_binary, etc_dir)
+    data = build_spec(spec, init_argv, envd_binary, etc_dir, sized_tmp=sized_tmp)
     tmp = bdir / "config.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, bdir / "config.json")

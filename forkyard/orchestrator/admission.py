@@ -1,0 +1,83 @@
+"""Admission: a node starts a sandbox only within its capacity (issue 11, item 4).
+
+Each sandbox's memory limit and vCPU quota are enforced by its cgroup; admission keeps
+their sum within what the host has, so one more sandbox cannot degrade (or OOM) all of
+them. Counted: every sandbox that holds resources now — all states but ``paused``
+(``creating``, ``resuming`` and ``forking`` included, so parallel creates are counted as
+soon as their row exists).
+
+Capacity (environment):
+
+* memory: ``MemTotal`` of the host − ``FORKYARD_RESERVED_MEMORY_MB`` (1024) for the
+  host and forkyard, × ``FORKYARD_MEMORY_OVERCOMMIT`` (1.0: a sandbox's limit is memory
+  it may really use; gVisor's pages are not shared between sandboxes);
+* vCPUs: host cores × ``FORKYARD_CPU_OVERCOMMIT`` — off unless set (CPU is time-shared
+  and each sandbox is capped by its own quota; E2B overcommits CPU too);
+* count: ``FORKYARD_MAX_SANDBOXES`` (unset: no count limit).
+
+A start beyond capacity is refused with :class:`AtCapacity` (503, with what is used and
+what is left), before anything is created.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from forkyard.orchestrator.errors import OrchestratorError
+
+
+class AtCapacity(OrchestratorError):
+    """The node has no room for the sandbox(es) asked for (503); retry later or
+    elsewhere."""
+
+    status = 503
+
+
+def _host_memory_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    raise OSError("no MemTotal in /proc/meminfo")
+
+
+@dataclass
+class Capacity:
+    """What a node may hand out: ``memory_mb`` (MiB), ``vcpus`` (None: unlimited),
+    ``max_sandboxes`` (None: unlimited)."""
+
+    memory_mb: int
+    vcpus: float | None
+    max_sandboxes: int | None
+
+    @classmethod
+    def from_env(cls) -> "Capacity":
+        """Capacity of this host from the environment (see the module doc)."""
+        reserve = int(os.environ.get("FORKYARD_RESERVED_MEMORY_MB", "1024"))
+        mem = int((_host_memory_mb() - reserve) * float(os.environ.get("FORKYARD_MEMORY_OVERCOMMIT", "1.0")))
+        cpu = os.environ.get("FORKYARD_CPU_OVERCOMMIT")
+        count = os.environ.get("FORKYARD_MAX_SANDBOXES")
+        return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
+                   max_sandboxes=int(count) if count else None)
+
+    def check(self, live, vcpus: int, memory_mb: int, count: int = 1) -> None:
+        """Raise :class:`AtCapacity` unless ``count`` more sandboxes of ``vcpus`` /
+        ``memory_mb`` fit beside ``live`` (records; paused ones hold nothing)."""
+        holding = [r for r in live if r.state != "paused"]
+        used_mem = sum(r.memory_mb for r in holding)
+        used_cpu = sum(r.vcpus for r in holding)
+        what = f"{count} sandbox(es) of {vcpus} vCPU / {memory_mb} MiB"
+        if self.max_sandboxes is not None and len(holding) + count > self.max_sandboxes:
+            raise AtCapacity(f"node at capacity: {len(holding)} of {self.max_sandboxes} sandboxes in use, "
+                             f"no room for {what}; retry later")
+        if used_mem + count * memory_mb > self.memory_mb:
+            raise AtCapacity(f"node at capacity: {used_mem} of {self.memory_mb} MiB of sandbox memory in use, "
+                             f"no room for {what}; retry later")
+        if self.vcpus is not None and used_cpu + count * vcpus > self.vcpus:
+            raise AtCapacity(f"node at capacity: {used_cpu} of {self.vcpus:g} vCPUs in use, "
+                             f"no room for {what}; retry later")
+
+    def as_dict(self) -> dict:
+        """For ``GET /metrics/node``."""
+        return {"memoryMB": self.memory_mb, "vcpus": self.vcpus, "maxSandboxes": self.max_sandboxes}

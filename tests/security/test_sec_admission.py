@@ -1,0 +1,74 @@
+"""Issue 11 item 4: a node admits sandboxes only within its capacity: creates, resumes
+and forks beyond it get 503 with a clear message and change nothing, instead of
+degrading every sandbox. (The CPU quota itself is the cgroup's: see docs/security.md.)"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from e2b import Sandbox
+
+
+@pytest.fixture
+def small_node(server):
+    server.kill_all()
+    server.stop()
+    os.environ["FORKYARD_MAX_SANDBOXES"] = "2"
+    try:
+        server.start()
+        yield server
+    finally:
+        os.environ.pop("FORKYARD_MAX_SANDBOXES", None)
+        server.kill_all()
+        server.stop()
+        server.start()
+
+
+def test_creates_resumes_and_forks_beyond_capacity_are_503(small_node):
+    srv = small_node
+    with srv.api() as c:
+        assert c.get("/metrics/node").json()["capacity"]["maxSandboxes"] == 2
+        a = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+        b = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()["sandboxID"]
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert r.status_code == 503 and "capacity" in r.json()["message"], r.text
+        r = c.post(f"/sandboxes/{a}/fork", json={"count": 1})
+        assert r.status_code == 503 and "capacity" in r.json()["message"]
+        assert c.get(f"/sandboxes/{a}").json()["state"] == "running"  # the source is untouched
+        # A paused sandbox holds nothing: room for a new one, then no room to resume.
+        assert c.post(f"/sandboxes/{b}/pause").status_code == 204
+        d = c.post("/sandboxes", json={"templateID": "base", "timeout": 120})
+        assert d.status_code == 201
+        r = c.post(f"/sandboxes/{b}/resume", json={"timeout": 60})
+        assert r.status_code == 503 and "capacity" in r.json()["message"]
+        assert c.get(f"/sandboxes/{b}").json()["state"] == "paused"
+        # The SDK sees the same answer.
+        with pytest.raises(Exception, match="capacity"):
+            Sandbox.create("base", timeout=60)
+        assert c.delete(f"/sandboxes/{d.json()['sandboxID']}").status_code == 204
+        r = c.post(f"/sandboxes/{b}/resume", json={"timeout": 60})
+        assert r.status_code == 201, r.text
+        assert Sandbox.connect(b).commands.run("echo up").stdout.strip() == "up"
+
+
+def test_memory_and_cpu_capacity_bounds():
+    """The default bound is memory (sum of limits ≤ host memory − reserve); vCPUs only
+    when an overcommit ratio is set. Paused sandboxes hold nothing."""
+    from forkyard.orchestrator.admission import AtCapacity, Capacity
+    from forkyard.orchestrator.store import SandboxRecord
+
+    def rec(state, mem=512, cpu=2):
+        return SandboxRecord(id=state, template_id="base", state=state, slot=None, vcpus=cpu, memory_mb=mem,
+                             started_at=0, end_at=0, auto_pause=True)
+
+    cap = Capacity(memory_mb=2048, vcpus=None, max_sandboxes=None)
+    live = [rec("running"), rec("creating"), rec("paused"), rec("paused")]
+    cap.check(live, 2, 1024)  # 1024 used + 1024 = 2048: fits
+    with pytest.raises(AtCapacity, match="1024 of 2048 MiB"):
+        cap.check(live, 2, 512, count=3)
+    cpu = Capacity(memory_mb=1 << 20, vcpus=6, max_sandboxes=None)
+    cpu.check(live, 2, 512)
+    with pytest.raises(AtCapacity, match="vCPUs"):
+        cpu.check(live, 2, 512, count=2)
+    assert Capacity.from_env().memory_mb > 0
