@@ -185,16 +185,16 @@ HONOURED = [
     ("timeout", 30), ("autoPause", True), ("autoPause", False), ("autoPauseMemory", True),
     ("autoResume", {"enabled": False}), ("secure", True), ("secure", False),
     ("allow_internet_access", True), ("network", {}), ("network", {"allowPublicTraffic": True}),
-    ("network", {"allowOut": [], "denyOut": []}), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
+    ("network", {"allowOut": ["198.51.100.7/32"], "denyOut": ["198.51.100.0/24"]}),
+    ("allow_internet_access", False), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
     ("mcp", None), ("iam", {}), ("volumeMounts", []),
 ]
 #: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
 REFUSED = [
     ("autoPauseMemory", False, "autoPauseMemory"),
     ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
-    ("allow_internet_access", False, "allow_internet_access"),
-    ("network", {"denyOut": ["0.0.0.0/0"]}, "denyOut"),
-    ("network", {"allowOut": ["198.51.100.1"]}, "allowOut"),
+    ("network", {"allowOut": ["example.com"]}, "allowOut"),
+    ("network", {"denyOut": ["10.0.0.0/99"]}, "denyOut"),
     ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
     ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
     ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
@@ -238,11 +238,11 @@ def test_create_refusals_through_the_sdk(server):
     from e2b import InvalidArgumentException, SandboxException
 
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", allow_internet_access=False, timeout=30)
-    assert "allow_internet_access" in str(ei.value)
+        Sandbox.create("base", network={"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]}, timeout=30)
+    assert "allowOut" in str(ei.value) and "domain" in str(ei.value)
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", network={"deny_out": ["0.0.0.0/0"]}, timeout=30)
-    assert "denyOut" in str(ei.value)
+        Sandbox.create("base", network={"mask_request_host": "x.example"}, timeout=30)
+    assert "maskRequestHost" in str(ei.value)
     sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
                          lifecycle={"on_timeout": "pause", "auto_resume": False})
     sbx.kill()

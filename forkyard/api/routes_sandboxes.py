@@ -58,6 +58,9 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
     refused = schemas.unsupported_create_fields(body)
     if refused:
         raise BadRequest("; ".join(refused))
+    net = body.network
+    egress = schemas.egress_policy(net.allow_out if net else None, net.deny_out if net else None,
+                                   body.allow_internet_access)
     orch = _orch(request)
     rec = await orch.create(
         template_id=body.template_id,
@@ -67,6 +70,7 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
         auto_pause=request.app.state.settings.default_auto_pause if body.auto_pause is None else body.auto_pause,
         secure=secure_default if body.secure is None else body.secure,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+        egress=egress,
     )
     return JSONResponse(schemas.sandbox_created(rec), status_code=201)
 
@@ -168,3 +172,16 @@ async def metrics(request: Request, sandbox_id: str):
             "diskTotal": m.get("disk_total", 0),
         }
     ]
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(request: Request, sandbox_id: str, body: schemas.NetworkUpdate):
+    """Replace a sandbox's egress rules (E2B ``update_network``): 204; 404 unknown; 400
+    for entries or fields forkyard does not enforce (domains, DNS servers, proxies,
+    request rules). A paused sandbox gets them when it resumes."""
+    refused = schemas.unsupported_egress(body)
+    if refused:
+        raise BadRequest("; ".join(refused))
+    policy = schemas.egress_policy(body.allow_out, body.deny_out, body.allow_internet_access)
+    await _orch(request).set_network(sandbox_id, policy)
+    return Response(status_code=204)
