@@ -340,3 +340,19 @@ def test_server_default_auto_pause_setting(server, tmp_path):
         from forkyard.network.slots import NetworkManager
 
         NetworkManager(None, outer_net=f"10.{180 + conftest._N}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
+
+
+# ---- URL-addressed features --------------------------------------------------------------
+def test_get_host_reaches_the_port(sandbox, server):
+    """create/connect answer with ``domain`` (localhost:PORT by default), so get_host(port)
+    is PORT-ID.localhost:PORT, which reaches the port through the proxy."""
+    host = sandbox.get_host(8000)
+    assert host == f"8000-{sandbox.sandbox_id}.localhost:{server.port}"
+    sandbox.files.write("/tmp/h/index.html", "via get_host")
+    sandbox.commands.run("cd /tmp/h && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+    # *.localhost is loopback (RFC 6761); connect there with the Host get_host gave.
+    r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": host})
+    assert r.status_code == 200 and r.text == "via get_host"
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert again.get_host(8000) == host
+    assert Sandbox.get_info(sandbox.sandbox_id).sandbox_domain == f"localhost:{server.port}"

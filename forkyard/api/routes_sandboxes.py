@@ -72,7 +72,7 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         egress=egress,
     )
-    return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+    return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201)
 
 
 @router.post("/sandboxes", status_code=201)
@@ -130,7 +130,7 @@ def list_page(recs, response: Response, metadata: str | None, state: str | None,
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(request: Request, sandbox_id: str):
     """One sandbox's details."""
-    return schemas.sandbox_detail(_orch(request).get(sandbox_id))
+    return schemas.sandbox_detail(_orch(request).get(sandbox_id), request.app.state.settings.public_domain)
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)

@@ -183,8 +183,9 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def sandbox_created(rec: SandboxRecord) -> dict:
-    """``Sandbox`` body returned by create/connect (201/200)."""
+def sandbox_created(rec: SandboxRecord, domain: str | None = None) -> dict:
+    """``Sandbox`` body returned by create/connect (201/200); ``domain`` (the server's
+    public sandbox domain) makes the SDKs' ``get_host(port)`` = ``PORT-ID.domain``."""
     d = {
         "templateID": rec.template_id,
         "sandboxID": rec.id,
@@ -194,6 +195,8 @@ def sandbox_created(rec: SandboxRecord) -> dict:
     }
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
+    if domain:
+        d["domain"] = domain
     return d
 
 
@@ -215,9 +218,11 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
     }
 
 
-def sandbox_detail(rec: SandboxRecord) -> dict:
-    """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
+def sandbox_detail(rec: SandboxRecord, domain: str | None = None) -> dict:
+    """``SandboxDetail`` body (``GET /sandboxes/{id}``), with the public ``domain``."""
     d = sandbox_listed(rec)
+    if domain:
+        d["domain"] = domain
     d["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
