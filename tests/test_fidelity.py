@@ -356,3 +356,38 @@ def test_get_host_reaches_the_port(sandbox, server):
     again = Sandbox.connect(sandbox.sandbox_id)
     assert again.get_host(8000) == host
     assert Sandbox.get_info(sandbox.sandbox_id).sandbox_domain == f"localhost:{server.port}"
+
+
+# ---- ranges --------------------------------------------------------------------------------
+def test_list_started_after_before_and_metrics_range(server):
+    from datetime import datetime, timedelta, timezone
+
+    from e2b import SandboxQuery
+
+    first = Sandbox.create("base", timeout=120, metadata={"ranges": "1"})
+    time.sleep(1.5)
+    cut = datetime.now(timezone.utc)
+    time.sleep(1.5)
+    second = Sandbox.create("base", timeout=120, metadata={"ranges": "1"})
+    try:
+        q = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"ranges": "1"}, **kw)).next_items()]
+        assert q() == [second.sandbox_id, first.sandbox_id]  # newest first
+        assert q(started_after=cut) == [second.sandbox_id]
+        with server.api() as c:
+            ids = lambda **p: [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"metadata": "ranges=1", **p}).json()]
+            assert ids(startedBefore=cut.isoformat()) == [first.sandbox_id]
+            assert ids(startedAfter=cut.isoformat(), order="asc") == [second.sandbox_id]
+            assert ids(order="asc") == [first.sandbox_id, second.sandbox_id]
+            r = c.get("/v2/sandboxes", params={"startedAfter": "yesterday"})
+            assert r.status_code == 400 and "startedAfter" in r.json()["message"]
+            now = int(time.time())
+            assert c.get(f"/sandboxes/{first.sandbox_id}/metrics", params={"start": now + 100, "end": now}).status_code == 400
+        now = datetime.now(timezone.utc)
+        assert len(first.get_metrics(start=now - timedelta(minutes=1), end=now + timedelta(minutes=1))) == 1
+        assert first.get_metrics(start=now + timedelta(hours=1)) == []
+        assert first.get_metrics(end=now - timedelta(hours=1)) == []
+        first.pause()
+        assert Sandbox.get_metrics(first.sandbox_id) == []
+    finally:
+        Sandbox.kill(first.sandbox_id)
+        second.kill()

@@ -103,25 +103,52 @@ async def list_sandboxes_v2(
     order: str | None = Query(default=None, pattern="^(asc|desc)$"),
     next_token: str | None = Query(default=None, alias="nextToken"),
     limit: int = Query(default=100, ge=1, le=100),
+    started_after: str | None = Query(default=None, alias="startedAfter"),
+    started_before: str | None = Query(default=None, alias="startedBefore"),
 ):
     """Sandboxes filtered by ``state`` (comma list of running/paused; default both),
-    ``metadata`` and ``template``; paginated by ``limit`` and the opaque
-    ``nextToken`` (answered in the ``x-next-token`` header)."""
-    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit)
+    ``metadata``, ``template`` and start time (``startedAfter`` / ``startedBefore``:
+    ISO 8601, inclusive); ordered by start time (``order``, default desc); paginated by
+    ``limit`` and the opaque ``nextToken`` (answered in the ``x-next-token`` header)."""
+    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit,
+                     started_after, started_before)
+
+
+def _when(name: str, raw: str | None) -> float | None:
+    """UNIX seconds of an ISO 8601 query value (a naive one is UTC).
+
+    Raises:
+        BadRequest: not ISO 8601 (naming ``name``).
+    """
+    if raw is None or raw == "":
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        t = datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "+"))
+    except ValueError as e:
+        raise BadRequest(f"{name}: {raw!r} is not an ISO 8601 time") from e
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.timestamp()
 
 
 def list_page(recs, response: Response, metadata: str | None, state: str | None, template: str | None,
-              order: str | None, next_token: str | None, limit: int) -> list[dict]:
+              order: str | None, next_token: str | None, limit: int,
+              started_after: str | None = None, started_before: str | None = None) -> list[dict]:
     """One page of ``GET /v2/sandboxes`` over ``recs`` (shared by node and gateway):
-    filtered (:func:`filter_records`), newest first unless ``order=asc``, paginated.
+    filtered (:func:`filter_records`, then start time within ``started_after`` …
+    ``started_before``, ISO 8601, inclusive), newest first unless ``order=asc``, paginated.
 
     Raises:
-        BadRequest: bad state filter, metadata filter or nextToken.
+        BadRequest: bad state filter, metadata filter, time or nextToken.
     """
     states = set((state or "running,paused").split(","))
     if not states <= {"running", "paused"}:
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
+    after, before = _when("startedAfter", started_after), _when("startedBefore", started_before)
     recs = filter_records(recs, metadata, states, template)
+    recs = [r for r in recs if (after is None or r.started_at >= after) and (before is None or r.started_at <= before)]
     recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
     page = schemas.paginate(recs, limit, next_token, response)
     return [schemas.sandbox_listed(r) for r in page]
@@ -155,10 +182,22 @@ async def refresh(request: Request, sandbox_id: str, body: schemas.RefreshBody |
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
-async def metrics(request: Request, sandbox_id: str):
-    """Current CPU / memory / disk usage as a one-element ``SandboxMetric`` list."""
-    m = await _orch(request).metrics(sandbox_id)
+async def metrics(request: Request, sandbox_id: str, start: int | None = Query(default=None, ge=0),
+                  end: int | None = Query(default=None, ge=0)):
+    """CPU / memory / disk usage as a ``SandboxMetric`` list. forkyard keeps no history:
+    the list holds the current sample when it lies in ``start`` … ``end`` (UNIX seconds,
+    inclusive; open ends when omitted), else is empty. A paused sandbox has no samples.
+
+    Raises:
+        BadRequest: ``start`` after ``end``.
+    """
+    if start is not None and end is not None and start > end:
+        raise BadRequest(f"start ({start}) is after end ({end})")
+    rec = _orch(request).get(sandbox_id)
     now = time.time()
+    if rec.state == "paused" or (start is not None and now < start) or (end is not None and int(now) > end):
+        return []
+    m = await _orch(request).metrics(sandbox_id)
     return [
         {
             "timestamp": schemas._iso(now),
