@@ -161,8 +161,8 @@ def test_logs_says_what_it_shows(sbx):
     h = Sandbox.connect(sbx).commands.run("sleep 300", background=True)  # a process envd tracks
     p = cli("logs", sbx)
     assert p.returncode == 0, p.stderr
-    if "no sandbox logs endpoint" in p.stderr:  # this server: processes from envd instead
-        assert "sleep 300" in p.stdout
+    assert "no sandbox logs endpoint" not in p.stderr  # the logs endpoints exist (issue 9)
+    assert "started: /bin/bash -l -c sleep 300" in p.stdout
     h.kill()
 
 

@@ -391,3 +391,39 @@ def test_list_started_after_before_and_metrics_range(server):
     finally:
         Sandbox.kill(first.sandbox_id)
         second.kill()
+
+
+# ---- logs ----------------------------------------------------------------------------------
+def test_logs_endpoints_and_cli(sandbox, server):
+    import json as _json
+    import subprocess
+    import sys
+
+    sandbox.commands.run("echo hi")
+    try:
+        sandbox.commands.run("exit 3")
+    except Exception:
+        pass
+    with server.api() as c:
+        v1 = c.get(f"/sandboxes/{sandbox.sandbox_id}/logs").json()
+        msgs = [e["message"] for e in v1["logEntries"]]
+        assert any("listening" in m for m in msgs), msgs
+        assert any(m.startswith("process ") and "started: /bin/bash -l -c echo hi" in m for m in msgs), msgs
+        assert any("ended: exit status 3" in m for m in msgs), msgs
+        assert [l["line"] for l in v1["logs"]] == msgs
+        v2 = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"level": "warn"}).json()["logs"]
+        assert v2 and all(e["level"] in ("warn", "error") for e in v2)
+        assert any("exit status 3" in e["message"] for e in v2)
+        back = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"direction": "backward", "limit": 2}).json()["logs"]
+        assert [e["message"] for e in back] == msgs[::-1][:2]
+        found = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"search": "echo hi"}).json()["logs"]
+        assert found and all("echo hi" in e["message"] for e in found)
+        last = v1["logEntries"][-1]["timestamp"]
+        from datetime import datetime
+        cursor = int(datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() * 1000) + 1000
+        assert c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"cursor": cursor}).json()["logs"] == []
+        assert c.get("/v2/sandboxes/nope/logs").status_code == 404
+        assert c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"direction": "sideways"}).status_code == 400
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "logs", sandbox.sandbox_id, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and any("exit status 3" in e["line"] for e in _json.loads(p.stdout)), p.stderr

@@ -224,3 +224,36 @@ async def update_network(request: Request, sandbox_id: str, body: schemas.Networ
     policy = schemas.egress_policy(body.allow_out, body.deny_out, body.allow_internet_access)
     await _orch(request).set_network(sandbox_id, policy)
     return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def logs_v1(request: Request, sandbox_id: str, start: int | None = Query(default=None, ge=0),
+                  limit: int = Query(default=1000, ge=1, le=10000)):
+    """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``) and ``logEntries``
+    (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on, oldest first,
+    at most ``limit``. Sources: envd (including each process it started and how it
+    ended) and the runtime, since the sandbox last started or resumed."""
+    from forkyard.orchestrator.logs import select
+
+    entries = select(_orch(request).log_entries(sandbox_id), start, limit)
+    return {"logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
+            "logEntries": [_entry(e) for e in entries]}
+
+
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def logs_v2(request: Request, sandbox_id: str, cursor: int | None = Query(default=None, ge=0),
+                  limit: int = Query(default=1000, ge=1, le=10000),
+                  direction: str = Query(default="forward", pattern="^(forward|backward)$"),
+                  level: str | None = Query(default=None, pattern="^(debug|info|warn|error)$"),
+                  search: str | None = Query(default=None, max_length=256)):
+    """E2B ``SandboxLogsV2Response``: entries from ``cursor`` (UNIX ms) ``forward``
+    (oldest first) or ``backward`` (newest first), at least ``level``, containing
+    ``search``, at most ``limit``. Page on with the last entry's time as the cursor."""
+    from forkyard.orchestrator.logs import select
+
+    entries = select(_orch(request).log_entries(sandbox_id), cursor, limit, direction, level, search)
+    return {"logs": [_entry(e) for e in entries]}
+
+
+def _entry(e: dict) -> dict:
+    return {"timestamp": e["timestamp"], "level": e["level"], "message": e["message"], "fields": e["fields"]}

@@ -469,7 +469,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def logs(sandbox_id: str = ID_ARG, as_json: bool = JSON_OPT):
-        """Show a sandbox's logs (or, without a logs endpoint, its processes).
+        """Show a sandbox's logs: envd's and the runtime's lines since it last started or
+        resumed, including each process envd started and how it ended (or, from a server
+        without a logs endpoint, its running processes).
 
         When the server has no logs endpoint this says so and lists the processes running in the sandbox, from envd."""
 

@@ -650,6 +650,18 @@ class Orchestrator(LifecycleMixin):
         return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
+    def log_entries(self, sandbox_id: str) -> list[dict]:
+        """The sandbox's log entries since it last started or resumed
+        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.
+
+        Raises:
+            NotFound: unknown sandbox.
+        """
+        from forkyard.orchestrator.logs import read_entries
+
+        self.get(sandbox_id)
+        return read_entries(self.settings.sandboxes_dir / sandbox_id / "console.log")
+
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         """Replace a sandbox's egress policy (E2B ``PUT /sandboxes/{id}/network``): applied
         at once when it runs, stored for its next resume when paused.
