@@ -7,5 +7,10 @@ bash deploy/install.sh
 if ! command -v docker-compose >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose
 fi
+# The TypeScript SDK smoke test (tests/test_ts_sdk.py): node + npm and the pinned npm `e2b`.
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+npm ci --prefix tests/ts --no-audit --no-fund --silent
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 exec .venv/bin/python -m pytest -v "$@"
