@@ -25,6 +25,11 @@ fi
 .venv/bin/python -c 'import playwright, prometheus_client, opentelemetry.sdk, opentelemetry.exporter.otlp.proto.http' 2>/dev/null \
   || .venv/bin/python -m pip install -q "playwright>=1.40" "prometheus-client>=0.20" \
        "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp-proto-http>=1.20"
+# The TypeScript SDK smoke test (tests/test_ts_sdk.py): node + npm and the pinned npm `e2b`.
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm
+fi
+npm ci --prefix tests/ts --no-audit --no-fund --silent
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 # MinIO: the tests' S3 server (real signatures, keys and regions, unlike an emulator).
 # Built once from the Go module proxy (~2-4 min on 2 cores, 150 MB) and cached.

@@ -43,7 +43,8 @@ func main() {
 		fmt.Println(state.Version)
 		return
 	}
-	log.SetFlags(log.LstdFlags | log.Lmicroseconds)
+	// UTC with microseconds: the host turns these lines into the sandbox logs API.
+	log.SetFlags(log.LstdFlags | log.Lmicroseconds | log.LUTC | log.Lmsgprefix)
 	log.SetPrefix("envd: ")
 
 	// SIGCHLD belongs to the reaper. SIGPIPE and SIGHUP are observed rather

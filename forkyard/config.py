@@ -37,6 +37,28 @@ def _env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be true or false, not {raw!r}")
 
 
+def _env_cidrs(name: str) -> list[str] | None:
+    """Comma-separated IPv4 CIDRs from the environment (None when unset).
+
+    Raises:
+        ValueError: an entry is not an IPv4 CIDR (naming the variable).
+    """
+    import ipaddress
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    out = []
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        try:
+            out.append(str(ipaddress.IPv4Network(part, strict=False)))
+        except ValueError as e:
+            raise ValueError(f"{name}: {part!r} is not an IPv4 CIDR") from e
+    return out
+
+
 def _env_path(name: str, default: str) -> Path:
     return Path(os.environ.get(name, default)).expanduser().resolve()
 
@@ -65,10 +87,20 @@ class Settings:
             (``FORKYARD_OUTER_NET``, 10.209.0.0/16).
         max_upload_mb: largest request body the proxy forwards to a sandbox
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
-        domain: sandbox domain for host routing ``PORT-ID.DOMAIN`` (``FORKYARD_DOMAIN``).
+        domain: public sandbox domain (``FORKYARD_DOMAIN``, e.g. ``sbx.example.com`` with
+            a wildcard DNS record ``*.sbx.example.com`` pointing at this server or the
+            gateway; may carry a ``:port``). Returned as ``domain`` by create/connect, so
+            the SDKs' ``get_host(port)`` is ``PORT-ID.DOMAIN``. Unset: ``localhost:PORT``
+            (curl and browsers resolve ``*.localhost`` to loopback). See
+            :attr:`public_domain`.
         default_auto_pause: what a sandbox created without ``autoPause`` does at its
             timeout (``FORKYARD_DEFAULT_AUTO_PAUSE``, ``true``): pause (true, forkyard's
             default) or kill (false, E2B's default).
+        blocked_egress: IPv4 CIDRs no sandbox may reach whatever its egress policy
+            (``FORKYARD_BLOCKED_EGRESS``, comma-separated; None = the built-in list of
+            private, link-local/metadata, CGNAT, documentation and multicast ranges in
+            :data:`forkyard.network.slots.BLOCKED_EGRESS`). Replacing it lets sandboxes
+            reach e.g. a private package mirror.
         cluster: this node is part of a cluster (set by ``forkyard node --scheduler``):
             pauses commit to the shared repository before they answer (so a paused
             sandbox can resume on any node even if this one dies right after), and
@@ -90,9 +122,15 @@ class Settings:
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
-    domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", "localhost"))
+    domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
+    blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))
     cluster: bool = False
+
+    @property
+    def public_domain(self) -> str:
+        """The ``domain`` sandbox answers carry: ``FORKYARD_DOMAIN``, else ``localhost:PORT``."""
+        return self.domain or f"localhost:{self.port}"
 
     @property
     def db_path(self) -> Path:

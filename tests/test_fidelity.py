@@ -185,16 +185,16 @@ HONOURED = [
     ("timeout", 30), ("autoPause", True), ("autoPause", False), ("autoPauseMemory", True),
     ("autoResume", {"enabled": False}), ("secure", True), ("secure", False),
     ("allow_internet_access", True), ("network", {}), ("network", {"allowPublicTraffic": True}),
-    ("network", {"allowOut": [], "denyOut": []}), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
+    ("network", {"allowOut": ["198.51.100.7/32"], "denyOut": ["198.51.100.0/24"]}),
+    ("allow_internet_access", False), ("metadata", {"a": "b"}), ("envVars", {"A": "1"}),
     ("mcp", None), ("iam", {}), ("volumeMounts", []),
 ]
 #: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
 REFUSED = [
     ("autoPauseMemory", False, "autoPauseMemory"),
     ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
-    ("allow_internet_access", False, "allow_internet_access"),
-    ("network", {"denyOut": ["0.0.0.0/0"]}, "denyOut"),
-    ("network", {"allowOut": ["198.51.100.1"]}, "allowOut"),
+    ("network", {"allowOut": ["example.com"]}, "allowOut"),
+    ("network", {"denyOut": ["10.0.0.0/99"]}, "denyOut"),
     ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
     ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
     ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
@@ -238,11 +238,11 @@ def test_create_refusals_through_the_sdk(server):
     from e2b import InvalidArgumentException, SandboxException
 
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", allow_internet_access=False, timeout=30)
-    assert "allow_internet_access" in str(ei.value)
+        Sandbox.create("base", network={"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]}, timeout=30)
+    assert "allowOut" in str(ei.value) and "domain" in str(ei.value)
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", network={"deny_out": ["0.0.0.0/0"]}, timeout=30)
-    assert "denyOut" in str(ei.value)
+        Sandbox.create("base", network={"mask_request_host": "x.example"}, timeout=30)
+    assert "maskRequestHost" in str(ei.value)
     sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
                          lifecycle={"on_timeout": "pause", "auto_resume": False})
     sbx.kill()
@@ -340,3 +340,90 @@ def test_server_default_auto_pause_setting(server, tmp_path):
         from forkyard.network.slots import NetworkManager
 
         NetworkManager(None, outer_net=f"10.{180 + conftest._N}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
+
+
+# ---- URL-addressed features --------------------------------------------------------------
+def test_get_host_reaches_the_port(sandbox, server):
+    """create/connect answer with ``domain`` (localhost:PORT by default), so get_host(port)
+    is PORT-ID.localhost:PORT, which reaches the port through the proxy."""
+    host = sandbox.get_host(8000)
+    assert host == f"8000-{sandbox.sandbox_id}.localhost:{server.port}"
+    sandbox.files.write("/tmp/h/index.html", "via get_host")
+    sandbox.commands.run("cd /tmp/h && python3 -m http.server 8000 >/dev/null 2>&1", background=True, timeout=0)
+    # *.localhost is loopback (RFC 6761); connect there with the Host get_host gave.
+    r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": host})
+    assert r.status_code == 200 and r.text == "via get_host"
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert again.get_host(8000) == host
+    assert Sandbox.get_info(sandbox.sandbox_id).sandbox_domain == f"localhost:{server.port}"
+
+
+# ---- ranges --------------------------------------------------------------------------------
+def test_list_started_after_before_and_metrics_range(server):
+    from datetime import datetime, timedelta, timezone
+
+    from e2b import SandboxQuery
+
+    first = Sandbox.create("base", timeout=120, metadata={"ranges": "1"})
+    time.sleep(1.5)
+    cut = datetime.now(timezone.utc)
+    time.sleep(1.5)
+    second = Sandbox.create("base", timeout=120, metadata={"ranges": "1"})
+    try:
+        q = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"ranges": "1"}, **kw)).next_items()]
+        assert q() == [second.sandbox_id, first.sandbox_id]  # newest first
+        assert q(started_after=cut) == [second.sandbox_id]
+        with server.api() as c:
+            ids = lambda **p: [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"metadata": "ranges=1", **p}).json()]
+            assert ids(startedBefore=cut.isoformat()) == [first.sandbox_id]
+            assert ids(startedAfter=cut.isoformat(), order="asc") == [second.sandbox_id]
+            assert ids(order="asc") == [first.sandbox_id, second.sandbox_id]
+            r = c.get("/v2/sandboxes", params={"startedAfter": "yesterday"})
+            assert r.status_code == 400 and "startedAfter" in r.json()["message"]
+            now = int(time.time())
+            assert c.get(f"/sandboxes/{first.sandbox_id}/metrics", params={"start": now + 100, "end": now}).status_code == 400
+        now = datetime.now(timezone.utc)
+        assert len(first.get_metrics(start=now - timedelta(minutes=1), end=now + timedelta(minutes=1))) == 1
+        assert first.get_metrics(start=now + timedelta(hours=1)) == []
+        assert first.get_metrics(end=now - timedelta(hours=1)) == []
+        first.pause()
+        assert Sandbox.get_metrics(first.sandbox_id) == []
+    finally:
+        Sandbox.kill(first.sandbox_id)
+        second.kill()
+
+
+# ---- logs ----------------------------------------------------------------------------------
+def test_logs_endpoints_and_cli(sandbox, server):
+    import json as _json
+    import subprocess
+    import sys
+
+    sandbox.commands.run("echo hi")
+    try:
+        sandbox.commands.run("exit 3")
+    except Exception:
+        pass
+    with server.api() as c:
+        v1 = c.get(f"/sandboxes/{sandbox.sandbox_id}/logs").json()
+        msgs = [e["message"] for e in v1["logEntries"]]
+        assert any("listening" in m for m in msgs), msgs
+        assert any(m.startswith("process ") and "started: /bin/bash -l -c echo hi" in m for m in msgs), msgs
+        assert any("ended: exit status 3" in m for m in msgs), msgs
+        assert [l["line"] for l in v1["logs"]] == msgs
+        v2 = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"level": "warn"}).json()["logs"]
+        assert v2 and all(e["level"] in ("warn", "error") for e in v2)
+        assert any("exit status 3" in e["message"] for e in v2)
+        back = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"direction": "backward", "limit": 2}).json()["logs"]
+        assert [e["message"] for e in back] == msgs[::-1][:2]
+        found = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"search": "echo hi"}).json()["logs"]
+        assert found and all("echo hi" in e["message"] for e in found)
+        last = v1["logEntries"][-1]["timestamp"]
+        from datetime import datetime
+        cursor = int(datetime.fromisoformat(last.replace("Z", "+00:00")).timestamp() * 1000) + 1000
+        assert c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"cursor": cursor}).json()["logs"] == []
+        assert c.get("/v2/sandboxes/nope/logs").status_code == 404
+        assert c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"direction": "sideways"}).status_code == 400
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "logs", sandbox.sandbox_id, "--json"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and any("exit status 3" in e["line"] for e in _json.loads(p.stdout)), p.stderr

@@ -36,7 +36,7 @@ async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | N
     """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running."""
     rec = await _orch(request).resume(sandbox_id, body.timeout if body else None,
                                       body.auto_pause if body else None)
-    return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201)
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
@@ -45,7 +45,7 @@ async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody |
     """Connect: a running sandbox gets its timeout extended (never shortened), 200; a
     paused one is resumed, 201. Waits for a pause/resume in progress."""
     rec, resumed = await _orch(request).connect(sandbox_id, body.timeout if body else 300)
-    return JSONResponse(schemas.sandbox_created(rec), status_code=201 if resumed else 200)
+    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201 if resumed else 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)
@@ -54,10 +54,14 @@ async def fork(request: Request, sandbox_id: str, body: schemas.ForkBody | None 
     body = body or schemas.ForkBody()
     phases = timing.start()
     results = await _orch(request).fork(sandbox_id, body.count, body.timeout)
-    return JSONResponse(fork_results(results), status_code=201, headers=timing.header(phases))
+    return JSONResponse(fork_results(results, _domain(request)), status_code=201, headers=timing.header(phases))
 
 
-def fork_results(results: list) -> list[dict]:
+def _domain(request: Request) -> str:
+    return request.app.state.settings.public_domain
+
+
+def fork_results(results: list, domain: str | None = None) -> list[dict]:
     """E2B fork answer entries: ``{"sandbox": Sandbox}`` per child that runs, or
     ``{"error": Error}`` with the status of what stopped it."""
     out = []
@@ -66,7 +70,7 @@ def fork_results(results: list) -> list[dict]:
             status = r.status if isinstance(r, OrchestratorError) else 500
             out.append({"error": schemas.error(status, str(r))})
         else:
-            out.append({"sandbox": schemas.sandbox_created(r)})
+            out.append({"sandbox": schemas.sandbox_created(r, domain)})
     return out
 
 

@@ -58,6 +58,9 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
     refused = schemas.unsupported_create_fields(body)
     if refused:
         raise BadRequest("; ".join(refused))
+    net = body.network
+    egress = schemas.egress_policy(net.allow_out if net else None, net.deny_out if net else None,
+                                   body.allow_internet_access)
     orch = _orch(request)
     rec = await orch.create(
         template_id=body.template_id,
@@ -71,8 +74,9 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         # old clients that cannot send a token).
         secure=body.secure is not False,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
+        egress=egress,
     )
-    return JSONResponse(schemas.sandbox_created(rec), status_code=201)
+    return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201)
 
 
 @router.post("/sandboxes", status_code=201)
@@ -104,25 +108,52 @@ async def list_sandboxes_v2(
     order: str | None = Query(default=None, pattern="^(asc|desc)$"),
     next_token: str | None = Query(default=None, alias="nextToken"),
     limit: int = Query(default=100, ge=1, le=100),
+    started_after: str | None = Query(default=None, alias="startedAfter"),
+    started_before: str | None = Query(default=None, alias="startedBefore"),
 ):
     """Sandboxes filtered by ``state`` (comma list of running/paused; default both),
-    ``metadata`` and ``template``; paginated by ``limit`` and the opaque
-    ``nextToken`` (answered in the ``x-next-token`` header)."""
-    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit)
+    ``metadata``, ``template`` and start time (``startedAfter`` / ``startedBefore``:
+    ISO 8601, inclusive); ordered by start time (``order``, default desc); paginated by
+    ``limit`` and the opaque ``nextToken`` (answered in the ``x-next-token`` header)."""
+    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit,
+                     started_after, started_before)
+
+
+def _when(name: str, raw: str | None) -> float | None:
+    """UNIX seconds of an ISO 8601 query value (a naive one is UTC).
+
+    Raises:
+        BadRequest: not ISO 8601 (naming ``name``).
+    """
+    if raw is None or raw == "":
+        return None
+    from datetime import datetime, timezone
+
+    try:
+        t = datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "+"))
+    except ValueError as e:
+        raise BadRequest(f"{name}: {raw!r} is not an ISO 8601 time") from e
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return t.timestamp()
 
 
 def list_page(recs, response: Response, metadata: str | None, state: str | None, template: str | None,
-              order: str | None, next_token: str | None, limit: int) -> list[dict]:
+              order: str | None, next_token: str | None, limit: int,
+              started_after: str | None = None, started_before: str | None = None) -> list[dict]:
     """One page of ``GET /v2/sandboxes`` over ``recs`` (shared by node and gateway):
-    filtered (:func:`filter_records`), newest first unless ``order=asc``, paginated.
+    filtered (:func:`filter_records`, then start time within ``started_after`` …
+    ``started_before``, ISO 8601, inclusive), newest first unless ``order=asc``, paginated.
 
     Raises:
-        BadRequest: bad state filter, metadata filter or nextToken.
+        BadRequest: bad state filter, metadata filter, time or nextToken.
     """
     states = set((state or "running,paused").split(","))
     if not states <= {"running", "paused"}:
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
+    after, before = _when("startedAfter", started_after), _when("startedBefore", started_before)
     recs = filter_records(recs, metadata, states, template)
+    recs = [r for r in recs if (after is None or r.started_at >= after) and (before is None or r.started_at <= before)]
     recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
     page = schemas.paginate(recs, limit, next_token, response)
     return [schemas.sandbox_listed(r) for r in page]
@@ -131,7 +162,7 @@ def list_page(recs, response: Response, metadata: str | None, state: str | None,
 @router.get("/sandboxes/{sandbox_id}")
 async def get_sandbox(request: Request, sandbox_id: str):
     """One sandbox's details."""
-    return schemas.sandbox_detail(_orch(request).get(sandbox_id))
+    return schemas.sandbox_detail(_orch(request).get(sandbox_id), request.app.state.settings.public_domain)
 
 
 @router.delete("/sandboxes/{sandbox_id}", status_code=204)
@@ -156,10 +187,22 @@ async def refresh(request: Request, sandbox_id: str, body: schemas.RefreshBody |
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
-async def metrics(request: Request, sandbox_id: str):
-    """Current CPU / memory / disk usage as a one-element ``SandboxMetric`` list."""
-    m = await _orch(request).metrics(sandbox_id)
+async def metrics(request: Request, sandbox_id: str, start: int | None = Query(default=None, ge=0),
+                  end: int | None = Query(default=None, ge=0)):
+    """CPU / memory / disk usage as a ``SandboxMetric`` list. forkyard keeps no history:
+    the list holds the current sample when it lies in ``start`` … ``end`` (UNIX seconds,
+    inclusive; open ends when omitted), else is empty. A paused sandbox has no samples.
+
+    Raises:
+        BadRequest: ``start`` after ``end``.
+    """
+    if start is not None and end is not None and start > end:
+        raise BadRequest(f"start ({start}) is after end ({end})")
+    rec = _orch(request).get(sandbox_id)
     now = time.time()
+    if rec.state == "paused" or (start is not None and now < start) or (end is not None and int(now) > end):
+        return []
+    m = await _orch(request).metrics(sandbox_id)
     return [
         {
             "timestamp": schemas._iso(now),
@@ -173,3 +216,49 @@ async def metrics(request: Request, sandbox_id: str):
             "diskTotal": m.get("disk_total", 0),
         }
     ]
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(request: Request, sandbox_id: str, body: schemas.NetworkUpdate):
+    """Replace a sandbox's egress rules (E2B ``update_network``): 204; 404 unknown; 400
+    for entries or fields forkyard does not enforce (domains, DNS servers, proxies,
+    request rules). A paused sandbox gets them when it resumes."""
+    refused = schemas.unsupported_egress(body)
+    if refused:
+        raise BadRequest("; ".join(refused))
+    policy = schemas.egress_policy(body.allow_out, body.deny_out, body.allow_internet_access)
+    await _orch(request).set_network(sandbox_id, policy)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def logs_v1(request: Request, sandbox_id: str, start: int | None = Query(default=None, ge=0),
+                  limit: int = Query(default=1000, ge=1, le=10000)):
+    """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``) and ``logEntries``
+    (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on, oldest first,
+    at most ``limit``. Sources: envd (including each process it started and how it
+    ended) and the runtime, since the sandbox last started or resumed."""
+    from forkyard.orchestrator.logs import select
+
+    entries = select(_orch(request).log_entries(sandbox_id), start, limit)
+    return {"logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
+            "logEntries": [_entry(e) for e in entries]}
+
+
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def logs_v2(request: Request, sandbox_id: str, cursor: int | None = Query(default=None, ge=0),
+                  limit: int = Query(default=1000, ge=1, le=10000),
+                  direction: str = Query(default="forward", pattern="^(forward|backward)$"),
+                  level: str | None = Query(default=None, pattern="^(debug|info|warn|error)$"),
+                  search: str | None = Query(default=None, max_length=256)):
+    """E2B ``SandboxLogsV2Response``: entries from ``cursor`` (UNIX ms) ``forward``
+    (oldest first) or ``backward`` (newest first), at least ``level``, containing
+    ``search``, at most ``limit``. Page on with the last entry's time as the cursor."""
+    from forkyard.orchestrator.logs import select
+
+    entries = select(_orch(request).log_entries(sandbox_id), cursor, limit, direction, level, search)
+    return {"logs": [_entry(e) for e in entries]}
+
+
+def _entry(e: dict) -> dict:
+    return {"timestamp": e["timestamp"], "level": e["level"], "message": e["message"], "fields": e["fields"]}

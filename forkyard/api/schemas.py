@@ -93,6 +93,46 @@ class NewSandbox(_Strict):
         return v
 
 
+def unsupported_egress(net) -> list[str]:
+    """Refusals for egress fields forkyard does not enforce (``allowOut``/``denyOut`` are
+    enforced; see :mod:`forkyard.network.egress`)."""
+    out = []
+    if net.dns_servers:
+        out.append("network.dnsServers only matters with domain allowOut entries, which forkyard does not support")
+    if net.egress_proxy:
+        out.append("network.egressProxy is not supported")
+    if net.rules:
+        out.append("network.rules (egress request transforms) are not supported")
+    return out
+
+
+class NetworkUpdate(BaseModel):
+    """``PUT /sandboxes/{id}/network`` body (E2B ``SandboxNetworkUpdateConfig``): replaces
+    the whole egress configuration; omitted fields are cleared."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")
+    allow_out: list[str] | None = Field(default=None, alias="allowOut", max_length=1024)
+    deny_out: list[str] | None = Field(default=None, alias="denyOut", max_length=1024)
+    dns_servers: list[str] | None = Field(default=None, alias="dnsServers", max_length=64)
+    egress_proxy: dict | None = Field(default=None, alias="egressProxy")
+    rules: dict | None = None
+    allow_internet_access: bool | None = Field(default=None, alias="allow_internet_access")
+
+
+def egress_policy(allow_out, deny_out, allow_internet_access):
+    """:func:`forkyard.network.egress.parse_policy` with its errors as 400s.
+
+    Raises:
+        BadRequest: a domain, malformed or too many entries.
+    """
+    from forkyard.network.egress import PolicyError, parse_policy
+
+    try:
+        return parse_policy(allow_out, deny_out, allow_internet_access)
+    except PolicyError as e:
+        raise BadRequest(str(e)) from e
+
+
 def unsupported_create_fields(body: NewSandbox) -> list[str]:
     """Messages for the create fields of ``body`` whose value forkyard does not enforce
     (empty: every field is honoured). Each message names the field as the API spells it.
@@ -103,22 +143,15 @@ def unsupported_create_fields(body: NewSandbox) -> list[str]:
         out.append("autoPauseMemory: false (a filesystem-only auto-pause) is not supported yet")
     if body.auto_resume is not None and body.auto_resume.enabled and body.auto_pause is False:
         out.append("autoResume.enabled: true needs autoPause: true (a killed sandbox cannot resume)")
-    if body.allow_internet_access is False:
-        out.append("allow_internet_access: false is not enforced yet (egress is not filtered); omit it")
     net = body.network
     if net is not None:
         if net.allow_public_traffic is False:
             out.append("network.allowPublicTraffic: false is not supported yet (traffic access tokens)")
-        for name, value in (("allowOut", net.allow_out), ("denyOut", net.deny_out),
-                            ("dnsServers", net.dns_servers), ("httpsPorts", net.https_ports)):
-            if value:
-                out.append(f"network.{name} is not enforced yet (egress/ports are not filtered); omit it")
-        if net.egress_proxy:
-            out.append("network.egressProxy is not supported")
+        out += unsupported_egress(net)
+        if net.https_ports:
+            out.append("network.httpsPorts is not supported yet (the proxy speaks plain HTTP to sandboxes); omit it")
         if net.mask_request_host:
             out.append("network.maskRequestHost is not supported yet")
-        if net.rules:
-            out.append("network.rules (egress request transforms) are not supported")
     if body.mcp:
         out.append("mcp (an MCP gateway in the sandbox) is not supported")
     if body.iam and body.iam.get("tokens"):
@@ -150,8 +183,9 @@ def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def sandbox_created(rec: SandboxRecord) -> dict:
-    """``Sandbox`` body returned by create/connect (201/200)."""
+def sandbox_created(rec: SandboxRecord, domain: str | None = None) -> dict:
+    """``Sandbox`` body returned by create/connect (201/200); ``domain`` (the server's
+    public sandbox domain) makes the SDKs' ``get_host(port)`` = ``PORT-ID.domain``."""
     d = {
         "templateID": rec.template_id,
         "sandboxID": rec.id,
@@ -161,6 +195,8 @@ def sandbox_created(rec: SandboxRecord) -> dict:
     }
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token
+    if domain:
+        d["domain"] = domain
     return d
 
 
@@ -182,9 +218,11 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
     }
 
 
-def sandbox_detail(rec: SandboxRecord) -> dict:
-    """``SandboxDetail`` body (``GET /sandboxes/{id}``)."""
+def sandbox_detail(rec: SandboxRecord, domain: str | None = None) -> dict:
+    """``SandboxDetail`` body (``GET /sandboxes/{id}``), with the public ``domain``."""
     d = sandbox_listed(rec)
+    if domain:
+        d["domain"] = domain
     d["lifecycle"] = {"autoResume": rec.auto_resume, "onTimeout": "pause" if rec.auto_pause else "kill"}
     if rec.envd_access_token:
         d["envdAccessToken"] = rec.envd_access_token

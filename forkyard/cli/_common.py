@@ -25,6 +25,35 @@ T = TypeVar("T")
 JSON_OPT = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 
 
+def print_table(table, ids: list[str]) -> None:
+    """``table`` on a terminal; when stdout is piped, only ``ids``, one a line (for
+    ``| xargs`` and ``while read``); ``--json`` gives the full rows."""
+    if sys.stdout.isatty():
+        out.print(table, highlight=False)
+    else:
+        for i in ids:
+            print(i)
+
+
+def _flag_help_without_value() -> None:
+    """Show boolean flags in ``--help`` without a value placeholder (typer 0.29 prints
+    ``--json <bool>``, which reads as if the flag took an argument)."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "_forkyard", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich._forkyard = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flag_help_without_value()
+
+
 def fail(msg: str, hint: str = "", code: int = 1):
     """Print ``error: msg`` (and a hint) on stderr and exit with ``code``."""
     err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)

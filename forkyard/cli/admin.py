@@ -12,7 +12,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from forkyard.cli._common import JSON_OPT, err, fail, out, print_json, run
+from forkyard.cli._common import JSON_OPT, err, fail, out, print_json, print_table, run
 from forkyard.client import (
     AsyncForkyard,
     AuthError,
@@ -243,7 +243,7 @@ def template_list(as_json: bool = JSON_OPT):
         for it in items:
             t.add_row(it.template_id, ",".join(it.names), str(it.cpu_count or "-"),
                       f"{it.memory_mb} MiB" if it.memory_mb else "-", it.build_status or "-")
-        out.print(t, highlight=False)
+        print_table(t, [it.template_id for it in items])
 
     run(go)
 

@@ -16,8 +16,23 @@ app = typer.Typer(help="forkyard: forkable gVisor sandboxes behind an E2B-compat
 console = Console(stderr=True)
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            v = version("forkyard")
+        except PackageNotFoundError:  # run from a checkout without installing
+            v = "0.1.0"
+        print(f"forkyard {v}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: bool = typer.Option(False, "--version", help="Print the version and exit.", callback=_version,
+                                 is_eager=True),
+) -> None:
     """forkyard: forkable gVisor sandboxes behind an E2B-compatible API."""
 
 

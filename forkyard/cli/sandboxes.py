@@ -30,9 +30,28 @@ from forkyard.cli._common import (
     out,
     parse_kv,
     print_json,
+    print_table,
     run,
 )
 from forkyard.client import AsyncForkyard, Conflict, ForkError, NotFound, NotSupported
+
+def exit_code_of(code: int, error: str | None) -> int:
+    """A command's exit code as a shell reports it: envd ends a command killed by a
+    signal with exit code -1 and ``error`` "signal: NAME" (Go's ``os.ProcessState``
+    wording, e.g. "signal: killed"); that becomes 128 + the signal's number."""
+    import signal as _signal
+
+    if code != -1 or not error or not error.startswith("signal: "):
+        return code
+    name = error[len("signal: "):].split(" (core dumped)")[0].strip().lower()
+    if name.startswith("signal ") and name[7:].isdigit():
+        return 128 + int(name[7:])
+    for sig in _signal.Signals:
+        desc = _signal.strsignal(sig)
+        if desc and desc.lower() == name:
+            return 128 + sig.value
+    return 255
+
 
 ID_ARG = typer.Argument(..., help="Sandbox id (see `forkyard ls`).", autocompletion=complete_sandbox_id)
 IDS_ARG = typer.Argument(..., help="Sandbox ids (see `forkyard ls`).", autocompletion=complete_sandbox_id)
@@ -119,16 +138,24 @@ def register(app: typer.Typer) -> None:
         cwd: str | None = typer.Option(None, "--cwd", help="Working directory in the sandbox."),
         user: str | None = typer.Option(None, "--user", "-u", help="User to run as (default: user)."),
         env: list[str] | None = typer.Option(None, "--env", "-e", help="KEY=VALUE (repeatable)."),
-        timeout: float = typer.Option(0, "--timeout", help="Kill the command after this many seconds (0: never)."),
+        timeout: float = typer.Option(0, "--timeout", help="Kill the command after this many seconds (0: never); "
+                                                           "exit code 124."),
+        interactive: bool = typer.Option(False, "--interactive", "-i", help="Forward this terminal's stdin to the "
+                                                                             "command (EOF closes it)."),
         as_json: bool = typer.Option(False, "--json", help="Buffer the output; print stdout, stderr and exit "
                                                           "code as JSON."),
     ):
-        """Run one command in a sandbox; output streams live; exit code = the command's."""
+        """Run one command in a sandbox; output streams live.
+
+        Exit code: the command's; 128+N when it died by signal N; 124 when --timeout
+        killed it (as GNU timeout)."""
         line = cmd[0] if len(cmd) == 1 else shlex.join(cmd)
         envs = parse_kv(env, "env")
 
         async def go(c: AsyncForkyard) -> int:
-            from e2b import CommandExitException
+            import asyncio
+
+            from e2b import CommandExitException, TimeoutException
 
             try:
                 sbx = await c.connect(sandbox_id, timeout=max(int(timeout) + 60, 300))
@@ -142,16 +169,42 @@ def register(app: typer.Typer) -> None:
                 return write
 
             kw = {} if as_json else {"on_stdout": w(sys.stdout), "on_stderr": w(sys.stderr)}
+            handle = await sbx.commands.run(line, cwd=cwd, user=user, envs=envs, timeout=timeout or 0,
+                                            background=True, stdin=True if interactive else None, **kw)
+            feeder = asyncio.create_task(_feed_stdin(sbx, handle.pid)) if interactive else None
             try:
-                r = await sbx.commands.run(line, cwd=cwd, user=user, envs=envs, timeout=timeout or 0, **kw)
-                code, so, se = r.exit_code, r.stdout, r.stderr
+                r = await handle.wait()
+                code, so, se, error = r.exit_code, r.stdout, r.stderr, r.error
             except CommandExitException as e:
-                code, so, se = e.exit_code, e.stdout, e.stderr
+                code, so, se, error = e.exit_code, e.stdout, e.stderr, e.error
+            except TimeoutException:
+                try:
+                    await handle.kill()
+                except Exception:  # noqa: BLE001 — it may have ended meanwhile
+                    pass
+                err.print(f"timed out after {timeout:g} s", highlight=False)
+                return 124
+            finally:
+                if feeder is not None:
+                    feeder.cancel()
+            code = exit_code_of(code, error)
             if as_json:
                 print_json({"sandboxID": sandbox_id, "command": line, "exitCode": code, "stdout": so, "stderr": se})
             return code
 
         raise typer.Exit(run(go))
+
+    async def _feed_stdin(sbx, pid: int) -> None:
+        """Copy this process's stdin to command ``pid`` until EOF, then close its stdin."""
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await loop.run_in_executor(None, lambda: os.read(sys.stdin.fileno(), 65536))
+            if not data:
+                break
+            await sbx.commands.send_stdin(pid, data)
+        await sbx.commands.close_stdin(pid)
 
     @app.command("ls")
     def ls(
@@ -184,7 +237,7 @@ def register(app: typer.Typer) -> None:
                 t.add_row(s.sandbox_id, s.template_id, st, ago(s.started_at), expires, str(s.cpu_count or "-"),
                           f"{s.memory_mb} MiB" if s.memory_mb else "-",
                           " ".join(f"{k}={v}" for k, v in s.metadata.items()))
-            out.print(t)
+            print_table(t, [s.sandbox_id for s in items])
 
         run(go)
 
@@ -229,8 +282,11 @@ def register(app: typer.Typer) -> None:
         """Disk size, or ``unlimited`` for gVisor's "no limit" (close to 2**63 bytes)."""
         return "unlimited" if isinstance(n, (int, float)) and n >= 1 << 62 else human_bytes(n)
 
-    def _each(ids: list[str], verb: str, fn, as_json: bool, done: str) -> None:
-        """Apply ``fn(client, id)`` to every id; report each; exit 1 if any failed."""
+    def _each(ids: list[str], verb: str, fn, as_json: bool, done: str,
+              already: tuple[str, str] | None = None) -> None:
+        """Apply ``fn(client, id)`` to every id; report each; exit 1 if any failed.
+        ``already`` = (text in the 409 message, what to report): that conflict means the
+        sandbox is in the wanted state already, which is not an error."""
 
         async def go(c: AsyncForkyard) -> int:
             results, bad = [], 0
@@ -246,6 +302,11 @@ def register(app: typer.Typer) -> None:
                     if not as_json:
                         err.print(f"[red]error:[/red] sandbox {sid} not found (see `forkyard ls`)", highlight=False)
                 except Conflict as e:
+                    if already is not None and already[0] in e.message:
+                        results.append({"sandboxID": sid, "ok": True, "already": True})
+                        if not as_json:
+                            out.print(f"{sid} {already[1]}", highlight=False)
+                        continue
                     bad += 1
                     results.append({"sandboxID": sid, "ok": False, "error": e.message})
                     if not as_json:
@@ -270,8 +331,10 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def pause(sandbox_ids: list[str] = IDS_ARG, as_json: bool = JSON_OPT):
-        """Pause sandboxes: memory and files are checkpointed; resume continues them."""
-        _each(sandbox_ids, "pause", lambda c, s: c.pause(s), as_json, "paused")
+        """Pause sandboxes: memory and files are checkpointed; resume continues them (a
+        paused one is left as it is)."""
+        _each(sandbox_ids, "pause", lambda c, s: c.pause(s), as_json, "paused",
+              already=("is paused", "is already paused"))
 
     @app.command()
     def resume(
@@ -279,8 +342,9 @@ def register(app: typer.Typer) -> None:
         timeout: int | None = typer.Option(None, "--timeout", "-t", help="New lifetime in seconds."),
         as_json: bool = JSON_OPT,
     ):
-        """Resume paused sandboxes under the same ids."""
-        _each(sandbox_ids, "resume", lambda c, s: c.resume(s, timeout), as_json, "resumed")
+        """Resume paused sandboxes under the same ids (a running one is left as it is)."""
+        _each(sandbox_ids, "resume", lambda c, s: c.resume(s, timeout), as_json, "resumed",
+              already=("already running", "is already running"))
 
     @app.command("timeout")
     def set_timeout(
@@ -322,7 +386,7 @@ def register(app: typer.Typer) -> None:
                         t.add_row(str(i), "-", f"[red]{r}[/red]")
                     else:
                         t.add_row(str(i), r.sandbox_id, "[green]running[/green]")
-                out.print(t, highlight=False)
+                print_table(t, [r.sandbox_id for r in res if not isinstance(r, ForkError)])
             return 1 if any(isinstance(r, ForkError) for r in res) else 0
 
         raise typer.Exit(run(go))
@@ -405,7 +469,9 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def logs(sandbox_id: str = ID_ARG, as_json: bool = JSON_OPT):
-        """Show a sandbox's logs (or, without a logs endpoint, its processes).
+        """Show a sandbox's logs: envd's and the runtime's lines since it last started or
+        resumed, including each process envd started and how it ended (or, from a server
+        without a logs endpoint, its running processes).
 
         When the server has no logs endpoint this says so and lists the processes running in the sandbox, from envd."""
 
@@ -475,10 +541,10 @@ def register(app: typer.Typer) -> None:
         name: str | None = typer.Option(None, "--name", help="Only snapshots with this name."),
         as_json: bool = JSON_OPT,
     ):
-        """List snapshots, oldest first."""
+        """List snapshots, newest first."""
 
         async def go(c: AsyncForkyard):
-            items = await c.list_snapshots(sandbox_id, name)
+            items = sorted(await c.list_snapshots(sandbox_id, name), key=lambda s: s.created_at.timestamp() if s.created_at else 0, reverse=True)
             if as_json:
                 print_json([s.raw for s in items])
                 return
@@ -492,7 +558,7 @@ def register(app: typer.Typer) -> None:
             for s in items:
                 t.add_row(s.snapshot_id, ",".join(s.names), s.sandbox_id or "-", s.template_id or "-",
                           human_bytes(s.size_bytes), ago(s.created_at))
-            out.print(t, highlight=False)
+            print_table(t, [s.snapshot_id for s in items])
 
         run(go)
 

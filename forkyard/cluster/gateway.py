@@ -421,8 +421,11 @@ class Gateway:
             order: str | None = Query(default=None, pattern="^(asc|desc)$"),
             next_token: str | None = Query(default=None, alias="nextToken"),
             limit: int = Query(default=100, ge=1, le=100),
+            started_after: str | None = Query(default=None, alias="startedAfter"),
+            started_before: str | None = Query(default=None, alias="startedBefore"),
         ):
-            return list_page(await gw._records(), response, metadata, state, template, order, next_token, limit)
+            return list_page(await gw._records(), response, metadata, state, template, order, next_token, limit,
+                             started_after, started_before)
 
         @app.get("/metrics/node")
         @app.get("/metrics/cluster")

@@ -252,6 +252,10 @@ class NetworkManager:
         if not re.fullmatch(r"[a-z]{2,4}", prefix):
             raise ValueError(f"prefix must be 2-4 lower-case letters, not {prefix!r}")
         self.settings = settings
+        #: Destinations no sandbox may reach (``FORKYARD_BLOCKED_EGRESS``, default
+        #: :data:`BLOCKED_EGRESS`); an egress allow entry does not override them.
+        blocked = getattr(settings, "blocked_egress", None)
+        self.blocked_egress = list(BLOCKED_EGRESS if blocked is None else blocked)
         self.prefix = prefix
         self.outer_net = ipaddress.IPv4Network(outer_net)
         self.max_slots = min(MAX_SLOTS, self.outer_net.num_addresses // 4)
@@ -311,7 +315,7 @@ class NetworkManager:
                   for ns in _host_nameservers() for proto in ("udp", "tcp")],
                 # ... but no other private, link-local (metadata), CGNAT or documentation
                 # address: the host's network neighbours are not the sandbox's business.
-                *[["-i", hif, "-d", net, "-j", "DROP"] for net in BLOCKED_EGRESS],
+                *[["-i", hif, "-d", net, "-j", "DROP"] for net in self.blocked_egress],
                 ["-i", hif, "-s", outer, "-j", "ACCEPT"],
                 ["-i", hif, "-j", "DROP"],
                 ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
@@ -586,6 +590,32 @@ class NetworkManager:
                 raise NetworkError(f"configuring {host_if}: {exc}") from exc
         finally:
             os.close(root_fd)
+
+    @_off_loop
+    def set_egress(self, index: int, policy) -> None:
+        """Replace slot ``index``'s egress filter with ``policy``
+        (:class:`forkyard.network.egress.EgressPolicy`) in one ``iptables-restore`` of the
+        middle netns' filter table (atomic: no moment without rules). An empty policy
+        clears it.
+
+        Raises:
+            NetworkError: the slot does not exist or iptables-restore failed.
+        """
+        from forkyard.network.egress import filter_table
+
+        self.addresses(index)  # range check
+        middle = str(NETNS_DIR / self._middle_ns(index))
+        if not _is_nsfs(Path(middle)):
+            raise NetworkError(f"slot {index} has no middle netns")
+        rules = filter_table(policy, MIDDLE_GUEST_IF, MIDDLE_OUTER_IF)
+
+        def apply() -> None:
+            _enter_netns(middle)
+            proc = subprocess.run(["iptables-restore", "-w"], input=rules, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise NetworkError(f"iptables-restore (egress) in {middle}: {proc.stderr.strip()}")
+
+        _in_thread(apply)
 
     @_off_loop
     def release(self, index: int) -> None:

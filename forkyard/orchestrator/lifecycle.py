@@ -410,7 +410,8 @@ class LifecycleMixin:
         # Children restore straight from the staged image: a fork image is never needed
         # after its children run, so it is not committed to the repository.
         try:
-            return await self._spawn_children(image, count, timeout_s, src.auto_pause, staging / "image")
+            return await self._spawn_children(image, count, timeout_s, src.auto_pause, staging / "image",
+                                              egress=src.egress)
         finally:
             self.snapshots.discard(staging)
 
@@ -474,9 +475,10 @@ class LifecycleMixin:
         return src, self._meta_for(src, "fork", sid), staging
 
     async def _spawn_children(self, image: SnapshotMeta, count: int, timeout_s: int, auto_pause: bool,
-                              image_dir: Path | None) -> list[SandboxRecord | Exception]:
+                              image_dir: Path | None, egress: dict | None = None) -> list[SandboxRecord | Exception]:
         """Restore ``count`` children of ``image`` in parallel (:data:`FORK_PARALLELISM`)
-        from ``image_dir`` (staged) or, when None, from the repository / node cache.
+        from ``image_dir`` (staged) or, when None, from the repository / node cache;
+        each gets ``egress`` (the source's policy on a local fork).
         Records ``children`` and the slowest child's ``slot``/``runtime``/``envd`` (ms)."""
         from forkyard.orchestrator.manager import new_sandbox_id
 
@@ -490,6 +492,7 @@ class LifecycleMixin:
                 metadata={**image.metadata, PARENT_KEY: image.source_sandbox_id, SNAPSHOT_KEY: image.snapshot_id},
                 env_vars=dict(image.env_vars), image_id=None, timeout_s=timeout_s,
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
+                egress=dict(egress or {}),
             )
             self.store.put(kid)
             kids.append(kid)

@@ -23,6 +23,7 @@ import httpx
 
 from forkyard.config import Settings
 from forkyard.network.base import Slot
+from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.admission import Capacity
@@ -418,6 +419,8 @@ class Orchestrator(LifecycleMixin):
         self._starting += 1
         try:
             slot = await self._alloc_slot(rec)
+            if rec.egress:  # before anything runs in the slot: no unfiltered moment
+                await asyncio.to_thread(self.network.set_egress, slot.index, EgressPolicy.from_json(rec.egress))
             t1 = time.perf_counter()
             phases["slot"] = (t1 - t0) * 1000
             workdir = self.settings.sandboxes_dir / rec.id
@@ -486,8 +489,9 @@ class Orchestrator(LifecycleMixin):
         auto_pause: bool = True,
         secure: bool = False,
         vcpus: int | None = None,
-        auto_resume: bool = False,
         memory_mb: int | None = None,
+        auto_resume: bool = False,
+        egress: EgressPolicy | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -496,6 +500,7 @@ class Orchestrator(LifecycleMixin):
             timeout_s: seconds until expiry (1 … 86400; default 300).
             auto_pause: pause (True) or kill (False) at expiry.
             auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
+            egress: outbound traffic policy, enforced from before the sandbox starts.
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
 
@@ -525,6 +530,7 @@ class Orchestrator(LifecycleMixin):
             image_id=snap.snapshot_id if snap else None,
             timeout_s=timeout_s,
             auto_resume=auto_resume,
+            egress=egress.to_json() if egress is not None and not egress.empty else {},
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
@@ -676,6 +682,35 @@ class Orchestrator(LifecycleMixin):
         return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
+    def log_entries(self, sandbox_id: str) -> list[dict]:
+        """The sandbox's log entries since it last started or resumed
+        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.
+
+        Raises:
+            NotFound: unknown sandbox.
+        """
+        from forkyard.orchestrator.logs import read_entries
+
+        self.get(sandbox_id)
+        return read_entries(self.settings.sandboxes_dir / sandbox_id / "console.log")
+
+    async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
+        """Replace a sandbox's egress policy (E2B ``PUT /sandboxes/{id}/network``): applied
+        at once when it runs, stored for its next resume when paused.
+
+        Raises:
+            NotFound: unknown sandbox.
+        """
+        async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
+            rec = self.get(sandbox_id)
+            slot = self._slots.get(sandbox_id)
+            if slot is not None:
+                await asyncio.to_thread(self.network.set_egress, slot.index, policy)
+            rec.egress = {} if policy.empty else policy.to_json()
+            self.store.put(rec)
+            return rec
+
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:
         """Set expiry to now + ``timeout_s`` (E2B semantics: may shorten or extend).
         Waits for a pause/snapshot/fork in progress, so their write-back cannot undo it.

@@ -39,7 +39,7 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing")
 #: Columns added after the first schema, with their SQL type (migrated on open).
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
-          "auto_resume": "INTEGER NOT NULL DEFAULT 0"}
+          "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT"}
 
 
 @dataclass
@@ -69,6 +69,9 @@ class SandboxRecord:
     paused_at: float | None = None
     #: E2B ``autoResume.enabled``: traffic through the proxy resumes it when paused.
     auto_resume: bool = False
+    #: egress policy ``{"allowOut": [CIDR...], "denyOut": [CIDR...]}`` (see
+    #: :mod:`forkyard.network.egress`); empty: unfiltered.
+    egress: dict = field(default_factory=dict)
 
 
 class Store:
@@ -112,6 +115,7 @@ class Store:
         d = dict(row)
         d["auto_pause"] = bool(d["auto_pause"])
         d["auto_resume"] = bool(d.get("auto_resume"))
+        d["egress"] = json.loads(d["egress"]) if d.get("egress") else {}
         d["metadata"] = json.loads(d["metadata"])
         d["env_vars"] = json.loads(d["env_vars"])
         return SandboxRecord(**d)
@@ -121,6 +125,7 @@ class Store:
         d = asdict(rec)
         d["auto_pause"] = int(rec.auto_pause)
         d["auto_resume"] = int(rec.auto_resume)
+        d["egress"] = json.dumps(rec.egress) if rec.egress else None
         d["metadata"] = json.dumps(rec.metadata)
         d["env_vars"] = json.dumps(rec.env_vars)
         cols = ", ".join(d)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -271,11 +272,14 @@ func spawn(r *reaper.Reaper, s spawnSpec) (*Proc, error) {
 		closeAll(p.stdin)
 		p.stdin = nil
 		p.stdinMu.Unlock()
-		p.finish(endEvent(ws))
+		end := endEvent(ws)
+		p.finish(end)
+		log.Printf("process %d ended: %s", p.pid, end.GetEnd().GetStatus())
 		if s.onEnd != nil {
 			s.onEnd(p)
 		}
 	}()
+	log.Printf("process %d started: %s", p.pid, commandLine(p.config))
 	return p, nil
 }
 
@@ -470,4 +474,13 @@ func (p *Proc) Resize(size *rpc.PTY_Size) error {
 // Info returns the process's List entry.
 func (p *Proc) Info() *rpc.ProcessInfo {
 	return &rpc.ProcessInfo{Config: p.config, Pid: p.pid, Tag: p.tag}
+}
+
+// commandLine is cmd and args for the log, cut at 200 bytes.
+func commandLine(c *rpc.ProcessConfig) string {
+	line := strings.Join(append([]string{c.GetCmd()}, c.GetArgs()...), " ")
+	if len(line) > 200 {
+		line = line[:200] + "…"
+	}
+	return line
 }
