@@ -67,10 +67,9 @@ ADMISSION_REFUSALS = Counter(
     "forkyard_admission_refusals_total",
     "Sandbox placements or starts refused for lack of capacity (reason: a fixed word, e.g. no_capacity).",
     ["reason"], registry=REGISTRY)
-for _kind in ("http", "websocket"):
-    PROXY_OPEN.labels(_kind)
-for _dir in ("in", "out"):
-    PROXY_BYTES.labels(_dir)
+#: Pre-bound children (``labels()`` costs a locked lookup; bytes count once per body chunk).
+BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
+OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")
 
 _op: ContextVar[str | None] = ContextVar("forkyard_metrics_op", default=None)
 
