@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -173,6 +174,11 @@ def cluster(base_template):
     from test_cluster import assert_clean
 
     c = Cluster(TEST_ROOT / f"cluster-obs-{os.getpid()}", nodes=1)
+    token = c.root / "metrics_token"  # the gateway alone gets a metrics token
+    token.write_text(secrets.token_hex(16))
+    token.chmod(0o600)
+    c.metrics_token = token.read_text()
+    c.gateway.env = dict(c.gateway.env, FORKYARD_METRICS_TOKEN_FILE=str(token))
     try:
         c.start()
         yield c
@@ -183,12 +189,17 @@ def cluster(base_template):
 
 def test_cluster_metrics_and_request_id(cluster):
     """Gateway and scheduler serve ``/metrics`` with per-node heartbeat age and Redis
-    reachability (scraped by a real Prometheus with the API key / cluster secret as
+    reachability (scraped by a real Prometheus with the metrics token / cluster secret as
     bearer), and the gateway passes a request id on to the node it forwards to."""
     c = cluster
     gw = c.gateway_url.removeprefix("http://")
     sched = c.scheduler_url.removeprefix("http://")
-    with Prometheus({"gateway": (gw, c.api_key), "scheduler": (sched, c.secret)}) as prom:
+    # With a metrics token set (gateway) a loopback scrape needs a credential; the token
+    # and the API key both work. Without one (scheduler) loopback may scrape as it is.
+    assert httpx.get(f"{c.gateway_url}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{c.scheduler_url}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{c.gateway_url}/metrics", headers={"X-API-Key": c.api_key}, timeout=10).status_code == 200
+    with Prometheus({"gateway": (gw, c.metrics_token), "scheduler": (sched, c.secret)}) as prom:
         age = prom.wait('forkyard_node_heartbeat_age_seconds{job="scheduler",node="node0"}')
         assert 0 <= _value(age) < 10
         prom.wait('forkyard_redis_up{job="gateway"} == 1')
@@ -251,8 +262,9 @@ def test_unknown_tracing_or_log_format_is_refused():
     """A setting that is not understood stops the component with a one-line error."""
     import sys
 
-    for env in ({"FORKYARD_TRACING": "jaeger"}, {"FORKYARD_LOG_FORMAT": "xml"}):
+    for env in ({"FORKYARD_TRACING": "jaeger"}, {"FORKYARD_LOG_FORMAT": "xml"},
+                {"FORKYARD_METRICS_TOKEN_FILE": "/nonexistent/token", "FORKYARD_CLUSTER_SECRET": "s" * 32}):
         p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "scheduler", "--port", str(free_port())],
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-        assert next(iter(env)) in p.stderr
+        assert next(iter(env)) in p.stderr, p.stderr

@@ -163,13 +163,23 @@ def render(families) -> bytes:
 
 def metrics_token() -> str | None:
     """The scrape token: ``FORKYARD_METRICS_TOKEN`` or the content of the file named by
-    ``FORKYARD_METRICS_TOKEN_FILE`` (Prometheus: ``authorization: {credentials_file: …}``)."""
+    ``FORKYARD_METRICS_TOKEN_FILE`` (Prometheus: ``authorization: {credentials_file: …}``).
+
+    Raises:
+        ValueError: the file cannot be read or is empty.
+    """
     value = os.environ.get("FORKYARD_METRICS_TOKEN", "").strip()
     if value:
         return value
     path = os.environ.get("FORKYARD_METRICS_TOKEN_FILE", "").strip()
     if path:
-        return Path(path).read_text().strip() or None
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read FORKYARD_METRICS_TOKEN_FILE {path}: {e}") from e
+        if not value:
+            raise ValueError(f"FORKYARD_METRICS_TOKEN_FILE {path} is empty")
+        return value
     return None
 
 
