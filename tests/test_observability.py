@@ -219,6 +219,18 @@ def test_cluster_metrics_and_request_id(cluster):
     assert gw_hits and gw_hits[-1]["component"] == "gateway"
 
 
+def test_top_on_gateway(cluster):
+    """``forkyard top --once`` against the gateway lists the cluster's nodes."""
+    import sys
+
+    env = {**os.environ, "FORKYARD_URL": cluster.gateway_url, "E2B_API_KEY": cluster.api_key}
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "top", "--once"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    row = next(line for line in p.stdout.splitlines() if line.strip().startswith("node0"))
+    assert "up" in row and "0/40" in row, p.stdout
+
+
 def _scrape_names(text: str) -> set[str]:
     """Every metric name a scrape exposes: families (``# TYPE``) with their sample
     suffixes, and sample names."""

@@ -304,6 +304,7 @@ class Orchestrator(LifecycleMixin):
             if idx not in used:
                 self._next_slot = (idx + 1) % MAX_SLOTS
                 return idx
+        metrics.admission_refused("no_network_slot")
         raise CreateFailed("no free network slot on this node")
 
     async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
