@@ -165,6 +165,11 @@ def test_request_id_in_json_logs(server, sandbox):
     assert line["component"] == "node" and line["level"] == "info"
     assert line["sandbox_id"] == sandbox.sandbox_id and line["operation"] == "set_timeout"
     assert line["status"] == 204 and line["duration_ms"] >= 0 and line["time"].endswith("Z")
+    # the lifecycle line of the sandbox's create names it, its operation and duration
+    created = [json.loads(l) for l in server.log.read_text().splitlines()
+               if l.startswith("{") and sandbox.sandbox_id in l and '"logger": "forkyard.lifecycle"' in l]
+    assert any(c["operation"] == "create" and c["sandbox_id"] == sandbox.sandbox_id and c["duration_ms"] > 0
+               for c in created), created
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import time
 from contextvars import ContextVar
@@ -72,6 +73,7 @@ BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
 OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")
 
 _op: ContextVar[str | None] = ContextVar("forkyard_metrics_op", default=None)
+_log = logging.getLogger("forkyard.lifecycle")
 
 
 def admission_refused(reason: str) -> None:
@@ -89,8 +91,10 @@ def observe_phase(name: str, seconds: float) -> None:
 
 def timed(op: str):
     """Decorator for an ``async`` orchestrator method: observes its duration (s) in
-    :data:`LIFECYCLE` under ``op`` with ``outcome`` ok/error, and lets
-    :func:`forkyard.orchestrator.timing.record` phases inside it count under ``op``."""
+    :data:`LIFECYCLE` under ``op`` with ``outcome`` ok/error, lets
+    :func:`forkyard.orchestrator.timing.record` phases inside it count under ``op``, and
+    logs one line (``forkyard.lifecycle``, INFO) with operation, sandbox id and duration
+    — also for operations no request asked for (TTL pause/kill)."""
     assert op in OPERATIONS, op
     import functools
 
@@ -99,15 +103,23 @@ def timed(op: str):
         async def inner(*args, **kwargs):
             token = _op.set(op)
             t0 = time.perf_counter()
-            outcome = "error"
+            outcome, out, err = "error", None, None
             try:
                 with tracing.operation(op):
                     out = await fn(*args, **kwargs)
                 outcome = "ok"
                 return out
+            except BaseException as e:
+                err = e
+                raise
             finally:
-                LIFECYCLE.labels(op, outcome).observe(time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                LIFECYCLE.labels(op, outcome).observe(seconds)
                 _op.reset(token)
+                sid = args[1] if len(args) > 1 and isinstance(args[1], str) else getattr(out, "id", None)
+                _log.info("%s %s in %.1f ms%s", op, outcome, seconds * 1000, f": {err}" if err else "",
+                          extra={"operation": op, "duration_ms": round(seconds * 1000, 1),
+                                 "sandbox_id": sid if op not in ("fork_children",) else None})
         return inner
     return wrap
 
