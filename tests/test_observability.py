@@ -113,6 +113,8 @@ def test_prometheus_scrapes_node(server, sandbox):
         assert _value(created) >= 1
         phases = prom.wait('forkyard_lifecycle_phase_seconds_count{op="snapshot",phase=~"checkpoint|commit"}')
         assert {s["metric"]["phase"] for s in phases} == {"checkpoint", "commit"}
+        starts = prom.wait('forkyard_lifecycle_phase_seconds_count{op="create"}')
+        assert {s["metric"]["phase"] for s in starts} == {"slot", "runtime", "envd"}
         p95 = prom.wait('histogram_quantile(0.95, sum by (le) (rate(forkyard_lifecycle_duration_seconds_bucket'
                         '{op="create"}[5m])))')
         assert p95

@@ -45,7 +45,8 @@ LIFECYCLE = Histogram(
 PHASE = Histogram(
     "forkyard_lifecycle_phase_seconds",
     "Duration of one phase of a lifecycle operation: the phases the Server-Timing header reports "
-    "(checkpoint, commit, children, slot-max, runtime-max, envd-max).",
+    "(checkpoint, commit, children, slot-max, runtime-max, envd-max) and each sandbox start's "
+    "slot, runtime and envd (create, resume, every fork child).",
     ["op", "phase"], buckets=LIFECYCLE_BUCKETS, registry=REGISTRY)
 HTTP_REQUESTS = Counter(
     "forkyard_http_requests_total",

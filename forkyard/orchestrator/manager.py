@@ -427,6 +427,8 @@ class Orchestrator(LifecycleMixin):
             raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {str(e) or repr(e)}") from e
         finally:
             self._starting -= 1
+        for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
+            metrics.observe_phase(name, ms / 1000)
         self._slots[rec.id] = slot
         rec.slot = slot.index
         rec.state = "running"
