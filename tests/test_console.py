@@ -77,13 +77,14 @@ def test_console_sign_in_fork_tree_and_kill(server, browser_page):
     assert page.evaluate("sessionStorage.getItem('forkyard.apiKey')") == server.api_key
     assert page.evaluate("localStorage.length") == 0
 
-    sbx = Sandbox.create("base", timeout=300, metadata={"team": "console-test"})
+    sbx = Sandbox.create("base", timeout=300, metadata={"team": "console-test", "note": "<b>not bold</b>"})
     child_id = None
     try:
         root = f"li[data-sandbox-id='{sbx.sandbox_id}']"
         page.wait_for_selector(root, timeout=30_000)
         card = page.locator(f"{root} > .card")
         assert "base" in card.inner_text() and "team=console-test" in card.inner_text()
+        assert "note=<b>not bold</b>" in card.inner_text() and card.locator("b").count() == 0  # text, never HTML
         page.wait_for_selector(f"{root} > .card .usage:has-text('cpu')", timeout=30_000)  # live CPU/memory
         assert page.locator("#nodes tbody tr").count() == 1
 
