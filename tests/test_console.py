@@ -105,6 +105,9 @@ def test_console_sign_in_fork_tree_and_kill(server, browser_page):
         cells = snap_row.query_selector_all("td")
         assert cells[1].inner_text() == "snapshot" and int(cells[5].inner_text()) > 0
 
+        page.click("#templates tbody tr[data-template-id='base'] .act-logs")
+        page.wait_for_selector("#build-log:not([hidden]):has-text('base')")
+
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "console-fork-tree.png"), full_page=True)
 

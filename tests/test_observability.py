@@ -287,3 +287,33 @@ def test_unknown_tracing_or_log_format_is_refused():
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
         assert next(iter(env)) in p.stderr, p.stderr
+
+
+def test_log_formats_carry_request_context():
+    """JSON and text formatters put the request's id and sandbox id, and a record's
+    operation and duration, on every line (the context the middleware sets)."""
+    import io
+    import logging
+
+    from forkyard.obs import logs
+
+    lines = {}
+    for fmt in ("json", "text"):
+        buf = io.StringIO()
+        handler = logging.StreamHandler(buf)
+        handler.setFormatter(logs.JsonFormatter() if fmt == "json" else logs.TextFormatter())
+        lg = logging.getLogger(f"forkyard.test.{fmt}")
+        lg.addHandler(handler)
+        lg.propagate = False
+        t1, t2 = logs.request_id.set("rid-1"), logs.sandbox_id.set("sbx1")
+        try:
+            lg.warning("paused %s", "it", extra={"operation": "pause", "duration_ms": 12.5})
+        finally:
+            logs.request_id.reset(t1), logs.sandbox_id.reset(t2)
+            lg.removeHandler(handler)
+        lines[fmt] = buf.getvalue().strip()
+    rec = json.loads(lines["json"])
+    assert rec["message"] == "paused it" and rec["level"] == "warning" and rec["request_id"] == "rid-1"
+    assert rec["sandbox_id"] == "sbx1" and rec["operation"] == "pause" and rec["duration_ms"] == 12.5
+    assert "paused it" in lines["text"] and "request_id=rid-1" in lines["text"] and "duration_ms=12.5" in lines["text"]
+    assert not lines["text"].startswith("{")
