@@ -29,8 +29,15 @@ def browser_page():
             page = ctx.new_page()
             errors: list[str] = []
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("dialog", lambda d: d.accept())  # the console confirms every action
             page.errors = errors
+            page.dialogs = []  # messages of the confirmations shown
+            page.accept_dialogs = True
+
+            def on_dialog(d):
+                page.dialogs.append(d.message)
+                d.accept() if page.accept_dialogs else d.dismiss()
+
+            page.on("dialog", on_dialog)  # the console confirms every action
             yield page
         finally:
             browser.close()
@@ -53,7 +60,8 @@ def test_console_files_and_headers(server):
 def test_console_sign_in_fork_tree_and_kill(server, browser_page):
     """Sign in with the API key, see a sandbox appear (template, metadata, usage), fork
     it from the console, see the tree grow by a child under it, snapshot it and see the
-    snapshot with its chunks, then kill both from the console."""
+    snapshot with its chunks, kill the child, pause and resume the parent, then kill it —
+    every action from the console (each confirmed in a dialog)."""
     from e2b import Sandbox
 
     page = browser_page
@@ -69,15 +77,22 @@ def test_console_sign_in_fork_tree_and_kill(server, browser_page):
     assert page.evaluate("sessionStorage.getItem('forkyard.apiKey')") == server.api_key
     assert page.evaluate("localStorage.length") == 0
 
-    sbx = Sandbox.create("base", timeout=300, metadata={"team": "console-test"})
+    sbx = Sandbox.create("base", timeout=300, metadata={"team": "console-test", "note": "<b>not bold</b>"})
     child_id = None
     try:
         root = f"li[data-sandbox-id='{sbx.sandbox_id}']"
         page.wait_for_selector(root, timeout=30_000)
         card = page.locator(f"{root} > .card")
         assert "base" in card.inner_text() and "team=console-test" in card.inner_text()
+        assert "note=<b>not bold</b>" in card.inner_text() and card.locator("b").count() == 0  # text, never HTML
         page.wait_for_selector(f"{root} > .card .usage:has-text('cpu')", timeout=30_000)  # live CPU/memory
         assert page.locator("#nodes tbody tr").count() == 1
+
+        page.accept_dialogs = False  # a dismissed confirmation does nothing
+        page.click(f"{root} > .card .act-kill")
+        page.wait_for_timeout(1500)
+        assert page.locator(root).count() == 1 and page.dialogs == [f"Kill {sbx.sandbox_id}? This cannot be undone."]
+        page.accept_dialogs = True
 
         page.click(f"{root} > .card .act-fork")
         child = page.wait_for_selector(f"{root} > ul > li.sandbox", timeout=120_000)
@@ -90,16 +105,26 @@ def test_console_sign_in_fork_tree_and_kill(server, browser_page):
         cells = snap_row.query_selector_all("td")
         assert cells[1].inner_text() == "snapshot" and int(cells[5].inner_text()) > 0
 
+        page.click("#templates tbody tr[data-template-id='base'] .act-logs")
+        page.wait_for_selector("#build-log:not([hidden]):has-text('base')")
+
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(ARTIFACTS / "console-fork-tree.png"), full_page=True)
 
         page.click(f"li[data-sandbox-id='{child_id}'] > .card .act-kill")
         page.wait_for_selector(f"li[data-sandbox-id='{child_id}']", state="detached", timeout=60_000)
+        page.click(f"{root} > .card .act-pause")
+        page.wait_for_selector(f"{root} > .card .badge:has-text('paused')", timeout=120_000)
+        page.click(f"{root} > .card .act-resume")
+        page.wait_for_selector(f"{root} > .card .badge:has-text('running')", timeout=120_000)
+        assert sbx.commands.run("echo back").stdout.strip() == "back"
+
         page.click(f"{root} > .card .act-kill")
         page.wait_for_selector(root, state="detached", timeout=60_000)
         with server.api() as c:
             assert c.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404
             assert c.get(f"/sandboxes/{child_id}").status_code == 404
+        assert len(page.dialogs) == 7, page.dialogs  # every action asked first
         assert not page.errors, page.errors
     finally:
         for sid in (sbx.sandbox_id, child_id):

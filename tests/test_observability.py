@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import subprocess
 import tempfile
@@ -112,6 +113,8 @@ def test_prometheus_scrapes_node(server, sandbox):
         assert _value(created) >= 1
         phases = prom.wait('forkyard_lifecycle_phase_seconds_count{op="snapshot",phase=~"checkpoint|commit"}')
         assert {s["metric"]["phase"] for s in phases} == {"checkpoint", "commit"}
+        starts = prom.wait('forkyard_lifecycle_phase_seconds_count{op="create"}')
+        assert {s["metric"]["phase"] for s in starts} == {"slot", "runtime", "envd"}
         p95 = prom.wait('histogram_quantile(0.95, sum by (le) (rate(forkyard_lifecycle_duration_seconds_bucket'
                         '{op="create"}[5m])))')
         assert p95
@@ -164,6 +167,11 @@ def test_request_id_in_json_logs(server, sandbox):
     assert line["component"] == "node" and line["level"] == "info"
     assert line["sandbox_id"] == sandbox.sandbox_id and line["operation"] == "set_timeout"
     assert line["status"] == 204 and line["duration_ms"] >= 0 and line["time"].endswith("Z")
+    # the lifecycle line of the sandbox's create names it, its operation and duration
+    created = [json.loads(l) for l in server.log.read_text().splitlines()
+               if l.startswith("{") and sandbox.sandbox_id in l and '"logger": "forkyard.lifecycle"' in l]
+    assert any(c["operation"] == "create" and c["sandbox_id"] == sandbox.sandbox_id and c["duration_ms"] > 0
+               for c in created), created
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +181,11 @@ def cluster(base_template):
     from test_cluster import assert_clean
 
     c = Cluster(TEST_ROOT / f"cluster-obs-{os.getpid()}", nodes=1)
+    token = c.root / "metrics_token"  # the gateway alone gets a metrics token
+    token.write_text(secrets.token_hex(16))
+    token.chmod(0o600)
+    c.metrics_token = token.read_text()
+    c.gateway.env = dict(c.gateway.env, FORKYARD_METRICS_TOKEN_FILE=str(token))
     try:
         c.start()
         yield c
@@ -183,12 +196,17 @@ def cluster(base_template):
 
 def test_cluster_metrics_and_request_id(cluster):
     """Gateway and scheduler serve ``/metrics`` with per-node heartbeat age and Redis
-    reachability (scraped by a real Prometheus with the API key / cluster secret as
+    reachability (scraped by a real Prometheus with the metrics token / cluster secret as
     bearer), and the gateway passes a request id on to the node it forwards to."""
     c = cluster
     gw = c.gateway_url.removeprefix("http://")
     sched = c.scheduler_url.removeprefix("http://")
-    with Prometheus({"gateway": (gw, c.api_key), "scheduler": (sched, c.secret)}) as prom:
+    # With a metrics token set (gateway) a loopback scrape needs a credential; the token
+    # and the API key both work. Without one (scheduler) loopback may scrape as it is.
+    assert httpx.get(f"{c.gateway_url}/metrics", timeout=10).status_code == 401
+    assert httpx.get(f"{c.scheduler_url}/metrics", timeout=10).status_code == 200
+    assert httpx.get(f"{c.gateway_url}/metrics", headers={"X-API-Key": c.api_key}, timeout=10).status_code == 200
+    with Prometheus({"gateway": (gw, c.metrics_token), "scheduler": (sched, c.secret)}) as prom:
         age = prom.wait('forkyard_node_heartbeat_age_seconds{job="scheduler",node="node0"}')
         assert 0 <= _value(age) < 10
         prom.wait('forkyard_redis_up{job="gateway"} == 1')
@@ -206,6 +224,18 @@ def test_cluster_metrics_and_request_id(cluster):
     assert hits and hits[-1]["component"] == "node" and hits[-1]["path"] == "/templates"
     gw_hits = [json.loads(l) for l in c.gateway.log.read_text().splitlines() if l.startswith("{") and rid in l]
     assert gw_hits and gw_hits[-1]["component"] == "gateway"
+
+
+def test_top_on_gateway(cluster):
+    """``forkyard top --once`` against the gateway lists the cluster's nodes."""
+    import sys
+
+    env = {**os.environ, "FORKYARD_URL": cluster.gateway_url, "E2B_API_KEY": cluster.api_key}
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "top", "--once"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    row = next(line for line in p.stdout.splitlines() if line.strip().startswith("node0"))
+    assert "up" in row and "0/40" in row, p.stdout
 
 
 def _scrape_names(text: str) -> set[str]:
@@ -247,104 +277,43 @@ def test_grafana_dashboard_queries_existing_metrics(cluster):
     assert not missing, f"dashboard queries metrics no scrape has: {missing}"
 
 
-class OtlpReceiver:
-    """Collects what an OTLP/HTTP exporter POSTs to ``/v1/traces`` (protobuf
-    ``ExportTraceServiceRequest``, decoded with ``opentelemetry-proto``): the stand-in for
-    a collector, on a free port in a thread."""
-
-    def __init__(self):
-        import gzip
-        import http.server
-        import threading
-
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-        self.spans: list[dict] = []
-        spans = self.spans
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 — http.server's name
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                if self.headers.get("content-encoding") == "gzip":
-                    body = gzip.decompress(body)
-                req = ExportTraceServiceRequest.FromString(body)
-                for rs in req.resource_spans:
-                    service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
-                    for ss in rs.scope_spans:
-                        for sp in ss.spans:
-                            spans.append({"service": service, "name": sp.name, "trace": sp.trace_id.hex(),
-                                          "id": sp.span_id.hex(), "parent": sp.parent_span_id.hex(),
-                                          "ns": sp.end_time_unix_nano - sp.start_time_unix_nano,
-                                          "attrs": {a.key: a.value.string_value or a.value.int_value
-                                                    for a in sp.attributes}})
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *a):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_opentelemetry_spans_cross_gateway_to_node(base_template):
-    """With ``FORKYARD_TRACING=otlp`` gateway and node export spans over OTLP/HTTP: the
-    node's request span continues the gateway's trace (W3C traceparent), and the node's
-    lifecycle span has the Server-Timing phases as children."""
-    from _cluster import Cluster
-    from e2b import Sandbox
-    from test_cluster import assert_clean
-
-    recv = OtlpReceiver()
-    c = Cluster(TEST_ROOT / f"cluster-otel-{os.getpid()}", nodes=1)
-    for p in [c.scheduler, c.gateway, *c.nodes]:
-        p.env = dict(p.env, FORKYARD_TRACING="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=recv.url)
-    try:
-        c.start()
-        sbx = Sandbox.create("base", timeout=120, **c.sdk)
-        try:
-            sbx.create_snapshot()
-        finally:
-            sbx.kill()
-
-        def find(service, name):
-            return [s for s in recv.spans if s["service"] == service and s["name"] == name]
-
-        deadline = time.time() + 30
-        while time.time() < deadline and not (find("forkyard-node", "snapshot.commit") and
-                                              find("forkyard-gateway", "POST create")):
-            time.sleep(0.5)
-        gw = find("forkyard-gateway", "POST create")
-        node = find("forkyard-node", "POST create")
-        assert gw and node, sorted({(s["service"], s["name"]) for s in recv.spans})
-        assert node[0]["trace"] == gw[0]["trace"] and node[0]["parent"] == gw[0]["id"]
-        assert node[0]["attrs"]["forkyard.request_id"] == gw[0]["attrs"]["forkyard.request_id"]
-        create = find("forkyard-node", "forkyard.create")
-        assert create and create[0]["parent"] == node[0]["id"]
-        snap = find("forkyard-node", "forkyard.snapshot")[0]
-        phases = {s["name"]: s for s in recv.spans if s["parent"] == snap["id"]}
-        assert {"snapshot.checkpoint", "snapshot.commit"} <= set(phases)
-        assert all(0 < p["ns"] <= snap["ns"] for p in phases.values())
-    finally:
-        c.close()
-        recv.close()
-        assert_clean(c)
-
-
 def test_unknown_tracing_or_log_format_is_refused():
     """A setting that is not understood stops the component with a one-line error."""
     import sys
 
-    for env in ({"FORKYARD_TRACING": "jaeger"}, {"FORKYARD_LOG_FORMAT": "xml"}):
+    for env in ({"FORKYARD_TRACING": "jaeger"}, {"FORKYARD_LOG_FORMAT": "xml"},
+                {"FORKYARD_METRICS_TOKEN_FILE": "/nonexistent/token", "FORKYARD_CLUSTER_SECRET": "s" * 32}):
         p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "scheduler", "--port", str(free_port())],
                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
         assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
-        assert next(iter(env)) in p.stderr
+        assert next(iter(env)) in p.stderr, p.stderr
+
+
+def test_log_formats_carry_request_context():
+    """JSON and text formatters put the request's id and sandbox id, and a record's
+    operation and duration, on every line (the context the middleware sets)."""
+    import io
+    import logging
+
+    from forkyard.obs import logs
+
+    lines = {}
+    for fmt in ("json", "text"):
+        buf = io.StringIO()
+        handler = logging.StreamHandler(buf)
+        handler.setFormatter(logs.JsonFormatter() if fmt == "json" else logs.TextFormatter())
+        lg = logging.getLogger(f"forkyard.test.{fmt}")
+        lg.addHandler(handler)
+        lg.propagate = False
+        t1, t2 = logs.request_id.set("rid-1"), logs.sandbox_id.set("sbx1")
+        try:
+            lg.warning("paused %s", "it", extra={"operation": "pause", "duration_ms": 12.5})
+        finally:
+            logs.request_id.reset(t1), logs.sandbox_id.reset(t2)
+            lg.removeHandler(handler)
+        lines[fmt] = buf.getvalue().strip()
+    rec = json.loads(lines["json"])
+    assert rec["message"] == "paused it" and rec["level"] == "warning" and rec["request_id"] == "rid-1"
+    assert rec["sandbox_id"] == "sbx1" and rec["operation"] == "pause" and rec["duration_ms"] == 12.5
+    assert "paused it" in lines["text"] and "request_id=rid-1" in lines["text"] and "duration_ms=12.5" in lines["text"]
+    assert not lines["text"].startswith("{")

@@ -118,7 +118,7 @@ def register(app: typer.Typer) -> None:
         (state in Redis; several replicas may run at once)."""
         import uvicorn
 
-        from forkyard.cli.main import _logging
+        from forkyard.cli.main import _fail, _logging
         from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.scheduler import create_scheduler_app
@@ -130,7 +130,11 @@ def register(app: typer.Typer) -> None:
         url = redis or redis_url()
         print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
         # No access log: every node heartbeats every second.
-        uvicorn.run(create_scheduler_app(ClusterStore(url), secret), host=host, port=port,
+        try:
+            sched_app = create_scheduler_app(ClusterStore(url), secret)
+        except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
+            _fail(str(e))
+        uvicorn.run(sched_app, host=host, port=port,
                     log_level=log_level.lower(), timeout_keep_alive=75, access_log=False,
                     log_config=UVICORN_LOG_CONFIG)
 
@@ -148,7 +152,7 @@ def register(app: typer.Typer) -> None:
         import uvicorn
 
         from forkyard.api.auth import load_or_create_key
-        from forkyard.cli.main import _logging
+        from forkyard.cli.main import _fail, _logging
         from forkyard.obs.logs import UVICORN_LOG_CONFIG
         from forkyard.cluster.config import redis_url
         from forkyard.cluster.gateway import Gateway
@@ -171,8 +175,11 @@ def register(app: typer.Typer) -> None:
         from forkyard.obs.collect import cluster_families
         from forkyard.obs.middleware import ObsMiddleware
 
-        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
-                            console=True)
+        try:
+            app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
+                                console=True)
+        except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
+            _fail(str(e))
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
                     timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
                     **uvicorn_limits())

@@ -54,8 +54,6 @@ def node_families(orch) -> list:
     for r in orch.list():
         key = (r.state, r.template_id or "")
         counts[key] = counts.get(key, 0) + 1
-    for state in ("running", "paused"):
-        counts.setdefault((state, "base"), 0)
     nm = orch.node_metrics()
     fams = [
         gauge("forkyard_sandboxes", "Sandboxes on this node by state (running, paused, creating, pausing, …) "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import os
 import time
 from contextvars import ContextVar
@@ -44,7 +45,8 @@ LIFECYCLE = Histogram(
 PHASE = Histogram(
     "forkyard_lifecycle_phase_seconds",
     "Duration of one phase of a lifecycle operation: the phases the Server-Timing header reports "
-    "(checkpoint, commit, children, slot-max, runtime-max, envd-max).",
+    "(checkpoint, commit, children, slot-max, runtime-max, envd-max) and each sandbox start's "
+    "slot, runtime and envd (create, resume, every fork child).",
     ["op", "phase"], buckets=LIFECYCLE_BUCKETS, registry=REGISTRY)
 HTTP_REQUESTS = Counter(
     "forkyard_http_requests_total",
@@ -67,12 +69,12 @@ ADMISSION_REFUSALS = Counter(
     "forkyard_admission_refusals_total",
     "Sandbox placements or starts refused for lack of capacity (reason: a fixed word, e.g. no_capacity).",
     ["reason"], registry=REGISTRY)
-for _kind in ("http", "websocket"):
-    PROXY_OPEN.labels(_kind)
-for _dir in ("in", "out"):
-    PROXY_BYTES.labels(_dir)
+#: Pre-bound children (``labels()`` costs a locked lookup; bytes count once per body chunk).
+BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
+OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")
 
 _op: ContextVar[str | None] = ContextVar("forkyard_metrics_op", default=None)
+_log = logging.getLogger("forkyard.lifecycle")
 
 
 def admission_refused(reason: str) -> None:
@@ -90,8 +92,10 @@ def observe_phase(name: str, seconds: float) -> None:
 
 def timed(op: str):
     """Decorator for an ``async`` orchestrator method: observes its duration (s) in
-    :data:`LIFECYCLE` under ``op`` with ``outcome`` ok/error, and lets
-    :func:`forkyard.orchestrator.timing.record` phases inside it count under ``op``."""
+    :data:`LIFECYCLE` under ``op`` with ``outcome`` ok/error, lets
+    :func:`forkyard.orchestrator.timing.record` phases inside it count under ``op``, and
+    logs one line (``forkyard.lifecycle``, INFO) with operation, sandbox id and duration
+    — also for operations no request asked for (TTL pause/kill)."""
     assert op in OPERATIONS, op
     import functools
 
@@ -100,15 +104,23 @@ def timed(op: str):
         async def inner(*args, **kwargs):
             token = _op.set(op)
             t0 = time.perf_counter()
-            outcome = "error"
+            outcome, out, err = "error", None, None
             try:
                 with tracing.operation(op):
                     out = await fn(*args, **kwargs)
                 outcome = "ok"
                 return out
+            except BaseException as e:
+                err = e
+                raise
             finally:
-                LIFECYCLE.labels(op, outcome).observe(time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                LIFECYCLE.labels(op, outcome).observe(seconds)
                 _op.reset(token)
+                sid = args[1] if len(args) > 1 and isinstance(args[1], str) else getattr(out, "id", None)
+                _log.info("%s %s in %.1f ms%s", op, outcome, seconds * 1000, f": {err}" if err else "",
+                          extra={"operation": op, "duration_ms": round(seconds * 1000, 1),
+                                 "sandbox_id": sid if op not in ("fork_children",) else None})
         return inner
     return wrap
 
@@ -164,13 +176,23 @@ def render(families) -> bytes:
 
 def metrics_token() -> str | None:
     """The scrape token: ``FORKYARD_METRICS_TOKEN`` or the content of the file named by
-    ``FORKYARD_METRICS_TOKEN_FILE`` (Prometheus: ``authorization: {credentials_file: …}``)."""
+    ``FORKYARD_METRICS_TOKEN_FILE`` (Prometheus: ``authorization: {credentials_file: …}``).
+
+    Raises:
+        ValueError: the file cannot be read or is empty.
+    """
     value = os.environ.get("FORKYARD_METRICS_TOKEN", "").strip()
     if value:
         return value
     path = os.environ.get("FORKYARD_METRICS_TOKEN_FILE", "").strip()
     if path:
-        return Path(path).read_text().strip() or None
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read FORKYARD_METRICS_TOKEN_FILE {path}: {e}") from e
+        if not value:
+            raise ValueError(f"FORKYARD_METRICS_TOKEN_FILE {path} is empty")
+        return value
     return None
 
 

@@ -96,32 +96,32 @@ class ObsMiddleware:
         status = 0
         if kind == "websocket":
             status = 101
-            metrics.PROXY_OPEN.labels("websocket").inc()
+            metrics.OPEN_WS.inc()
 
             async def ws_receive():
                 msg = await receive()
                 if msg["type"] == "websocket.receive":
-                    metrics.PROXY_BYTES.labels("in").inc(len(msg.get("bytes") or b"") + len((msg.get("text") or "").encode()))
+                    metrics.BYTES_IN.inc(len(msg.get("bytes") or b"") + len((msg.get("text") or "").encode()))
                 return msg
 
             async def ws_send(msg):
                 if msg["type"] == "websocket.send":
-                    metrics.PROXY_BYTES.labels("out").inc(len(msg.get("bytes") or b"") + len((msg.get("text") or "").encode()))
+                    metrics.BYTES_OUT.inc(len(msg.get("bytes") or b"") + len((msg.get("text") or "").encode()))
                 await send(msg)
 
             try:
                 return await self.app(scope, ws_receive, ws_send)
             finally:
-                metrics.PROXY_OPEN.labels("websocket").dec()
+                metrics.OPEN_WS.dec()
                 logs.request_id.reset(t_rid), logs.sandbox_id.reset(t_sid)
 
         if traffic:
-            metrics.PROXY_OPEN.labels("http").inc()
+            metrics.OPEN_HTTP.inc()
 
         async def counted_receive():
             msg = await receive()
             if traffic and msg["type"] == "http.request":
-                metrics.PROXY_BYTES.labels("in").inc(len(msg.get("body", b"")))
+                metrics.BYTES_IN.inc(len(msg.get("body", b"")))
             return msg
 
         async def tagged_send(msg):
@@ -132,7 +132,7 @@ class ObsMiddleware:
                 msg["headers"] = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"x-request-id"] + \
                     [(b"x-request-id", rid.encode())]  # one, also when relaying a node's answer
             elif traffic and msg["type"] == "http.response.body":
-                metrics.PROXY_BYTES.labels("out").inc(len(msg.get("body", b"")))
+                metrics.BYTES_OUT.inc(len(msg.get("body", b"")))
             await send(msg)
 
         failed = False
@@ -150,7 +150,7 @@ class ObsMiddleware:
             code = _status_class(status or 500)
             metrics.HTTP_REQUESTS.labels("sandbox" if traffic else "api", code).inc()
             if traffic:
-                metrics.PROXY_OPEN.labels("http").dec()
+                metrics.OPEN_HTTP.dec()
                 if failed:
                     metrics.PROXY_ERRORS.labels("exception").inc()
                 elif status in (400, 404, 502, 503, 504):

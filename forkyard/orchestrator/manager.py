@@ -336,6 +336,7 @@ class Orchestrator(LifecycleMixin):
             if idx not in used:
                 self._next_slot = (idx + 1) % MAX_SLOTS
                 return idx
+        metrics.admission_refused("no_network_slot")
         raise CreateFailed("no free network slot on this node")
 
     async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
@@ -465,6 +466,8 @@ class Orchestrator(LifecycleMixin):
             raise CreateFailed(f"{what} sandbox {rec.id} from {rec.template_id!r} failed: {str(e) or repr(e)}") from e
         finally:
             self._starting -= 1
+        for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
+            metrics.observe_phase(name, ms / 1000)
         self._slots[rec.id] = slot
         rec.slot = slot.index
         rec.state = "running"
