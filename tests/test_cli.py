@@ -110,7 +110,8 @@ def test_ls_info_and_filters(sbx):
     assert sbx in table.stdout and "running" in table.stdout and "suite=cli" in table.stdout
     info = cli_json("info", sbx)
     assert info["state"] == "running" and info["templateID"] == "base" and "envdAccessToken" not in info
-    assert "metrics" in info
+    m = info["metrics"]  # measured figures, not placeholders
+    assert m["cpuCount"] >= 1 and 0 < m["memUsed"] < m["memTotal"] and 0 <= m["cpuUsedPct"] <= 100, m
     assert "running" in cli("info", sbx).stdout
 
 
@@ -164,6 +165,8 @@ def test_logs_says_what_it_shows(sbx):
     assert p.returncode == 0, p.stderr
     if "no sandbox logs endpoint" in p.stderr:  # this server: processes from envd instead
         assert "sleep 300" in p.stdout
+    else:  # the server's logs endpoint answered
+        assert p.stdout.strip(), "logs printed nothing and did not say why"
     h.kill()
 
 
