@@ -82,8 +82,20 @@ class ServerProc:
         env = dict(os.environ)
         env.update(FORKYARD_DATA_DIR=str(self.data_dir), FORKYARD_TEMPLATES_DIR=str(self.templates_dir),
                    FORKYARD_API_KEY=self.api_key, FORKYARD_PORT=str(self.port),
-                   FORKYARD_NET_PREFIX=NET_PREFIX, FORKYARD_OUTER_NET=OUTER_NET)
+                   FORKYARD_NET_PREFIX=NET_PREFIX, FORKYARD_OUTER_NET=OUTER_NET,
+                   FORKYARD_TEST_HOLD_DIR=str(self.hold_dir))  # tests/_holds.py
         return env
+
+    @property
+    def hold_dir(self) -> Path:
+        """Where this server's test-only hold points are armed (tests/_holds.py)."""
+        return self.data_dir / "test-holds"
+
+    def hold(self, phase: str, sandbox_id: str = ""):
+        """Arm hold point ``phase`` (for ``sandbox_id``, or any): see tests/_holds.py."""
+        from _holds import Hold
+
+        return Hold(self.hold_dir, phase, sandbox_id)
 
     def start(self) -> None:
         logf = os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")  # logs may hold ids and tokens
@@ -136,7 +148,17 @@ class ServerProc:
                     return
                 time.sleep(0.05)
 
+    def release_holds(self) -> None:
+        """Disarm every hold point and let any parked operation go on."""
+        if self.hold_dir.is_dir():
+            for f in self.hold_dir.iterdir():
+                if f.suffix == ".arm":
+                    f.unlink(missing_ok=True)
+                elif f.suffix == ".reached":
+                    f.with_suffix(".release").touch()
+
     def kill_all(self) -> None:
+        self.release_holds()  # a test that failed while an operation was held
         with self.api() as c:
             for s in c.get("/v2/sandboxes").json():
                 c.delete(f"/sandboxes/{s['sandboxID']}")

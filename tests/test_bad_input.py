@@ -7,6 +7,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+from conftest import TEST_ROOT
 
 
 def _envd(server, sandbox) -> httpx.Client:
@@ -24,7 +25,10 @@ def test_paths_cannot_leave_the_sandbox(sandbox):
     assert sandbox.files.read(f"/tmp/{name}") == "inside"
     # The template rootfs on the host is never written either.
     sandbox.commands.run("sudo touch /etc/forkyard-was-here")
-    assert not list(Path("/var/lib").glob("forkyard*/templates/base/rootfs/etc/forkyard-was-here"))
+    assert sandbox.files.exists("/etc/forkyard-was-here")  # the write happened inside
+    host_etc = TEST_ROOT / "templates" / "base" / "rootfs" / "etc"
+    assert (host_etc / "passwd").is_file()  # the path below is the template's real rootfs
+    assert not (host_etc / "forkyard-was-here").exists()
 
 
 def test_invalid_utf8_and_missing_paths(server, sandbox):

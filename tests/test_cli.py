@@ -109,7 +109,8 @@ def test_ls_info_and_filters(sbx):
     assert sbx in cli("ls").stdout.split("\n")  # piped: one id a line (table on a TTY: test_fidelity_cli)
     info = cli_json("info", sbx)
     assert info["state"] == "running" and info["templateID"] == "base" and "envdAccessToken" not in info
-    assert "metrics" in info
+    m = info["metrics"]  # measured figures, not placeholders
+    assert m["cpuCount"] >= 1 and 0 < m["memUsed"] < m["memTotal"] and 0 <= m["cpuUsedPct"] <= 100, m
     assert "running" in cli("info", sbx).stdout
 
 

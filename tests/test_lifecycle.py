@@ -206,41 +206,60 @@ def sqlite_image_id(sandbox_id: str) -> str | None:
 
 
 def test_resume_and_kill_right_after_pause_reply(server):
-    """Pause answers before its image is committed; a resume or kill that follows at
-    once waits for that background work instead of racing it."""
+    """Pause answers before its image is committed; a resume or kill that arrives while
+    the background commit has not even started (held there) waits for it instead of
+    racing it, then succeeds."""
+    from concurrent.futures import ThreadPoolExecutor
+
     sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+
+    def call(method: str, path: str, **kw) -> int:
+        with server.api() as c:
+            return c.request(method, path, **kw).status_code
+
     try:
         with_counter(sbx)
         assert value(server, sbx, set_to=11) == 11
-        sbx.commands.run("head -c 50M /dev/urandom > /home/user/blob")  # a commit that takes a while
+        sbx.commands.run("head -c 20M /dev/urandom > /home/user/blob")
+        hold = server.hold("pause.before-commit", sid)
         with server.api() as c:
-            r = c.post(f"/sandboxes/{sbx.sandbox_id}/pause")
+            r = c.post(f"/sandboxes/{sid}/pause")
             assert r.status_code == 204, r.text
-            phases = r.headers["server-timing"]
-            assert "checkpoint;dur=" in phases
-            assert state_of(server, sbx.sandbox_id) == "paused"
-            assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 409
-            r = c.post(f"/sandboxes/{sbx.sandbox_id}/resume", json={"timeout": 300})
-            assert r.status_code == 201, r.text
-        same = Sandbox.connect(sbx.sandbox_id)
+            assert "checkpoint;dur=" in r.headers["server-timing"]
+        hold.wait()
+        assert state_of(server, sid) == "paused"
+        assert call("POST", f"/sandboxes/{sid}/pause") == 409
+        with ThreadPoolExecutor(1) as pool:
+            resumed = pool.submit(call, "POST", f"/sandboxes/{sid}/resume", json={"timeout": 300})
+            time.sleep(1.0)
+            assert not resumed.done(), "resume did not wait for the pause's commit"
+            hold.release()
+            assert resumed.result() == 201
+        same = Sandbox.connect(sid)
         assert value(server, same) == 11
-        assert same.commands.run("wc -c < /home/user/blob").stdout.strip() == str(50 << 20)
-        with server.api() as c:
-            assert c.post(f"/sandboxes/{sbx.sandbox_id}/pause").status_code == 204
-            pause_id = sqlite_image_id(sbx.sandbox_id)
-            manifest = SERVER_DIR / "snapshots" / "repository" / "manifests" / f"{pause_id}.json"
-            deadline = time.time() + 20
-            while not manifest.exists() and time.time() < deadline:
-                time.sleep(0.05)
-            assert manifest.exists(), "the background commit never wrote the pause manifest"
-            assert c.delete(f"/sandboxes/{sbx.sandbox_id}").status_code == 204
-        assert state_of(server, sbx.sandbox_id) is None
+        assert same.commands.run("wc -c < /home/user/blob").stdout.strip() == str(20 << 20)
+
+        hold = server.hold("pause.before-commit", sid)
+        assert call("POST", f"/sandboxes/{sid}/pause") == 204
+        hold.wait()
+        pause_id = sqlite_image_id(sid)
+        manifest = SERVER_DIR / "snapshots" / "repository" / "manifests" / f"{pause_id}.json"
+        with ThreadPoolExecutor(1) as pool:
+            killed = pool.submit(call, "DELETE", f"/sandboxes/{sid}")
+            time.sleep(1.0)
+            assert not killed.done(), "kill did not wait for the pause's commit"
+            assert not manifest.exists()
+            hold.release()
+            assert killed.result() == 204
+        assert state_of(server, sid) is None
         deadline = time.time() + 10
         while server.leftovers() != CLEAN and time.time() < deadline:
             time.sleep(0.2)
         assert server.leftovers() == CLEAN
         server.settle()
-        assert not manifest.exists()  # the killed sandbox's pause image is gone too
+        assert not manifest.exists()  # committed, then removed with the killed sandbox
+        assert not [p for p in (SERVER_DIR / "snapshots").iterdir() if p.name.startswith(".staging")]
     finally:
         server.kill_all()
 
@@ -269,34 +288,58 @@ def test_concurrent_connects_and_connect_during_pause(server):
             with server.api() as c:
                 return c.post(f"/sandboxes/{sid}/pause").status_code
 
+        # A connect arriving while the pause holds the sandbox (parked after "pausing" is
+        # persisted, before the checkpoint) waits for it, then resumes the paused sandbox.
+        hold = server.hold("pause.before-checkpoint", sid)
         with ThreadPoolExecutor(2) as pool:
             paused = pool.submit(pause, 0)
-            time.sleep(0.03)
+            hold.wait()
             connected = pool.submit(connect, 0)
+            time.sleep(1.0)
+            assert not connected.done(), "connect did not wait for the pause in progress"
+            hold.release()
             assert paused.result() == 204
-            assert connected.result() in (200, 201)
-        if connected.result() == 201:  # the connect came after the pause and resumed it
-            assert state_of(server, sid) == "running"
-            assert Sandbox.connect(sid).commands.run("echo up").stdout.strip() == "up"
+            assert connected.result() == 201  # it found the sandbox paused and resumed it
+        assert state_of(server, sid) == "running"
+        assert Sandbox.connect(sid).commands.run("echo up").stdout.strip() == "up"
     finally:
         server.kill_all()
 
 
 def test_timeout_set_during_snapshot_is_kept_and_rejected_resume_changes_nothing(server):
-    """A timeout change racing a snapshot is not undone by the snapshot's write-back; a
-    resume refused with 409 leaves the sandbox's lifecycle as it was."""
+    """A timeout change arriving while a snapshot is parked mid-way (hold point) waits
+    for it and is not undone by the snapshot's write-back; a resume refused with 409
+    leaves the sandbox's lifecycle as it was."""
     import threading
 
     sbx = Sandbox.create("base", timeout=300)
     try:
         sid = sbx.sandbox_id
-        sbx.commands.run("head -c 50M /dev/urandom > /home/user/blob")  # a slower snapshot
+        hold = server.hold("snapshot.staged", sid)  # parked mid-snapshot (state "snapshotting")
+        codes = []
+
+        def snapshot():
+            with server.api() as c2:
+                codes.append(c2.post(f"/sandboxes/{sid}/snapshots", json={}).status_code)
+
         with server.api() as c:
-            snap = threading.Thread(target=lambda: c.post(f"/sandboxes/{sid}/snapshots", json={}))
+            snap = threading.Thread(target=snapshot)
             snap.start()
-            time.sleep(0.03)
-            assert c.post(f"/sandboxes/{sid}/timeout", json={"timeout": 7000}).status_code == 204
-            snap.join(60)
+            hold.wait()
+            from concurrent.futures import ThreadPoolExecutor
+
+            def set_timeout():
+                with server.api() as c3:
+                    return c3.post(f"/sandboxes/{sid}/timeout", json={"timeout": 7000}).status_code
+
+            with ThreadPoolExecutor(1) as pool:
+                timed = pool.submit(set_timeout)  # arrives while the snapshot is in flight
+                time.sleep(1.0)
+                assert not timed.done(), "the timeout change did not wait for the snapshot"
+                hold.release()
+                snap.join(60)
+                assert codes == [201], codes
+                assert timed.result() == 204  # applied after the snapshot's write-back
             end = c.get(f"/sandboxes/{sid}").json()["endAt"]
             from datetime import datetime
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client, timing
+from forkyard.orchestrator.holds import hold
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.errors import RepositoryError
@@ -172,6 +173,7 @@ class LifecycleMixin:
             self.store.put(rec)
             self._stopping.add(rec.id)  # the proxy answers "not running" from now on
             try:
+                await hold("pause.before-checkpoint", rec.id)
                 try:
                     staging = await self._stage(rec, sid, stop=True)
                 except CreateFailed as e:
@@ -187,6 +189,7 @@ class LifecycleMixin:
                     rec.state, rec.image_id = "running", None
                     self.store.put(rec)
                     raise CreateFailed(f"pause of sandbox {rec.id} failed: {e}") from e
+                await hold("pause.checkpointed", rec.id)
                 try:
                     (staging / PAUSE_MARKER).touch()
                 except OSError as e:  # the sandbox has stopped: go on; a restart infers the marker
@@ -211,6 +214,7 @@ class LifecycleMixin:
         """Background half of :meth:`pause`: commit the staged image (kept staged when
         that fails), then destroy the stopped runtime and release its slot."""
         try:
+            await hold("pause.before-commit", sandbox_id)
             try:
                 await self._commit(staging, meta, keep_on_error=True)
             except Exception as e:  # noqa: BLE001
@@ -359,6 +363,7 @@ class LifecycleMixin:
             try:
                 sid = new_snapshot_id()
                 staging = await self._stage(rec, sid)
+                await hold("snapshot.staged", rec.id)
                 return await self._commit(staging, self._meta_for(rec, "snapshot", sid, [name] if name else []))
             finally:
                 rec.state = "running"
@@ -410,6 +415,7 @@ class LifecycleMixin:
         # Children restore straight from the staged image: a fork image is never needed
         # after its children run, so it is not committed to the repository.
         try:
+            await hold("fork.staged", sandbox_id)
             return await self._spawn_children(image, count, timeout_s, src.auto_pause, staging / "image",
                                               egress=src.egress)
         finally:
@@ -496,6 +502,7 @@ class LifecycleMixin:
             )
             self.store.put(kid)
             kids.append(kid)
+        await hold("fork.children-recorded", image.source_sandbox_id)
         sem = asyncio.Semaphore(FORK_PARALLELISM)
         child_phases: list[dict[str, float]] = []
 
