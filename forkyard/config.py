@@ -106,6 +106,10 @@ class Settings:
             sandbox can resume on any node even if this one dies right after), and
             only images this node itself made garbage are deleted (other nodes' pause
             images live in the same repository).
+        hot_pause_s / hot_pause_max: a paused sandbox's frozen runtime is kept this many
+            seconds (``FORKYARD_HOT_PAUSE_S``, 60; 0 disables) by at most this many
+            sandboxes (``FORKYARD_HOT_PAUSE_MAX``, 32), so resuming it is an unfreeze
+            (:mod:`forkyard.orchestrator.hot`); never in a cluster.
     """
 
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
@@ -126,6 +130,8 @@ class Settings:
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))
     cluster: bool = False
+    hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
+    hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))
 
     @property
     def public_domain(self) -> str:

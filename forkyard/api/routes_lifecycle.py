@@ -23,7 +23,7 @@ def _orch(request: Request) -> Orchestrator:
 async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | None = None):
     """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused; 400 for
     ``memory: false``; 503 when ``requireHealthyGuest`` and envd does not answer.
-    ``Server-Timing``: ``checkpoint`` (ms)."""
+    ``Server-Timing``: ``freeze`` (hot pause only) and ``checkpoint`` (ms)."""
     if body is not None and body.memory is False:
         raise BadRequest(schemas.FILESYSTEM_ONLY_UNSUPPORTED)
     phases = timing.start()
@@ -33,19 +33,25 @@ async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | Non
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
 async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | None = None):
-    """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running."""
+    """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running.
+    ``Server-Timing``: ``thaw`` (its frozen runtime was still kept: hot pause) or
+    ``restore`` (from its image), ms."""
+    phases = timing.start()
     rec = await _orch(request).resume(sandbox_id, body.timeout if body else None,
                                       body.auto_pause if body else None)
-    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201)
+    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201, headers=timing.header(phases))
 
 
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
     """Connect: a running sandbox gets its timeout extended (never shortened), 200; a
-    paused one is resumed, 201. Waits for a pause/resume in progress."""
+    paused one is resumed, 201 (``Server-Timing`` as for resume). Waits for a
+    pause/resume in progress."""
+    phases = timing.start()
     rec, resumed = await _orch(request).connect(sandbox_id, body.timeout if body else 300)
-    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201 if resumed else 200)
+    return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201 if resumed else 200,
+                        headers=timing.header(phases))
 
 
 @router.post("/sandboxes/{sandbox_id}/fork", status_code=201)

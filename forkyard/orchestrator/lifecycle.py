@@ -5,6 +5,10 @@ State machine (shared/DESIGN.md §4), each transition persisted before it acts:
 * running → pausing → paused (checkpoint that stops the sandbox, image staged; the
   reply goes out here) → background: image committed as a ``pause`` snapshot, stopped
   runtime destroyed, slot freed → resuming → running (restore, same id);
+* hot pause (:mod:`forkyard.orchestrator.hot`): running → pausing (freeze, then
+  ``checkpoint --leave-running`` of the frozen sandbox) → paused, the frozen runtime kept
+  with its slot → running by unfreezing it, or dropped later (the image committed as
+  above is then what resume restores);
 * running → snapshotting → running (``checkpoint --leave-running``; ``snapshot``);
 * running → forking → running, plus ``count`` children creating → running, each
   restored from one staged image taken once (never committed: nothing needs it after).
@@ -153,6 +157,12 @@ class LifecycleMixin:
         In a cluster (``settings.cluster``) the answer waits for the commit too, so the
         sandbox can resume on any node even if this one dies right after.
 
+        Hot pause (``settings.hot_pause_s`` > 0, not in a cluster): the sandbox is frozen
+        first and checkpointed with ``--leave-running`` (it stays frozen); the frozen
+        runtime and its slot are kept so resume is an unfreeze, until dropped
+        (:mod:`forkyard.orchestrator.hot`). Durability is the same: the image is
+        committed in the background either way.
+
         Raises:
             NotFound: unknown sandbox (or it had died; it is removed).
             Conflict: already paused (409, as E2B) or busy.
@@ -172,11 +182,14 @@ class LifecycleMixin:
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
             self._stopping.add(rec.id)  # the proxy answers "not running" from now on
+            hot = self._hot.enabled and await self._freeze(rec.id)
             try:
                 await hold("pause.before-checkpoint", rec.id)
                 try:
-                    staging = await self._stage(rec, sid, stop=True)
+                    staging = await self._stage(rec, sid, stop=not hot)
                 except CreateFailed as e:
+                    if hot:
+                        await self._thaw_quietly(rec.id)
                     try:
                         alive = await self.driver.is_running(rec.id)
                     except Exception:  # noqa: BLE001 — treat as dead
@@ -197,10 +210,14 @@ class LifecycleMixin:
                 # The slot stays recorded (and allocated) until the stopped runtime is gone.
                 rec.state, rec.paused_at = "paused", time.time()
                 self.store.put(rec)
-                self._slots.pop(rec.id, None)
+                slot = self._slots.pop(rec.id, None)
+                keep = hot and slot is not None
+                if keep:
+                    self._hot.keep(rec.id, slot)
+                    await self._notify_gone(rec.id)  # open streams end, as for a stopping checkpoint
                 meta = self._meta_for(rec, "pause", sid)
                 task = self._pending[rec.id] = asyncio.create_task(
-                    self._finish_pause(rec.id, staging, meta, rec.slot), name=f"pause-{rec.id}")
+                    self._finish_pause(rec.id, staging, meta, rec.slot, keep_runtime=keep), name=f"pause-{rec.id}")
                 if self.settings.cluster:
                     # Another node may have to resume it if this one dies next: answer only
                     # once the image is in the shared repository.
@@ -209,10 +226,29 @@ class LifecycleMixin:
             finally:
                 self._stopping.discard(rec.id)
 
+    async def _freeze(self, sandbox_id: str) -> bool:
+        """Freeze a sandbox about to be hot-paused (records ``freeze``, ms). False when
+        the runtime cannot: the pause then stops the sandbox as usual."""
+        t0 = time.perf_counter()
+        try:
+            await self.driver.freeze(sandbox_id)
+        except Exception as e:  # noqa: BLE001 — NotImplementedError included
+            log.warning("hot pause of %s: freeze failed (%s); pausing without keeping it", sandbox_id, e)
+            return False
+        timing.record("freeze", (time.perf_counter() - t0) * 1000)
+        return True
+
+    async def _thaw_quietly(self, sandbox_id: str) -> None:
+        try:
+            await self.driver.thaw(sandbox_id)
+        except Exception as e:  # noqa: BLE001 — the caller's liveness check decides
+            log.error("thaw of %s after a failed pause failed: %s", sandbox_id, e)
+
     async def _finish_pause(self, sandbox_id: str, staging: Path, meta: SnapshotMeta,
-                            slot_index: int | None) -> None:
+                            slot_index: int | None, keep_runtime: bool = False) -> None:
         """Background half of :meth:`pause`: commit the staged image (kept staged when
-        that fails), then destroy the stopped runtime and release its slot."""
+        that fails), then destroy the stopped runtime and release its slot — unless
+        ``keep_runtime`` (hot pause: the frozen sandbox stays until dropped)."""
         try:
             await hold("pause.before-commit", sandbox_id)
             try:
@@ -220,6 +256,8 @@ class LifecycleMixin:
             except Exception as e:  # noqa: BLE001
                 log.error("pause of %s: commit failed (%s); its image stays staged on this node "
                           "and is committed again on resume or restart", sandbox_id, e)
+            if keep_runtime:
+                return
             await self._teardown(sandbox_id, slot_index)
             cur = self.store.get(sandbox_id)
             if cur is not None and cur.state == "paused":
@@ -276,20 +314,28 @@ class LifecycleMixin:
 
     async def _resume_locked(self, rec: SandboxRecord, timeout_s: int | None,
                              auto_pause: bool | None) -> SandboxRecord:
-        image, staged = await self._pause_image(rec)
-        self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)  # AtCapacity: stays paused
-        rec.state = "resuming"
+        # AtCapacity: it stays paused (a kept frozen copy stays kept). Kept copies are
+        # not counted as holding memory: they are dropped first when memory runs low.
+        self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)
         if timeout_s is not None:
             rec.timeout_s = timeout_s
         if auto_pause is not None:
             rec.auto_pause = auto_pause
-        self.store.put(rec)
-        try:
-            await self._start(rec, image, rec.envd_access_token, image_dir=staged)
-        except BaseException:
-            rec.state, rec.slot = "paused", None
+        if await self._unfreeze(rec):
+            marked = self.snapshots.staging_path(rec.image_id or "-")
+            staged = marked / "image" if rec.image_id and (marked / PAUSE_MARKER).is_file() else None
+        else:
+            image, staged = await self._pause_image(rec)
+            rec.state = "resuming"
             self.store.put(rec)
-            raise
+            t0 = time.perf_counter()
+            try:
+                await self._start(rec, image, rec.envd_access_token, image_dir=staged)
+                timing.record("restore", (time.perf_counter() - t0) * 1000)
+            except BaseException:
+                rec.state, rec.slot = "paused", None
+                self.store.put(rec)
+                raise
         if staged is not None:
             self.snapshots.discard(staged.parent)
         if rec.image_id:
@@ -297,6 +343,30 @@ class LifecycleMixin:
         rec.image_id = None
         self.store.put(rec)
         return rec
+
+    async def _unfreeze(self, rec: SandboxRecord) -> bool:
+        """Resume ``rec`` by unfreezing its kept runtime (hot pause; records ``thaw``,
+        ms) and persist it running. False when none is kept or the unfreeze failed (the
+        kept runtime is then destroyed and the caller restores from the image)."""
+        slot = self._hot.take(rec.id)
+        if slot is None:
+            return False
+        t0 = time.perf_counter()
+        try:
+            await self.driver.thaw(rec.id)
+        except Exception as e:  # noqa: BLE001
+            log.warning("unfreezing %s failed (%s); restoring it from its image", rec.id, e)
+            await self._teardown(rec.id, slot.index)
+            rec.slot = None
+            self.store.put(rec)
+            return False
+        timing.record("thaw", (time.perf_counter() - t0) * 1000)
+        self._slots[rec.id] = slot
+        now = time.time()
+        rec.state, rec.slot, rec.paused_at = "running", slot.index, None
+        rec.started_at, rec.end_at = now, now + rec.timeout_s
+        self.store.put(rec)
+        return True
 
     async def connect(self, sandbox_id: str, timeout_s: int) -> tuple[SandboxRecord, bool]:
         """E2B ``connect``: resume a paused sandbox (expiry now + ``timeout_s``) or

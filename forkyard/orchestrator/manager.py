@@ -28,6 +28,7 @@ from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
+from forkyard.orchestrator.hot import HotPaused, available_memory_pct
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.orchestrator.usage import CpuMeter
@@ -104,6 +105,8 @@ class Orchestrator(LifecycleMixin):
         self._garbage: set[str] = set()
         #: What this node may hand out (see :mod:`forkyard.orchestrator.admission`).
         self.capacity = Capacity.from_env()
+        #: Paused sandboxes whose frozen runtime is still kept (hot pause).
+        self._hot = HotPaused(settings.hot_pause_s if not settings.cluster else 0, settings.hot_pause_max)
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -135,6 +138,8 @@ class Orchestrator(LifecycleMixin):
         self._closing = True
         if self._pending:
             await asyncio.wait(list(self._pending.values()), timeout=60)
+        for sandbox_id in self._hot.ids():  # their images are committed: resumable after the restart
+            await self._drop_hot(sandbox_id)
         if self._gc_task:
             await asyncio.wait([self._gc_task], timeout=60)
         if self._spare_task:  # finishes the slot it is building, then stops
@@ -244,6 +249,21 @@ class Orchestrator(LifecycleMixin):
                 if d.name not in self._slots:
                     shutil.rmtree(d, ignore_errors=True)
         await self._gc_images()
+
+    async def _drop_hot(self, sandbox_id: str) -> None:
+        """Destroy the kept frozen runtime of paused ``sandbox_id`` and free its slot; the
+        sandbox stays paused (its committed image is what resume restores next)."""
+        async with self._locks[sandbox_id]:
+            await self._settle(sandbox_id)
+            if sandbox_id not in self._hot:
+                return
+            rec = self.store.get(sandbox_id)
+            slot = self._hot.take(sandbox_id)
+            await self._teardown(sandbox_id, slot.index if slot else None)
+            if rec is not None and rec.state == "paused":
+                rec.slot = None
+                self.store.put(rec)
+            log.info("dropped the frozen runtime of paused sandbox %s (resumes from its image)", sandbox_id)
 
     async def _teardown_row(self, rec: SandboxRecord) -> None:
         await self._teardown(rec.id, rec.slot)
@@ -386,7 +406,8 @@ class Orchestrator(LifecycleMixin):
 
     def node_metrics(self) -> dict:
         """``{"sandboxes": {"running": n, "paused": n}, "spareSlots": [index, …],
-        "pausesInFlight": n, "gcInFlight": bool}`` (spare slots include those being
+        "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool}`` (hot paused: paused
+        sandboxes whose frozen runtime is still kept here; spare slots include those being
         built; pauses in flight have answered but are still committing their image /
         releasing the runtime; gc deletes pause images nothing needs any more)."""
         counts = {"running": 0, "paused": 0}
@@ -395,7 +416,7 @@ class Orchestrator(LifecycleMixin):
                 counts[r.state] += 1
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
                 "spareSlots": sorted({s.index for s in self._spares} | self._building),
-                "pausesInFlight": len(self._pending),
+                "pausesInFlight": len(self._pending), "hotPaused": len(self._hot),
                 "gcInFlight": self._gc_task is not None and not self._gc_task.done()}
 
     async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
@@ -547,14 +568,19 @@ class Orchestrator(LifecycleMixin):
             raise
         return rec
 
-    async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
-        """Destroy runtime state, network slot and workdir; never raises."""
-        self._slots.pop(sandbox_id, None)
+    async def _notify_gone(self, sandbox_id: str) -> None:
+        """Run the :attr:`on_gone` callbacks (the proxy closes its connections)."""
         for callback in self.on_gone:
             try:
                 await callback(sandbox_id)
             except Exception as e:  # noqa: BLE001
                 log.error("on_gone callback for %s failed: %s", sandbox_id, e)
+
+    async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
+        """Destroy runtime state, network slot and workdir; never raises."""
+        self._slots.pop(sandbox_id, None)
+        self._hot.take(sandbox_id)
+        await self._notify_gone(sandbox_id)
         try:
             await self.driver.destroy(sandbox_id, self.settings.sandboxes_dir / sandbox_id)
         except Exception as e:  # noqa: BLE001
@@ -671,7 +697,7 @@ class Orchestrator(LifecycleMixin):
             if rec is None:
                 return
             log.warning("sandbox %s belongs to another node now (or was reported gone); dropping it here", sandbox_id)
-            if rec.state != "paused":
+            if rec.state != "paused" or rec.slot is not None:  # running, or paused but still frozen here
                 await self._teardown(rec.id, rec.slot)
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
@@ -766,6 +792,9 @@ class Orchestrator(LifecycleMixin):
                     continue
                 self._expiring.add(rec.id)
                 asyncio.create_task(self._expire(rec.id, action), name=f"expire-{rec.id}")
+            if len(self._hot):
+                for sandbox_id in self._hot.due(available_memory_pct()):
+                    asyncio.create_task(self._drop_hot(sandbox_id), name=f"unfreeze-drop-{sandbox_id}")
             if tick % 4 == 0:
                 await self._reap_dead()
 
