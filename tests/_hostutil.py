@@ -1,7 +1,7 @@
 """Host-side helpers for the runtime/network tests (real runsc, real netns; no mocks).
 
 The tests use their own network-slot prefix and outer range (``ft<slot letter><N>``,
-10.<192 + slot>.0.0/16)
+10.<144 + slot>.0.0/16)
 and their own runsc root, so they neither disturb nor get reconciled away by a forkyard
 server (default ``fy`` slots) running on the same host, e.g. from the API tests.
 
@@ -23,7 +23,7 @@ from forkyard.network.slots import NetworkManager
 from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
 
 TEST_PREFIX = "ft" + LETTER
-TEST_OUTER_NET = f"10.{192 + SLOT}.0.0/16"  # 10.192-207: clear of the default 10.209
+TEST_OUTER_NET = f"10.{144 + SLOT}.0.0/16"  # 10.144-159 (tests/_slot.py lists every range)
 HTTP_PORT = 49983
 #: init for tests until envd is used: a tiny HTTP server on the envd port.
 HTTP_INIT = ["/usr/bin/python3", "-m", "http.server", str(HTTP_PORT)]

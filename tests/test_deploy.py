@@ -45,7 +45,7 @@ PREFIX = "/opt/forkyard"
 from tests._slot import LETTER, SLOT  # noqa: E402 — this session's slot
 
 #: Network names and outer range of the node these tests start (conftest uses 10.220+N,
-#: the cluster tests 10.240+N, tests/_hostutil 10.192+N; 10.219 is free).
+#: the cluster tests 10.240+N, see tests/_slot.py).
 NET_PREFIX = "dp" + LETTER
 OUTER_NET = f"10.219.{SLOT * 16}.0/20"
 

@@ -21,7 +21,7 @@ import pytest
 
 import conftest
 
-_N = conftest._N
+_N = conftest.SLOT
 #: This session's /29 of TEST-NET-2: host side .1, public servers .2 and .3.
 BASE = 8 * _N
 SUBNET = f"198.51.100.{BASE}/29"

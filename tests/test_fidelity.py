@@ -319,7 +319,7 @@ def test_server_default_auto_pause_setting(server, tmp_path):
     class KillDefault(conftest.ServerProc):
         def env(self):
             return {**super().env(), "FORKYARD_DEFAULT_AUTO_PAUSE": "false", "FORKYARD_NET_PREFIX": conftest.NET_PREFIX + "k",
-                    "FORKYARD_OUTER_NET": f"10.{180 + conftest._N}.0.0/16"}
+                    "FORKYARD_OUTER_NET": f"10.{176 + conftest.SLOT}.0.0/16"}
 
     srv = KillDefault(tmp_path / "killdefault", server.templates_dir)
     srv.data_dir.mkdir()
@@ -339,7 +339,7 @@ def test_server_default_auto_pause_setting(server, tmp_path):
         srv.stop()
         from forkyard.network.slots import NetworkManager
 
-        NetworkManager(None, outer_net=f"10.{180 + conftest._N}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
+        NetworkManager(None, outer_net=f"10.{176 + conftest.SLOT}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
 
 
 # ---- URL-addressed features --------------------------------------------------------------

@@ -50,9 +50,10 @@ from forkyard.templates.base import build_base
 
 MB = 1 << 20
 FORKS = 16
-_N = os.getpid() % 10
-PREFIX = "fr" + "abcdefghij"[_N]
-OUTER_NET = f"10.{190 + _N}.0.0/16"
+from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
+
+PREFIX = "fr" + LETTER
+OUTER_NET = f"10.{192 + SLOT}.0.0/16"
 BUCKET = "forkyard-test"
 REGION = MINIO_REGION
 KEY, SECRET = "forkyard-test-key", "forkyard-test-secret"
@@ -527,8 +528,8 @@ class S3Server(ServerProc):
         return env
 
 
-SERVER_PREFIX = "fs" + "abcdefghij"[_N]
-SERVER_OUTER_NET = f"10.{180 + _N}.0.0/16"
+SERVER_PREFIX = "fs" + LETTER
+SERVER_OUTER_NET = f"10.212.{SLOT * 16}.0/20"
 
 
 def test_server_refuses_s3_without_region(tmp_path):
