@@ -374,9 +374,11 @@ class AsyncForkyard:
                     yield chunk
 
         path = "/templates/import"
-        # Probe first (no name → 400 where supported) so a server without the endpoint
-        # answers before a large upload starts, rather than closing mid-body.
-        probe = await self._request("POST", path, ok_404=True, ok_400=True, what="import probe")
+        # Probe first with an empty body (→ 400 "empty body" where supported, 409 when the
+        # name is taken) so a server without the endpoint, or with the name taken, answers
+        # before a large upload starts rather than closing the connection mid-body.
+        probe = await self._request("POST", path, params={"name": name}, ok_404=True, ok_400=True,
+                                    what=f"import template {name!r}")
         if probe.status_code == 404:
             raise NotSupported(f"template import is not supported by this server (POST {path} → 404)")
         r = await self._request("POST", path, params={"name": name}, content=body(), ok_404=True,
