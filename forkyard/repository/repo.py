@@ -40,7 +40,7 @@ import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -290,7 +290,11 @@ class Repository:
                     self.backend.put(ck.chunk_key(h), blob)
                     return len(blob)
 
-                sizes = list(self.pool.map(upload, missing))
+                # Wait for every upload before looking at any failure: the image's
+                # mappings are closed on the way out and must outlive all readers.
+                futures = [self.pool.submit(upload, h) for h in missing]
+                wait(futures)
+                sizes = [f.result() for f in futures]
                 self.backend.barrier([ck.chunk_key(h) for h in missing])
                 stats.new_chunks = len(missing)
                 stats.new_raw_bytes = sum(where[h][2] for h in missing)
