@@ -567,7 +567,9 @@ def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint)
     data.mkdir(parents=True)
     srv = S3Server(data, {"FORKYARD_REPO": f"s3://{BUCKET}/{prefix}", "FORKYARD_S3_ENDPOINT": s3_endpoint,
                           "FORKYARD_S3_REGION": REGION, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                          "FORKYARD_CACHE_BYTES": str(256 * MB)})
+                          "FORKYARD_CACHE_BYTES": str(256 * MB),
+                          # resume must restore from S3, not unfreeze a kept copy (hot pause)
+                          "FORKYARD_HOT_PAUSE_S": "0"})
     srv.start()
     opts = {"api_key": srv.api_key, "api_url": srv.url, "sandbox_url": srv.url}
     cache = data / "snapshots" / "cache"

@@ -234,7 +234,8 @@ class RestGuard:
             return await self._answer(send, 413, f"request body over the {limit} byte limit of {path}")
         got_bytes = 0
         idle = self.body_idle_timeout_s
-        done = False
+        chunked = any(k == b"transfer-encoding" for k, _ in scope["headers"])
+        done = not chunked and (declared is None or declared == b"0")  # no body to read
 
         async def bounded_receive():
             nonlocal got_bytes, done
@@ -253,4 +254,12 @@ class RestGuard:
                 done = True
             return msg
 
-        return await self.app(scope, bounded_receive, send)
+        async def closing_send(msg):
+            if msg["type"] == "http.response.start" and not done:
+                # Answered before the whole body arrived (413, 408, an early 4xx): close
+                # the connection, or the rest of the body would be read as the next request.
+                headers = [(k, v) for k, v in msg.get("headers", []) if k.lower() != b"connection"]
+                msg = {**msg, "headers": [*headers, (b"connection", b"close")]}
+            await send(msg)
+
+        return await self.app(scope, bounded_receive, closing_send)
