@@ -25,7 +25,40 @@ from forkyard.config import Settings
 TEST_ROOT = Path(os.environ.get("FORKYARD_TEST_DATA_DIR", "/var/lib/forkyard-test"))
 #: Per-session network prefix, outer range and state dir, so two test sessions on one
 #: host (developers, helpers) never touch each other's sandboxes.
-_N = os.getpid() % 20
+def _pick_session_index() -> int:
+    """A session index 0…19 no other test session on this host uses: its lock file
+    ``/run/forkyard/test-session-<prefix>.lock`` is held for this process's life, and no
+    server holds that prefix's node lock (a session of an older conftest). Starts at
+    pid % 20; two sessions with one index would wipe each other's server directory."""
+    import fcntl
+
+    os.makedirs("/run/forkyard", mode=0o700, exist_ok=True)
+    start = os.getpid() % 20
+    for k in range(20):
+        n = (start + k) % 20
+        prefix = "fy" + "abcdefghijklmnopqrst"[n]
+        fd = os.open(f"/run/forkyard/test-session-{prefix}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        nfd = os.open(f"/run/forkyard/net-{prefix}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(nfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(nfd, fcntl.LOCK_UN)
+        except OSError:
+            os.close(fd)
+            continue
+        finally:
+            os.close(nfd)
+        _SESSION_LOCKS.append(fd)  # held (open) until the session ends
+        return n
+    return start
+
+
+_SESSION_LOCKS: list[int] = []
+_N = _pick_session_index()
 NET_PREFIX = "fy" + "abcdefghijklmnopqrst"[_N]
 OUTER_NET = f"10.{220 + _N}.0.0/16"
 SERVER_DIR = TEST_ROOT / f"server-{NET_PREFIX}"

@@ -410,7 +410,8 @@ def test_logs_endpoints_and_cli(sandbox, server):
         assert any("listening" in m for m in msgs), msgs
         assert any(m.startswith("process ") and "started: /bin/bash -l -c echo hi" in m for m in msgs), msgs
         assert any("ended: exit status 3" in m for m in msgs), msgs
-        assert [l["line"] for l in v1["logs"]] == msgs
+        lines = [_json.loads(l["line"]) for l in v1["logs"]]  # E2B's shape: JSON with level and logger
+        assert [l["message"] for l in lines] == msgs and all(l["logger"] in ("envd", "runtime") for l in lines)
         v2 = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"level": "warn"}).json()["logs"]
         assert v2 and all(e["level"] in ("warn", "error") for e in v2)
         assert any("exit status 3" in e["message"] for e in v2)
