@@ -428,3 +428,26 @@ def test_logs_endpoints_and_cli(sandbox, server):
     p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "logs", sandbox.sandbox_id, "--json"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and any("exit status 3" in e["line"] for e in _json.loads(p.stdout)), p.stderr
+
+
+def test_signed_file_urls_of_secure_sandbox(server):
+    """download_url/upload_url of a secure sandbox (built on E2B_SANDBOX_URL, so without a
+    sandbox id) work for anyone holding the URL; a tampered or expired one is refused."""
+    sbx = Sandbox.create("base", secure=True, timeout=120)
+    try:
+        sbx.files.write("/home/user/signed.txt", "signed content")
+        url = sbx.download_url("/home/user/signed.txt")
+        assert url.startswith(server.url + "/files?") and "signature=" in url
+        r = httpx.get(url, timeout=30)  # no API key, no access token, no sandbox id
+        assert r.status_code == 200 and r.text == "signed content", (r.status_code, r.text)
+        up = sbx.upload_url("/home/user/uploaded.txt")
+        r = httpx.post(up, files={"file": ("uploaded.txt", b"via signed url")}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/uploaded.txt") == "via signed url"
+        exp = sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)
+        assert httpx.get(exp, timeout=30).text == "signed content"
+        assert httpx.get(url.replace("signed.txt", "other.txt"), timeout=30).status_code == 401
+        assert httpx.post(url, files={"file": ("x", b"x")}, timeout=30).status_code == 401  # read-only signature
+    finally:
+        sbx.kill()
+    assert httpx.get(url, timeout=30).status_code == 401  # its sandbox is gone

@@ -82,12 +82,17 @@ class SandboxProxy:
     ``max_body_bytes`` bounds one request body (uploads); a larger one gets 413.
     ``wake(sandbox_id) -> bool`` (async, optional) is asked when a sandbox is not
     running: True means it was resumed (E2B ``autoResume``) and the request goes on.
+    ``signed(query, operation) -> sandbox_id | None`` (optional) routes ``/files``
+    requests that carry a file-URL signature but no sandbox route (signed
+    ``download_url``/``upload_url`` built on ``E2B_SANDBOX_URL``) to envd of the
+    sandbox whose token signed them; a signature no sandbox made gets 401.
     """
 
-    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None):
+    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None, signed=None):
         self.app = app
         self.resolve = resolve
         self.wake = wake
+        self.signed = signed
         self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
@@ -139,6 +144,10 @@ class SandboxProxy:
             if scope["type"] == "http":
                 return await _send_json(send, 400, str(e))
             return await send({"type": "websocket.close", "code": 1008})
+        if route is None and self.signed is not None and scope["type"] == "http" and scope["path"] == "/files":
+            route = self._signed_route(scope)
+            if route is False:
+                return await _send_json(send, 401, "invalid or expired file URL signature")
         if route is None:
             return await self.app(scope, receive, send)
         sid, port = route
@@ -160,6 +169,20 @@ class SandboxProxy:
             await self._http(scope, receive, send, host, hport, sid)
         else:
             await self._ws(scope, receive, send, host, hport)
+
+    def _signed_route(self, scope):
+        """``(sandbox_id, envd port)`` for a signed ``/files`` URL, None when the request
+        carries no signature, False when no running sandbox made it."""
+        from urllib.parse import parse_qs
+
+        from forkyard.config import ENVD_PORT
+
+        q = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1"),
+                                          keep_blank_values=True).items()}
+        if "signature" not in q:
+            return None
+        sid = self.signed(q, "write" if scope["method"] == "POST" else "read")
+        return (sid, ENVD_PORT) if sid else False
 
     async def _wake(self, sid: str) -> bool:
         try:

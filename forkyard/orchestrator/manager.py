@@ -650,6 +650,30 @@ class Orchestrator(LifecycleMixin):
         return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
+    def sandbox_for_file_signature(self, query: dict[str, str], operation: str) -> str | None:
+        """The running sandbox whose envd access token produced ``query``'s v1 file-URL
+        signature (the SDKs' ``download_url``/``upload_url`` of a secure sandbox:
+        ``"v1_" + base64(sha256("path:operation:username:token[:expiration]"))``, e2b
+        ``sandbox/signature.py``), or None. Such URLs carry no sandbox id when
+        ``E2B_SANDBOX_URL`` is set; envd checks the signature again (and its expiry)."""
+        import base64
+        import hashlib
+        import hmac
+
+        sig = query.get("signature", "")
+        if not sig.startswith("v1_") or len(sig) > 64:
+            return None
+        head = [query.get("path", ""), operation, query.get("username", "")]
+        tail = [query["signature_expiration"]] if query.get("signature_expiration") else []
+        for rec in self.store.all():
+            if rec.envd_access_token is None or rec.id not in self._slots:
+                continue
+            raw = ":".join([*head, rec.envd_access_token, *tail]).encode()
+            want = "v1_" + base64.b64encode(hashlib.sha256(raw).digest()).rstrip(b"=").decode()
+            if hmac.compare_digest(want, sig):
+                return rec.id
+        return None
+
     def log_entries(self, sandbox_id: str) -> list[dict]:
         """The sandbox's log entries since it last started or resumed
         (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.
