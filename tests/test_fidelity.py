@@ -195,10 +195,9 @@ REFUSED = [
     ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
     ("network", {"allowOut": ["example.com"]}, "allowOut"),
     ("network", {"denyOut": ["10.0.0.0/99"]}, "denyOut"),
-    ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
     ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
     ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
-    ("network", {"maskRequestHost": "example.com"}, "maskRequestHost"),
+    ("network", {"maskRequestHost": "bad host/path"}, "maskRequestHost"),
     ("network", {"httpsPorts": [8443]}, "httpsPorts"),
     ("network", {"rules": {"api.example.com": {"headers": {"a": "b"}}}}, "rules"),
     ("network", {"bogus": 1}, "bogus"),
@@ -241,7 +240,7 @@ def test_create_refusals_through_the_sdk(server):
         Sandbox.create("base", network={"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]}, timeout=30)
     assert "allowOut" in str(ei.value) and "domain" in str(ei.value)
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", network={"mask_request_host": "x.example"}, timeout=30)
+        Sandbox.create("base", network={"mask_request_host": "x y"}, timeout=30)
     assert "maskRequestHost" in str(ei.value)
     sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
                          lifecycle={"on_timeout": "pause", "auto_resume": False})
@@ -451,3 +450,33 @@ def test_signed_file_urls_of_secure_sandbox(server):
     finally:
         sbx.kill()
     assert httpx.get(url, timeout=30).status_code == 401  # its sandbox is gone
+
+
+def test_traffic_access_token_and_mask_request_host(server):
+    sbx = Sandbox.create("base", timeout=120, network={"allow_public_traffic": False,
+                                                      "mask_request_host": "${PORT}-masked.example"})
+    try:
+        token = sbx.traffic_access_token
+        assert token
+        sbx.files.write("/tmp/echo.py", HOST_ECHO)  # envd traffic needs no traffic token
+        sbx.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001"}
+        r = _wait_served(f"{server.url}/", {**hdrs, "e2b-traffic-access-token": token})
+        assert r.status_code == 200 and r.json()["host"] == "8001-masked.example"
+        r = httpx.get(f"{server.url}/", headers=hdrs, timeout=10)
+        assert r.status_code == 403 and "traffic access token" in r.json()["message"]
+        r = httpx.get(f"{server.url}/", headers={**hdrs, "e2b-traffic-access-token": "wrong"}, timeout=10)
+        assert r.status_code == 403
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.traffic_access_token == token
+        sbx.pause()
+        Sandbox.connect(sbx.sandbox_id)
+        r = httpx.get(f"{server.url}/", headers=hdrs, timeout=30)
+        assert r.status_code == 403  # still required after a resume
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+    open_ = Sandbox.create("base", timeout=60)
+    try:
+        assert open_.traffic_access_token is None
+    finally:
+        open_.kill()

@@ -126,7 +126,7 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
     proxy = SandboxProxy(api, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake,
-                         signed=orch.sandbox_for_file_signature)
+                         signed=orch.sandbox_for_file_signature, rules=orch.proxy_rules)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
     return proxy

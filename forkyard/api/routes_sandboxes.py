@@ -71,6 +71,8 @@ async def _create(request: Request, body: schemas.NewSandbox, secure_default: bo
         secure=secure_default if body.secure is None else body.secure,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         egress=egress,
+        public_traffic=not (net is not None and net.allow_public_traffic is False),
+        mask_host=net.mask_request_host if net is not None else None,
     )
     return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201)
 

@@ -83,6 +83,8 @@ class Orchestrator(LifecycleMixin):
         #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
         #: paused, died); the API's proxy closes its connections to it there.
         self.on_gone: list = []
+        #: (traffic token, Host mask) per running sandbox that has either (:meth:`proxy_rules`).
+        self._proxy_rules: dict[str, tuple[str | None, str | None]] = {}
         #: Sandboxes being paused: the proxy treats them as not running.
         self._stopping: set[str] = set()
         self._expiring: set[str] = set()
@@ -157,6 +159,8 @@ class Orchestrator(LifecycleMixin):
             # sees envd errors and can kill it.
             log.warning("re-adopting sandbox %s although envd does not answer: %s", rec.id, e)
         self._slots[rec.id] = slot
+        if rec.traffic_token or rec.mask_host:
+            self._proxy_rules[rec.id] = (rec.traffic_token, rec.mask_host)
         return True
 
     async def _reconcile(self) -> None:
@@ -437,6 +441,8 @@ class Orchestrator(LifecycleMixin):
         finally:
             self._starting -= 1
         self._slots[rec.id] = slot
+        if rec.traffic_token or rec.mask_host:
+            self._proxy_rules[rec.id] = (rec.traffic_token, rec.mask_host)
         rec.slot = slot.index
         rec.state = "running"
         rec.started_at = time.time()
@@ -462,6 +468,8 @@ class Orchestrator(LifecycleMixin):
         memory_mb: int | None = None,
         auto_resume: bool = False,
         egress: EgressPolicy | None = None,
+        public_traffic: bool = True,
+        mask_host: str | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -471,6 +479,8 @@ class Orchestrator(LifecycleMixin):
             auto_pause: pause (True) or kill (False) at expiry.
             auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
             egress: outbound traffic policy, enforced from before the sandbox starts.
+            public_traffic: False = user ports need the ``traffic_token`` generated here.
+            mask_host: Host header for user-port requests (``${PORT}`` = the port).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
 
@@ -501,6 +511,8 @@ class Orchestrator(LifecycleMixin):
             timeout_s=timeout_s,
             auto_resume=auto_resume,
             egress=egress.to_json() if egress is not None and not egress.empty else {},
+            traffic_token=None if public_traffic else secrets.token_urlsafe(24),
+            mask_host=mask_host,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
@@ -516,6 +528,7 @@ class Orchestrator(LifecycleMixin):
     async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
         """Destroy runtime state, network slot and workdir; never raises."""
         self._slots.pop(sandbox_id, None)
+        self._proxy_rules.pop(sandbox_id, None)
         for callback in self.on_gone:
             try:
                 await callback(sandbox_id)
@@ -650,6 +663,12 @@ class Orchestrator(LifecycleMixin):
         return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
+    def proxy_rules(self, sandbox_id: str) -> tuple[str | None, str | None]:
+        """``(traffic access token, Host mask)`` the proxy applies to user-port requests
+        of a running sandbox (None, None when it has neither). In memory: filled when
+        the sandbox starts, so a proxied request costs no database read."""
+        return self._proxy_rules.get(sandbox_id, (None, None))
+
     def sandbox_for_file_signature(self, query: dict[str, str], operation: str) -> str | None:
         """The running sandbox whose envd access token produced ``query``'s v1 file-URL
         signature (the SDKs' ``download_url``/``upload_url`` of a secure sandbox:
