@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -480,3 +481,71 @@ def test_traffic_access_token_and_mask_request_host(server):
         assert open_.traffic_access_token is None
     finally:
         open_.kill()
+
+
+def test_tls_listener_serves_sandbox_urls(server, tmp_path):
+    """FORKYARD_TLS_CERT/KEY: the server speaks HTTPS, and https://PORT-ID.DOMAIN (as the
+    SDKs build it from get_host) reaches the sandbox port with a certificate for *.DOMAIN."""
+    import subprocess
+
+    import conftest
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:sbx.test,DNS:*.sbx.test,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    prefix, outer = conftest.NET_PREFIX + "t", f"10.{140 + conftest._N}.0.0/16"
+
+    class TlsServer(conftest.ServerProc):
+        def env(self):
+            return {**super().env(), "FORKYARD_TLS_CERT": str(cert), "FORKYARD_TLS_KEY": str(key),
+                    "FORKYARD_NET_PREFIX": prefix, "FORKYARD_OUTER_NET": outer,
+                    "FORKYARD_DOMAIN": f"sbx.test:{self.port}"}
+
+        def start(self):  # its /health is HTTPS
+            self.url = f"https://127.0.0.1:{self.port}"
+            import httpx as _h
+            orig = _h.get
+            _h.get = lambda url, **kw: orig(url, verify=False, **{k: v for k, v in kw.items() if k != "verify"})
+            try:
+                super().start()
+            finally:
+                _h.get = orig
+
+        def api(self):
+            return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60, verify=str(cert))
+
+    srv = TlsServer(tmp_path / "tls", server.templates_dir)
+    srv.data_dir.mkdir()
+    hosts = Path("/etc/hosts")
+    srv.start()
+    added = None
+    try:
+        with srv.api() as c:
+            body = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()
+            sid, token = body["sandboxID"], body.get("envdAccessToken")
+            assert body["domain"] == f"sbx.test:{srv.port}"
+            # A wildcard DNS record in real use; here the names this test uses go in /etc/hosts.
+            added = f"127.0.0.1 8000-{sid}.sbx.test 49983-{sid}.sbx.test  # forkyard test {sid}\n"
+            with open(hosts, "a") as f:
+                f.write(added)
+            envd = f"https://49983-{sid}.{body['domain']}"
+            auth = {"X-Access-Token": token} if token else {}
+            r = httpx.post(f"{envd}/files", params={"path": "/tmp/t/index.html", "username": "user"},
+                           files={"file": ("index.html", b"over tls")}, headers=auth, verify=str(cert), timeout=30)
+            assert r.status_code == 200, r.text
+            r = httpx.get(f"{envd}/health", verify=str(cert), timeout=30)
+            assert r.status_code in (200, 204)
+            with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+                httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5).raise_for_status()
+            c.delete(f"/sandboxes/{sid}")
+    finally:
+        if added:
+            hosts.write_text(hosts.read_text().replace(added, ""))
+        try:
+            srv.kill_all()
+        finally:
+            srv.stop()
+            from forkyard.network.slots import NetworkManager
+
+            NetworkManager(None, outer_net=outer, prefix=prefix).teardown_host()
