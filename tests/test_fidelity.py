@@ -549,3 +549,17 @@ def test_tls_listener_serves_sandbox_urls(server, tmp_path):
             from forkyard.network.slots import NetworkManager
 
             NetworkManager(None, outer_net=outer, prefix=prefix).teardown_host()
+
+
+# ---- base template parity ------------------------------------------------------------------
+def test_base_template_has_e2b_base_tools(sandbox):
+    """Scripts written for E2B's ``base`` run unchanged: python (= python3), pip, node,
+    npm and the everyday tools."""
+    r = sandbox.commands.run(
+        "python --version && python3 --version && pip --version && node --version && npm --version && "
+        "git --version && curl --version | head -1 && wget --version | head -1 && jq --version && "
+        "gcc --version | head -1 && make --version | head -1 && zip -v | head -2 && unzip -v | head -1 && "
+        "sudo -n true && echo ALL-OK", timeout=60)
+    assert r.exit_code == 0 and r.stdout.strip().endswith("ALL-OK"), r.stdout + r.stderr
+    assert sandbox.commands.run("python -c 'import sys; print(sys.version_info[0])'").stdout.strip() == "3"
+    assert sandbox.commands.run("node -e 'console.log(6*7)'").stdout.strip() == "42"
