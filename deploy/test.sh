@@ -30,6 +30,7 @@ if ! command -v npm >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm
 fi
 npm ci --prefix tests/ts --no-audit --no-fund --silent
+npm ci --prefix tests/e2bcli --no-audit --no-fund --silent  # the E2B CLI (tests/test_e2b_cli.py)
 export FORKYARD_TEST_DATA_DIR=${FORKYARD_TEST_DATA_DIR:-/var/lib/forkyard-test}
 # MinIO: the tests' S3 server (real signatures, keys and regions, unlike an emulator).
 # Built once from the Go module proxy (~2-4 min on 2 cores, 150 MB) and cached.

@@ -101,6 +101,10 @@ class Settings:
             private, link-local/metadata, CGNAT, documentation and multicast ranges in
             :data:`forkyard.network.slots.BLOCKED_EGRESS`). Replacing it lets sandboxes
             reach e.g. a private package mirror.
+        tls_cert / tls_key: PEM certificate (chain) and key files (``FORKYARD_TLS_CERT``,
+            ``FORKYARD_TLS_KEY``): when both are set the server speaks HTTPS only on its
+            port, so ``https://PORT-ID.DOMAIN`` works as the SDKs build it (the
+            certificate should cover ``*.DOMAIN``).
         cluster: this node is part of a cluster (set by ``forkyard node --scheduler``):
             pauses commit to the shared repository before they answer (so a paused
             sandbox can resume on any node even if this one dies right after), and
@@ -129,6 +133,8 @@ class Settings:
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))
+    tls_cert: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_TLS_CERT") or None)
+    tls_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_TLS_KEY") or None)
     cluster: bool = False
     hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
     hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -195,10 +196,9 @@ REFUSED = [
     ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
     ("network", {"allowOut": ["example.com"]}, "allowOut"),
     ("network", {"denyOut": ["10.0.0.0/99"]}, "denyOut"),
-    ("network", {"allowPublicTraffic": False}, "allowPublicTraffic"),
     ("network", {"dnsServers": ["8.8.8.8"]}, "dnsServers"),
     ("network", {"egressProxy": {"address": "socks5://x:1"}}, "egressProxy"),
-    ("network", {"maskRequestHost": "example.com"}, "maskRequestHost"),
+    ("network", {"maskRequestHost": "bad host/path"}, "maskRequestHost"),
     ("network", {"httpsPorts": [8443]}, "httpsPorts"),
     ("network", {"rules": {"api.example.com": {"headers": {"a": "b"}}}}, "rules"),
     ("network", {"bogus": 1}, "bogus"),
@@ -241,7 +241,7 @@ def test_create_refusals_through_the_sdk(server):
         Sandbox.create("base", network={"allow_out": ["pypi.org"], "deny_out": ["0.0.0.0/0"]}, timeout=30)
     assert "allowOut" in str(ei.value) and "domain" in str(ei.value)
     with pytest.raises(SandboxException) as ei:
-        Sandbox.create("base", network={"mask_request_host": "x.example"}, timeout=30)
+        Sandbox.create("base", network={"mask_request_host": "x y"}, timeout=30)
     assert "maskRequestHost" in str(ei.value)
     sbx = Sandbox.create("base", allow_internet_access=True, network={}, timeout=30,
                          lifecycle={"on_timeout": "pause", "auto_resume": False})
@@ -410,7 +410,8 @@ def test_logs_endpoints_and_cli(sandbox, server):
         assert any("listening" in m for m in msgs), msgs
         assert any(m.startswith("process ") and "started: /bin/bash -l -c echo hi" in m for m in msgs), msgs
         assert any("ended: exit status 3" in m for m in msgs), msgs
-        assert [l["line"] for l in v1["logs"]] == msgs
+        lines = [_json.loads(l["line"]) for l in v1["logs"]]  # E2B's shape: JSON with level and logger
+        assert [l["message"] for l in lines] == msgs and all(l["logger"] in ("envd", "runtime") for l in lines)
         v2 = c.get(f"/v2/sandboxes/{sandbox.sandbox_id}/logs", params={"level": "warn"}).json()["logs"]
         assert v2 and all(e["level"] in ("warn", "error") for e in v2)
         assert any("exit status 3" in e["message"] for e in v2)
@@ -427,3 +428,138 @@ def test_logs_endpoints_and_cli(sandbox, server):
     p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "logs", sandbox.sandbox_id, "--json"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and any("exit status 3" in e["line"] for e in _json.loads(p.stdout)), p.stderr
+
+
+def test_signed_file_urls_of_secure_sandbox(server):
+    """download_url/upload_url of a secure sandbox (built on E2B_SANDBOX_URL, so without a
+    sandbox id) work for anyone holding the URL; a tampered or expired one is refused."""
+    sbx = Sandbox.create("base", secure=True, timeout=120)
+    try:
+        sbx.files.write("/home/user/signed.txt", "signed content")
+        url = sbx.download_url("/home/user/signed.txt")
+        assert url.startswith(server.url + "/files?") and "signature=" in url
+        r = httpx.get(url, timeout=30)  # no API key, no access token, no sandbox id
+        assert r.status_code == 200 and r.text == "signed content", (r.status_code, r.text)
+        up = sbx.upload_url("/home/user/uploaded.txt")
+        r = httpx.post(up, files={"file": ("uploaded.txt", b"via signed url")}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert sbx.files.read("/home/user/uploaded.txt") == "via signed url"
+        exp = sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)
+        assert httpx.get(exp, timeout=30).text == "signed content"
+        assert httpx.get(url.replace("signed.txt", "other.txt"), timeout=30).status_code == 401
+        assert httpx.post(url, files={"file": ("x", b"x")}, timeout=30).status_code == 401  # read-only signature
+    finally:
+        sbx.kill()
+    assert httpx.get(url, timeout=30).status_code == 401  # its sandbox is gone
+
+
+def test_traffic_access_token_and_mask_request_host(server):
+    sbx = Sandbox.create("base", timeout=120, network={"allow_public_traffic": False,
+                                                      "mask_request_host": "${PORT}-masked.example"})
+    try:
+        token = sbx.traffic_access_token
+        assert token
+        sbx.files.write("/tmp/echo.py", HOST_ECHO)  # envd traffic needs no traffic token
+        sbx.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
+        hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001"}
+        r = _wait_served(f"{server.url}/", {**hdrs, "e2b-traffic-access-token": token})
+        assert r.status_code == 200 and r.json()["host"] == "8001-masked.example"
+        r = httpx.get(f"{server.url}/", headers=hdrs, timeout=10)
+        assert r.status_code == 403 and "traffic access token" in r.json()["message"]
+        r = httpx.get(f"{server.url}/", headers={**hdrs, "e2b-traffic-access-token": "wrong"}, timeout=10)
+        assert r.status_code == 403
+        again = Sandbox.connect(sbx.sandbox_id)
+        assert again.traffic_access_token == token
+        sbx.pause()
+        Sandbox.connect(sbx.sandbox_id)
+        r = httpx.get(f"{server.url}/", headers=hdrs, timeout=30)
+        assert r.status_code == 403  # still required after a resume
+    finally:
+        Sandbox.kill(sbx.sandbox_id)
+    open_ = Sandbox.create("base", timeout=60)
+    try:
+        assert open_.traffic_access_token is None
+    finally:
+        open_.kill()
+
+
+def test_tls_listener_serves_sandbox_urls(server, tmp_path):
+    """FORKYARD_TLS_CERT/KEY: the server speaks HTTPS, and https://PORT-ID.DOMAIN (as the
+    SDKs build it from get_host) reaches the sandbox port with a certificate for *.DOMAIN."""
+    import subprocess
+
+    import conftest
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:sbx.test,DNS:*.sbx.test,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    prefix, outer = conftest.NET_PREFIX + "t", f"10.{128 + conftest.SLOT}.0.0/16"
+
+    class TlsServer(conftest.ServerProc):
+        def env(self):
+            return {**super().env(), "FORKYARD_TLS_CERT": str(cert), "FORKYARD_TLS_KEY": str(key),
+                    "FORKYARD_NET_PREFIX": prefix, "FORKYARD_OUTER_NET": outer,
+                    "FORKYARD_DOMAIN": f"sbx.test:{self.port}"}
+
+        def start(self):  # its /health is HTTPS
+            self.url = f"https://127.0.0.1:{self.port}"
+            import httpx as _h
+            orig = _h.get
+            _h.get = lambda url, **kw: orig(url, verify=False, **{k: v for k, v in kw.items() if k != "verify"})
+            try:
+                super().start()
+            finally:
+                _h.get = orig
+
+        def api(self):
+            return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60, verify=str(cert))
+
+    srv = TlsServer(tmp_path / "tls", server.templates_dir)
+    srv.data_dir.mkdir()
+    hosts = Path("/etc/hosts")
+    srv.start()
+    added = None
+    try:
+        with srv.api() as c:
+            body = c.post("/sandboxes", json={"templateID": "base", "timeout": 120}).json()
+            sid, token = body["sandboxID"], body.get("envdAccessToken")
+            assert body["domain"] == f"sbx.test:{srv.port}"
+            # A wildcard DNS record in real use; here the names this test uses go in /etc/hosts.
+            added = f"127.0.0.1 8000-{sid}.sbx.test 49983-{sid}.sbx.test  # forkyard test {sid}\n"
+            with open(hosts, "a") as f:
+                f.write(added)
+            envd = f"https://49983-{sid}.{body['domain']}"
+            auth = {"X-Access-Token": token} if token else {}
+            r = httpx.post(f"{envd}/files", params={"path": "/tmp/t/index.html", "username": "user"},
+                           files={"file": ("index.html", b"over tls")}, headers=auth, verify=str(cert), timeout=30)
+            assert r.status_code == 200, r.text
+            r = httpx.get(f"{envd}/health", verify=str(cert), timeout=30)
+            assert r.status_code in (200, 204)
+            with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+                httpx.get(f"http://127.0.0.1:{srv.port}/health", timeout=5).raise_for_status()
+            c.delete(f"/sandboxes/{sid}")
+    finally:
+        if added:
+            hosts.write_text(hosts.read_text().replace(added, ""))
+        try:
+            srv.kill_all()
+        finally:
+            srv.stop()
+            from forkyard.network.slots import NetworkManager
+
+            NetworkManager(None, outer_net=outer, prefix=prefix).teardown_host()
+
+
+# ---- base template parity ------------------------------------------------------------------
+def test_base_template_has_e2b_base_tools(sandbox):
+    """Scripts written for E2B's ``base`` run unchanged: python (= python3), pip, node,
+    npm and the everyday tools."""
+    r = sandbox.commands.run(
+        "python --version && python3 --version && pip --version && node --version && npm --version && "
+        "git --version && curl --version | head -1 && wget --version | head -1 && jq --version && "
+        "gcc --version | head -1 && make --version | head -1 && zip -v | head -2 && unzip -v | head -1 && "
+        "sudo -n true && echo ALL-OK", timeout=60)
+    assert r.exit_code == 0 and r.stdout.strip().endswith("ALL-OK"), r.stdout + r.stderr
+    assert sandbox.commands.run("python -c 'import sys; print(sys.version_info[0])'").stdout.strip() == "3"
+    assert sandbox.commands.run("node -e 'console.log(6*7)'").stdout.strip() == "42"

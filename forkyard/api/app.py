@@ -131,7 +131,8 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(obs_router)
     # Auth from headers and body caps before FastAPI reads any body (issue 11, item 5).
     guarded = RestGuard(api, api.state.api_key, settings.max_upload_mb << 20)
-    proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake)
+    proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake,
+                         signed=orch.sandbox_for_file_signature, rules=orch.proxy_rules)
     orch.on_gone.append(proxy.forget)
     proxy.fastapi = api
     return _observed(proxy, api, orch)

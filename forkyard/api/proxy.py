@@ -21,6 +21,7 @@ the SDK reports the sandbox killed instead of a command that ended without an en
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import posixpath
@@ -35,6 +36,8 @@ from forkyard.orchestrator.errors import NotFound
 
 log = logging.getLogger("forkyard.proxy")
 
+#: E2B's header for the traffic access token of sandboxes without public traffic.
+TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
 _HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 #: Hop-by-hop headers (RFC 9110 §7.6.1) plus routing headers we consume.
 _HOP = {
@@ -136,12 +139,21 @@ class SandboxProxy:
     ``max_body_bytes`` bounds one request body (uploads); a larger one gets 413.
     ``wake(sandbox_id) -> bool`` (async, optional) is asked when a sandbox is not
     running: True means it was resumed (E2B ``autoResume``) and the request goes on.
+    ``signed(query, operation) -> sandbox_id | None`` (optional) routes ``/files``
+    requests that carry a file-URL signature but no sandbox route (signed
+    ``download_url``/``upload_url`` built on ``E2B_SANDBOX_URL``) to envd of the
+    sandbox whose token signed them; a signature no sandbox made gets 401.
+    ``rules(sandbox_id) -> (traffic token | None, Host mask | None)`` (optional): user
+    ports of a sandbox with a traffic token answer 403 without it; a mask replaces the
+    Host (``${PORT}`` = the port).
     """
 
-    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None):
+    def __init__(self, app, resolve, max_body_bytes: int = 4 << 30, wake=None, signed=None, rules=None):
         self.app = app
+        self.rules = rules
         self.resolve = resolve
         self.wake = wake
+        self.signed = signed
         self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
@@ -193,6 +205,10 @@ class SandboxProxy:
             if scope["type"] == "http":
                 return await _send_json(send, 400, str(e))
             return await send({"type": "websocket.close", "code": 1008})
+        if route is None and self.signed is not None and scope["type"] == "http" and scope["path"] == "/files":
+            route = self._signed_route(scope)
+            if route is False:
+                return await _send_json(send, 401, "invalid or expired file URL signature")
         if route is None:
             return await self.app(scope, receive, send)
         sid, port = route
@@ -218,7 +234,19 @@ class SandboxProxy:
         if scope["type"] == "http":
             await self._http(scope, receive, send, host, hport, sid)
         else:
-            await self._ws(scope, receive, send, host, hport)
+            await self._ws(scope, receive, send, host, hport, sid)
+
+    def _signed_route(self, scope):
+        """``(sandbox_id, envd port)`` for a signed ``/files`` URL, None when the request
+        carries no signature, False when no running sandbox made it."""
+        from urllib.parse import parse_qs
+
+        q = {k: v[0] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1"),
+                                          keep_blank_values=True).items()}
+        if "signature" not in q:
+            return None
+        sid = self.signed(q, "write" if scope["method"] == "POST" else "read")
+        return (sid, ENVD_PORT) if sid else False
 
     async def _wake(self, sid: str) -> bool:
         try:
@@ -227,11 +255,31 @@ class SandboxProxy:
             log.error("auto-resume of sandbox %s failed: %s", sid, e)
             return False
 
+    def _user_port_rules(self, scope, sid: str, port: int) -> tuple[bool, str | None]:
+        """(allowed, Host mask) for a request to ``port`` of ``sid``: the envd port is
+        always allowed (envd has its own token); user ports of a sandbox created with
+        ``allowPublicTraffic: false`` need its token in ``e2b-traffic-access-token``."""
+        if self.rules is None or port == ENVD_PORT:
+            return True, None
+        token, mask = self.rules(sid)
+        if token is not None:
+            got = next((v for k, v in scope["headers"] if k.lower() == TRAFFIC_TOKEN_HEADER), b"")
+            if not hmac.compare_digest(got, token.encode()):
+                return False, None
+        return True, mask.replace("${PORT}", str(port)) if mask else None
+
     async def _http(self, scope, receive, send, host, port, sid):
+        allowed, mask = self._user_port_rules(scope, sid, port)
+        if not allowed:
+            return await _send_json(send, 403, f"sandbox {sid} requires its traffic access token in the "
+                                               f"{TRAFFIC_TOKEN_HEADER.decode()} header for port {port}", sandboxId=sid)
         # The public Host goes along (E2B's proxy does the same): servers in the sandbox
-        # build absolute URLs and check virtual hosts from it.
+        # build absolute URLs and check virtual hosts from it; a maskRequestHost replaces it.
         headers = [(k, v) for k, v in scope["headers"]
-                   if k.decode("latin-1").lower() not in _HOP or k.lower() == b"host"]
+                   if (k.decode("latin-1").lower() not in _HOP or k.lower() == b"host")
+                   and k.lower() != TRAFFIC_TOKEN_HEADER and not (mask and k.lower() == b"host")]
+        if mask:
+            headers.append((b"host", mask.encode()))
 
         def gone() -> str | None:
             try:
@@ -243,9 +291,12 @@ class SandboxProxy:
         await relay_http(self._client(sid), scope, receive, send, f"http://{host}:{port}", headers,
                          self.max_body_bytes, f"sandbox {sid} port {port}", gone=gone, sandbox_id=sid)
 
-    async def _ws(self, scope, receive, send, host, port):
+    async def _ws(self, scope, receive, send, host, port, sid=None):
+        allowed, _ = self._user_port_rules(scope, sid, port) if sid else (True, None)
+        if not allowed:
+            return await send({"type": "websocket.close", "code": 1008})
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                if k.decode("latin-1").lower() not in _WS_SKIP]
+                if k.decode("latin-1").lower() not in _WS_SKIP and k.lower() != TRAFFIC_TOKEN_HEADER]
         await relay_ws(scope, receive, send, f"ws://{host}:{port}", hdrs)
 
 

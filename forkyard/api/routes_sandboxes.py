@@ -75,6 +75,8 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         secure=body.secure is not False,
         auto_resume=bool(body.auto_resume and body.auto_resume.enabled),
         egress=egress,
+        public_traffic=not (net is not None and net.allow_public_traffic is False),
+        mask_host=net.mask_request_host if net is not None else None,
     )
     return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201)
 
@@ -234,14 +236,19 @@ async def update_network(request: Request, sandbox_id: str, body: schemas.Networ
 @router.get("/sandboxes/{sandbox_id}/logs")
 async def logs_v1(request: Request, sandbox_id: str, start: int | None = Query(default=None, ge=0),
                   limit: int = Query(default=1000, ge=1, le=10000)):
-    """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``) and ``logEntries``
-    (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on, oldest first,
-    at most ``limit``. Sources: envd (including each process it started and how it
-    ended) and the runtime, since the sandbox last started or resumed."""
+    """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``, ``line`` being a JSON object
+    with ``level``, ``logger`` and ``message`` as in E2B's, which the E2B CLI parses) and
+    ``logEntries`` (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on,
+    oldest first, at most ``limit``. Sources: envd (including each process it started
+    and how it ended) and the runtime, since the sandbox last started or resumed."""
+    import json
+
     from forkyard.orchestrator.logs import select
 
     entries = select(_orch(request).log_entries(sandbox_id), start, limit)
-    return {"logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
+    lines = [json.dumps({"level": e["level"], "logger": e["fields"]["source"], "message": e["message"],
+                         **{k: v for k, v in e["fields"].items() if k != "source"}}) for e in entries]
+    return {"logs": [{"timestamp": e["timestamp"], "line": line} for e, line in zip(entries, lines)],
             "logEntries": [_entry(e) for e in entries]}
 
 

@@ -5,6 +5,7 @@ shipped in the ``e2b`` SDK's generated models: ``NewSandbox``, ``Sandbox``,
 from __future__ import annotations
 
 import base64
+import re
 from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -93,6 +94,10 @@ class NewSandbox(_Strict):
         return v
 
 
+#: A Host mask: host[:port] made of DNS characters and the ``${PORT}`` placeholder.
+_HOST_MASK = re.compile(r"(?:[A-Za-z0-9.-]|\$\{PORT\})+(?::(?:\d{1,5}|\$\{PORT\}))?")
+
+
 def unsupported_egress(net) -> list[str]:
     """Refusals for egress fields forkyard does not enforce (``allowOut``/``denyOut`` are
     enforced; see :mod:`forkyard.network.egress`)."""
@@ -145,13 +150,11 @@ def unsupported_create_fields(body: NewSandbox) -> list[str]:
         out.append("autoResume.enabled: true needs autoPause: true (a killed sandbox cannot resume)")
     net = body.network
     if net is not None:
-        if net.allow_public_traffic is False:
-            out.append("network.allowPublicTraffic: false is not supported yet (traffic access tokens)")
         out += unsupported_egress(net)
         if net.https_ports:
             out.append("network.httpsPorts is not supported yet (the proxy speaks plain HTTP to sandboxes); omit it")
-        if net.mask_request_host:
-            out.append("network.maskRequestHost is not supported yet")
+        if net.mask_request_host is not None and not _HOST_MASK.fullmatch(net.mask_request_host):
+            out.append("network.maskRequestHost must be a host[:port] (letters, digits, '.', '-', '${PORT}')")
     if body.mcp:
         out.append("mcp (an MCP gateway in the sandbox) is not supported")
     if body.iam and body.iam.get("tokens"):
@@ -197,6 +200,8 @@ def sandbox_created(rec: SandboxRecord, domain: str | None = None) -> dict:
         d["envdAccessToken"] = rec.envd_access_token
     if domain:
         d["domain"] = domain
+    if rec.traffic_token:
+        d["trafficAccessToken"] = rec.traffic_token
     return d
 
 

@@ -119,13 +119,21 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
+    tls = {}
+    if settings.tls_cert or settings.tls_key:
+        if not (settings.tls_cert and settings.tls_key):
+            _fail("set both FORKYARD_TLS_CERT and FORKYARD_TLS_KEY (or neither)")
+        for what, path in (("FORKYARD_TLS_CERT", settings.tls_cert), ("FORKYARD_TLS_KEY", settings.tls_key)):
+            if not Path(path).is_file():
+                _fail(f"{what}: {path} is not a file")
+        tls = {"ssl_certfile": str(settings.tls_cert), "ssl_keyfile": str(settings.tls_key)}
     from forkyard.api.limits import uvicorn_limits
     from forkyard.obs.logs import UVICORN_LOG_CONFIG
 
     # access_log off: forkyard.obs.middleware logs every request with its request id.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=2, timeout_keep_alive=75, access_log=False,
-                log_config=UVICORN_LOG_CONFIG, **uvicorn_limits())
+                log_config=UVICORN_LOG_CONFIG, **uvicorn_limits(), **tls)
 
 
 _NET_LOCK = None

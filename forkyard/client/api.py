@@ -298,13 +298,18 @@ class AsyncForkyard:
         return data[-1] if data else {}
 
     async def logs(self, sandbox_id: str) -> list[dict[str, Any]]:
-        """Sandbox log lines (``GET /sandboxes/{id}/logs``). Raises :class:`NotSupported`
-        when the server has no logs endpoint, :class:`NotFound` for an unknown id."""
+        """Sandbox log lines (``GET /sandboxes/{id}/logs``): ``{timestamp, line}`` each,
+        plus ``level`` when the server gives structured ``logEntries`` (``line`` is then
+        the entry's message). Raises :class:`NotSupported` when the server has no logs
+        endpoint, :class:`NotFound` for an unknown id."""
         await self.get_sandbox(sandbox_id)  # a 404 below is then the route's
         r = await self._request("GET", f"/sandboxes/{_q(sandbox_id)}/logs", ok_404=True, what=f"logs of {sandbox_id}")
         if r.status_code == 404:
             raise NotSupported("this server has no sandbox logs endpoint (GET /sandboxes/{id}/logs → 404)")
         data = r.json()
+        if isinstance(data, dict) and isinstance(data.get("logEntries"), list):
+            return [{"timestamp": e.get("timestamp"), "line": e.get("message"), "level": e.get("level")}
+                    for e in data["logEntries"]]
         return list(data.get("logs", []) if isinstance(data, dict) else data)
 
     async def fork_info(self, sandbox_id: str, count: int = 1, timeout: int = 300) -> list[SandboxInfo | ForkError]:

@@ -75,6 +75,8 @@ class ForkChildren(BaseModel):
     count: StrictInt = Field(ge=1, le=100)
     timeout: StrictInt = Field(default=15, ge=1, le=86400)
     auto_pause: bool = Field(default=True, alias="autoPause")
+    #: the source's egress policy (forkyard.network.egress), so children stay filtered
+    egress: dict | None = None
 
 
 class NodeAgent:
@@ -310,7 +312,7 @@ class NodeAgent:
         @router.post("/fork-children")
         async def fork_children(body: ForkChildren):
             phases = timing.start()
-            results = await orch.fork_children(body.image, body.count, body.timeout, body.auto_pause)
+            results = await orch.fork_children(body.image, body.count, body.timeout, body.auto_pause, body.egress)
             return JSONResponse({"results": fork_results(results)}, headers=timing.header(phases))
 
         @router.delete("/images/{snapshot_id}", status_code=204)

@@ -357,7 +357,8 @@ class Gateway:
                     raise _Fail(503, f"node {p['nodeID']} left the cluster")
                 rr = await self._node_call(target, "POST", "/cluster/fork-children",
                                            {"image": image, "count": p["count"], "timeout": fb.timeout,
-                                            "autoPause": bool(b.record.get("auto_pause", True))})
+                                            "autoPause": bool(b.record.get("auto_pause", True)),
+                                            "egress": b.record.get("egress") or None})
                 if rr.status_code == 200:
                     return rr.json()["results"]
                 err = schemas.error(rr.status_code, rr.text[:300])

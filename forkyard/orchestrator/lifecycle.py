@@ -403,7 +403,11 @@ class LifecycleMixin:
             CreateFailed: the restore failed (it stays paused).
         """
         rec = self.store.get(sandbox_id)
-        if rec is None or not rec.auto_resume or rec.state not in ("paused", "pausing", "resuming"):
+        if rec is None or not rec.auto_resume:
+            return False
+        if rec.state == "running":
+            return True  # another request resumed it meanwhile
+        if rec.state not in ("paused", "pausing", "resuming"):
             return False
         try:
             await self.connect(sandbox_id, rec.timeout_s)
@@ -510,15 +514,16 @@ class LifecycleMixin:
         self.capacity.check(self.store.all(), src.vcpus, src.memory_mb, count)
         src, image, staging = await self._fork_stage(sandbox_id)
         image = await self._commit(staging, image)
-        return await self._spawn_children(image, count, timeout_s, src.auto_pause, None), image.snapshot_id
+        return (await self._spawn_children(image, count, timeout_s, src.auto_pause, None, egress=src.egress),
+                image.snapshot_id)
 
     @metrics.timed("fork_children")
     async def fork_children(self, image_id: str, count: int, timeout_s: int | None = None,
-                            auto_pause: bool = True) -> list[SandboxRecord | Exception]:
+                            auto_pause: bool = True, egress: dict | None = None) -> list[SandboxRecord | Exception]:
         """Start ``count`` fork children on this node from a ``fork`` image another
         node exported (:meth:`fork_export`); each child is as a :meth:`fork` child of
-        the image's source (memory, files, env, lineage), with ``auto_pause`` as the
-        source's.
+        the image's source (memory, files, env, lineage), with ``auto_pause`` and the
+        ``egress`` policy as the source's.
 
         Raises:
             BadRequest: count outside 1…100, bad timeout, or not a fork image.
@@ -533,7 +538,7 @@ class LifecycleMixin:
         if image.kind != "fork":
             raise BadRequest(f"{image_id!r} is a {image.kind} image, not a fork image")
         self.capacity.check(self.store.all(), image.vcpus, image.memory_mb, count)
-        return await self._spawn_children(image, count, timeout_s, auto_pause, None)
+        return await self._spawn_children(image, count, timeout_s, auto_pause, None, egress=egress)
 
     async def _fork_stage(self, sandbox_id: str) -> tuple[SandboxRecord, SnapshotMeta, Path]:
         """Checkpoint the running source (``--leave-running``) under its lock; returns

@@ -88,6 +88,8 @@ class Orchestrator(LifecycleMixin):
         #: Callbacks ``f(sandbox_id)`` run when a sandbox stops serving (killed,
         #: paused, died); the API's proxy closes its connections to it there.
         self.on_gone: list = []
+        #: (traffic token, Host mask) per running sandbox that has either (:meth:`proxy_rules`).
+        self._proxy_rules: dict[str, tuple[str | None, str | None]] = {}
         #: Sandboxes being paused: the proxy treats them as not running.
         self._stopping: set[str] = set()
         self._expiring: set[str] = set()
@@ -186,6 +188,8 @@ class Orchestrator(LifecycleMixin):
             # sees envd errors and can kill it.
             log.warning("re-adopting sandbox %s although envd does not answer: %s", rec.id, e)
         self._slots[rec.id] = slot
+        if rec.traffic_token or rec.mask_host:
+            self._proxy_rules[rec.id] = (rec.traffic_token, rec.mask_host)
         return True
 
     async def _reconcile(self) -> None:
@@ -490,6 +494,8 @@ class Orchestrator(LifecycleMixin):
         for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
             metrics.observe_phase(name, ms / 1000)
         self._slots[rec.id] = slot
+        if rec.traffic_token or rec.mask_host:
+            self._proxy_rules[rec.id] = (rec.traffic_token, rec.mask_host)
         rec.slot = slot.index
         rec.state = "running"
         rec.started_at = time.time()
@@ -516,6 +522,8 @@ class Orchestrator(LifecycleMixin):
         memory_mb: int | None = None,
         auto_resume: bool = False,
         egress: EgressPolicy | None = None,
+        public_traffic: bool = True,
+        mask_host: str | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -525,6 +533,8 @@ class Orchestrator(LifecycleMixin):
             auto_pause: pause (True) or kill (False) at expiry.
             auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
             egress: outbound traffic policy, enforced from before the sandbox starts.
+            public_traffic: False = user ports need the ``traffic_token`` generated here.
+            mask_host: Host header for user-port requests (``${PORT}`` = the port).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
 
@@ -555,6 +565,8 @@ class Orchestrator(LifecycleMixin):
             timeout_s=timeout_s,
             auto_resume=auto_resume,
             egress=egress.to_json() if egress is not None and not egress.empty else {},
+            traffic_token=None if public_traffic else secrets.token_urlsafe(24),
+            mask_host=mask_host,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
@@ -579,6 +591,7 @@ class Orchestrator(LifecycleMixin):
     async def _teardown(self, sandbox_id: str, slot_index: int | None) -> None:
         """Destroy runtime state, network slot and workdir; never raises."""
         self._slots.pop(sandbox_id, None)
+        self._proxy_rules.pop(sandbox_id, None)
         self._hot.take(sandbox_id)
         await self._notify_gone(sandbox_id)
         try:
@@ -711,6 +724,36 @@ class Orchestrator(LifecycleMixin):
         return await asyncio.to_thread(self.snapshots.delete, snapshot_id)
 
     # ---- timeouts -----------------------------------------------------------------
+    def proxy_rules(self, sandbox_id: str) -> tuple[str | None, str | None]:
+        """``(traffic access token, Host mask)`` the proxy applies to user-port requests
+        of a running sandbox (None, None when it has neither). In memory: filled when
+        the sandbox starts, so a proxied request costs no database read."""
+        return self._proxy_rules.get(sandbox_id, (None, None))
+
+    def sandbox_for_file_signature(self, query: dict[str, str], operation: str) -> str | None:
+        """The running sandbox whose envd access token produced ``query``'s v1 file-URL
+        signature (the SDKs' ``download_url``/``upload_url`` of a secure sandbox:
+        ``"v1_" + base64(sha256("path:operation:username:token[:expiration]"))``, e2b
+        ``sandbox/signature.py``), or None. Such URLs carry no sandbox id when
+        ``E2B_SANDBOX_URL`` is set; envd checks the signature again (and its expiry)."""
+        import base64
+        import hashlib
+        import hmac
+
+        sig = query.get("signature", "")
+        if not sig.startswith("v1_") or len(sig) > 64:
+            return None
+        head = [query.get("path", ""), operation, query.get("username", "")]
+        tail = [query["signature_expiration"]] if query.get("signature_expiration") else []
+        for rec in self.store.all():
+            if rec.envd_access_token is None or rec.id not in self._slots:
+                continue
+            raw = ":".join([*head, rec.envd_access_token, *tail]).encode()
+            want = "v1_" + base64.b64encode(hashlib.sha256(raw).digest()).rstrip(b"=").decode()
+            if hmac.compare_digest(want, sig):
+                return rec.id
+        return None
+
     def log_entries(self, sandbox_id: str) -> list[dict]:
         """The sandbox's log entries since it last started or resumed
         (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.

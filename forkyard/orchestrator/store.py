@@ -39,7 +39,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing")
 #: Columns added after the first schema, with their SQL type (migrated on open).
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
-          "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT"}
+          "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
+          "mask_host": "TEXT"}
 
 
 @dataclass
@@ -72,6 +73,12 @@ class SandboxRecord:
     #: egress policy ``{"allowOut": [CIDR...], "denyOut": [CIDR...]}`` (see
     #: :mod:`forkyard.network.egress`); empty: unfiltered.
     egress: dict = field(default_factory=dict)
+    #: E2B ``trafficAccessToken`` (``network.allowPublicTraffic: false``): requests to the
+    #: sandbox's user ports must carry it in ``e2b-traffic-access-token``.
+    traffic_token: str | None = None
+    #: E2B ``network.maskRequestHost``: the Host user-port requests reach the sandbox
+    #: with (``${PORT}`` replaced by the port).
+    mask_host: str | None = None
 
 
 class Store:

@@ -33,11 +33,12 @@ from forkyard.templates import sudo as sudo_broker
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 5
+BUILD_VERSION = 6
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [
     "python3",
+    "python-is-python3",  # `python` as in E2B's base
     "python3-pip",
     "python3-venv",
     "git",
@@ -51,7 +52,15 @@ PACKAGES = [
     "netbase",
     "less",
     "unzip",
+    "zip",
+    "jq",
+    "nano",
+    "vim-tiny",
+    "build-essential",
 ]
+#: Installed with apt inside the rootfs after debootstrap (debootstrap's own resolver
+#: cannot configure npm's dependency tree): Node.js with npm, as in E2B's base.
+APT_PACKAGES = ["nodejs", "npm"]
 USER_NAME = "user"
 USER_UID = 1000
 DEFAULT_HOSTNAME = "forkyard"
@@ -264,6 +273,8 @@ def _configure(root: Path, mirror: str, security: str | None, progress: Progress
         fi
         {sudo_setup}
         {"update-ca-certificates" if local_cas else ":"}
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends {" ".join(APT_PACKAGES)}
         apt-get clean
         rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt/* /var/log/dpkg.log
         """,
@@ -307,7 +318,7 @@ def _marker_version(marker: Path) -> int | None:
 def is_built(settings: Settings) -> bool:
     """True when the ``base`` rootfs has been completely built by this build version."""
     base = settings.templates_dir / TEMPLATE_NAME
-    return _marker_version(base / ".complete") == BUILD_VERSION and (base / "rootfs").is_dir()
+    return (_marker_version(base / ".complete") or 0) >= BUILD_VERSION and (base / "rootfs").is_dir()
 
 
 def build_base(settings: Settings, progress: Progress = print, force: bool = False) -> Path:
@@ -346,7 +357,7 @@ def build_base(settings: Settings, progress: Progress = print, force: bool = Fal
         if force and marker.exists():
             marker.unlink()
         complete = marker.exists() and rootfs.is_dir()
-        if complete and _marker_version(marker) == BUILD_VERSION:
+        if complete and (_marker_version(marker) or 0) >= BUILD_VERSION:  # a newer build serves older code too
             protect_rootfs(rootfs)
             return rootfs
         if complete:
