@@ -66,6 +66,7 @@ def test_console_sign_in_fork_tree_and_kill(server, browser_page):
 
     page = browser_page
     page.goto(f"{server.url}/console")
+    page.wait_for_selector("body[data-ready]")
     page.fill("#api-key", "e2b_wrong")
     page.click("#sign-in")
     page.wait_for_selector("#signin-error:has-text('refused')")
@@ -148,9 +149,14 @@ def test_console_on_gateway(base_template, browser_page):
         c.start()
         page = browser_page
         page.goto(f"{c.gateway_url}/console")
+        page.wait_for_selector("body[data-ready]")
         page.fill("#api-key", c.api_key)
         page.click("#sign-in")
-        row = page.wait_for_selector("#nodes tbody tr[data-node-id='node0']", timeout=30_000)
+        try:
+            row = page.wait_for_selector("#nodes tbody tr[data-node-id='node0']", timeout=60_000)
+        except Exception as e:
+            raise AssertionError(f"no node0 row; console status: {page.inner_text('#status')!r}; "
+                                 f"nodes: {page.inner_text('#nodes')!r}") from e
         assert "up" in row.inner_text() and "/ 40" in row.inner_text()  # running / max sandboxes
         sbx = Sandbox.create("base", timeout=120, **c.sdk)
         try:

@@ -156,7 +156,7 @@ def test_request_id_in_json_logs(server, sandbox):
         assert re.fullmatch(r"[0-9a-f]{16}", fresh)
         evil = c.get("/v2/sandboxes", headers={"X-Request-Id": "has space/and;semicolon" + "x" * 80}).headers["x-request-id"]
         assert re.fullmatch(r"[0-9a-f]{16}", evil)
-    deadline = time.time() + 10
+    deadline = time.time() + 30
     while time.time() < deadline:
         lines = [json.loads(l) for l in server.log.read_text().splitlines() if l.startswith("{") and rid in l]
         if lines:
@@ -216,14 +216,15 @@ def test_cluster_metrics_and_request_id(cluster):
     with c.api() as api:
         r = api.get("/templates", headers={"X-Request-Id": rid})  # forwarded to a node
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
-    node_log = c.nodes[0].log
-    deadline = time.time() + 10
-    while rid not in node_log.read_text() and time.time() < deadline:
+    # Access lines are written once a reply has gone out: wait for both.
+    node_log, gw_log = c.nodes[0].log, c.gateway.log
+    deadline = time.time() + 30
+    while not (rid in node_log.read_text() and rid in gw_log.read_text()) and time.time() < deadline:
         time.sleep(0.2)
     hits = [json.loads(l) for l in node_log.read_text().splitlines() if l.startswith("{") and rid in l]
-    assert hits and hits[-1]["component"] == "node" and hits[-1]["path"] == "/templates"
-    gw_hits = [json.loads(l) for l in c.gateway.log.read_text().splitlines() if l.startswith("{") and rid in l]
-    assert gw_hits and gw_hits[-1]["component"] == "gateway"
+    assert hits and hits[-1]["component"] == "node" and hits[-1]["path"] == "/templates", hits
+    gw_hits = [json.loads(l) for l in gw_log.read_text().splitlines() if l.startswith("{") and rid in l]
+    assert gw_hits and gw_hits[-1]["component"] == "gateway", gw_hits
 
 
 def test_top_on_gateway(cluster):

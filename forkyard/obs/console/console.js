@@ -31,7 +31,11 @@ function el(tag, attrs, ...children) {
 async function api(method, path, body) {
   const headers = { "X-API-Key": sessionStorage.getItem(KEY) || "" };
   if (body !== undefined) headers["Content-Type"] = "application/json";
-  const r = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  // Reads give up after 15 s (a hung call must not stall every later refresh); actions
+  // (fork, pause, …) may take minutes on a busy host.
+  const ms = method === "GET" ? 15000 : 600000;
+  const r = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body),
+                                signal: AbortSignal.timeout(ms) });
   if (r.status === 401) {
     signOut("The API key was refused.");
     throw new Error("unauthorized");
@@ -71,7 +75,13 @@ async function signIn(ev) {
   ev.preventDefault();
   const key = $("api-key").value.trim();
   $("signin-error").textContent = "";
-  const r = await fetch("/v2/sandboxes?limit=1", { headers: { "X-API-Key": key } });
+  let r;
+  try {
+    r = await fetch("/v2/sandboxes?limit=1", { headers: { "X-API-Key": key }, signal: AbortSignal.timeout(15000) });
+  } catch (e) {
+    $("signin-error").textContent = `The server did not answer (${e.message}); try again.`;
+    return;
+  }
   if (r.status === 401) { $("signin-error").textContent = "That API key was refused."; return; }
   sessionStorage.setItem(KEY, key);
   $("api-key").value = "";
@@ -271,4 +281,5 @@ document.addEventListener("DOMContentLoaded", () => {
   $("signin").addEventListener("submit", signIn);
   $("sign-out").addEventListener("click", () => signOut(""));
   if (sessionStorage.getItem(KEY)) show();
+  document.body.dataset.ready = "1"; // handlers attached (tests wait for this)
 });
