@@ -11,8 +11,8 @@ import pytest
 
 from forkyard.repository import ChunkCorrupt
 from forkyard.repository.cache import NodeCache
-from forkyard.repository.chunks import (MAX_SIZE, MIN_SIZE, chunk_key, chunk_view, compress, cut, decode,
-                                        digest)
+from forkyard.repository.chunks import (MAX_SIZE, MIN_SIZE, MappedFile, chunk_key, chunk_view, compress, cut,
+                                        decode, digest)
 
 H = [f"{i:02x}" + "a" * 62 for i in range(8)]
 
@@ -103,3 +103,62 @@ def test_chunks_cut_within_bounds_named_by_content_and_verified():
         decode(refs[0].hash, blob[:-3])  # truncated frame
     with pytest.raises(ChunkCorrupt):
         decode(refs[0].hash, blob, len(first) + 1)  # wrong length
+
+
+def test_pins_unpin_stats_wipe_and_mru_listing(tmp_path):
+    """Surviving mutants of the first mutation run: pin()/unpin(), get_image's pin,
+    exact counters, stats(), image_ids() order and wipe()."""
+    c = NodeCache(tmp_path, limit_bytes=1000)
+    assert c.stats() == {"chunk_hits": 0, "chunk_misses": 0, "image_hits": 0, "image_misses": 0, "evictions": 0,
+                         "evicted_bytes": 0, "limit_bytes": 1000, "used_bytes": 0, "entries": 0, "images": 0}
+    c.add_image("a", _image(c, "a", 400))
+    c.add_image("b", _image(c, "b", 400))
+    c.put_chunk(H[0], b"q" * 10)
+    assert c.image_ids() == ["b", "a"] and c.image_ids(limit=1) == ["b"]
+    assert c.get_image("a", pin_s=60) is not None  # pinned for a minute, now most recent
+    assert c.image_ids() == ["a", "b"]
+    c.pin("b", 0)  # no-op
+    c.add_image("c", _image(c, "c", 400))  # needs room: b (unpinned) goes, a stays
+    assert c.image_dir("a").is_dir() and not c.image_dir("b").exists()
+    c.pin("c", 60)
+    c.pin("c", 60)
+    c.unpin("c")  # one pin left
+    c.drop_image("c")
+    assert c.image_dir("c").is_dir()
+    c.unpin("c")
+    c.unpin("c")  # none left: no-op
+    c.drop_image("c")
+    assert not c.image_dir("c").exists()
+    st = c.stats()
+    assert st["images"] == 1 and st["entries"] == 2 and st["used_bytes"] == 410 == c.used_bytes
+    assert st["image_hits"] == 1 and st["image_misses"] == 0 and st["evictions"] == 1
+    c.wipe()
+    assert c.used_bytes == 0 and c.stats()["entries"] == 0
+    assert (tmp_path / "chunks").is_dir() and (tmp_path / "images").is_dir()
+    assert not any((tmp_path / "images").iterdir()) and not any((tmp_path / "chunks").iterdir())
+
+
+def test_every_chunk_is_named_by_its_own_bytes_and_mapped_files_are_whole(tmp_path):
+    data = os.urandom(5 * MAX_SIZE)
+    refs = chunk_view(memoryview(data))
+    assert len(refs) > 2
+    assert all(r.hash == digest(data[r.offset:r.offset + r.length]) for r in refs)
+    f = tmp_path / "pages.img"
+    f.write_bytes(data)
+    with MappedFile(f) as m:
+        assert m.view.nbytes == len(data) and bytes(m.view[-10:]) == data[-10:]
+        assert [(r.offset, r.length) for r in chunk_view(m.view)] == [(r.offset, r.length) for r in refs]
+    (tmp_path / "empty").write_bytes(b"")
+    with MappedFile(tmp_path / "empty") as m:
+        assert m.view.nbytes == 0 and cut(m.view) == []
+
+
+def test_get_image_pin_expires(tmp_path):
+    c = NodeCache(tmp_path, limit_bytes=500)
+    c.add_image("a", _image(c, "a", 400))
+    assert c.get_image("a", pin_s=0.3) is not None
+    c.drop_image("a")
+    assert c.image_dir("a").is_dir()  # pinned
+    time.sleep(0.4)
+    c.drop_image("a")
+    assert not c.image_dir("a").exists()  # the pin ran out
