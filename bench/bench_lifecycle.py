@@ -3,10 +3,19 @@
 Prints p50/p95 (ms) of pause, resume, snapshot of an idle sandbox and of one that has
 just written 100 MB (API latency, and how long the source was stopped — the server's
 ``Server-Timing`` ``checkpoint`` phase), fork ×1/×4/×16 (until every child's envd
-answers) — and, interleaved in the same run on the *same* sandbox the API operates on,
-raw ``runsc checkpoint --leave-running`` (with the server's runsc root) and raw
-``runsc restore --detach`` of that image into pre-made network slots (until each
-restore returns), plus raw checkpoint + N parallel restores, with ratios.
+answers) — and, interleaved in the same run, the same operations done with raw runsc,
+compared like with like:
+
+* pause vs a raw *stopping* checkpoint (no ``--leave-running``) of a raw sandbox restored
+  from the API sandbox's image; the pause's full cost (until its background commit has
+  finished, read from ``/metrics/node``) is reported too;
+* resume — started only once the pause's commit has finished (checked, not slept) — vs
+  a raw restore of that stopped checkpoint, both until envd answers ``/health``;
+* snapshot vs raw ``checkpoint --leave-running`` of the same sandbox; ``sync`` runs before
+  the timer on both sides;
+* fork ×N vs raw checkpoint + N parallel restores, both until every envd answers.
+
+Raw restores go into network slots made before the timer, like the server's spare slots.
 
 Usage: ``python bench/bench_lifecycle.py [-n 10] [--forks 5]``.
 """
@@ -68,18 +77,61 @@ class Raw:
         await self.server_drv.checkpoint(sandbox_id, self.img, leave_running=True)
         return (time.perf_counter() - t) * 1000
 
-    async def restores(self, k: int) -> float:
-        def spec(j: int) -> SandboxSpec:
-            sid = self.ids[j]
-            return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, netns_path=self.slots[j].netns_path, vcpus=2,
-                               memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
+    def _spec(self, j: int) -> SandboxSpec:
+        sid = self.ids[j]
+        return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, netns_path=self.slots[j].netns_path, vcpus=2,
+                           memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
 
+    async def _envd_answers(self, j: int) -> None:
+        async with httpx.AsyncClient(trust_env=False) as c:
+            deadline = time.time() + 30
+            while True:
+                try:
+                    if (await c.get(f"http://{self.slots[j].outer_ip}:49983/health", timeout=1)).status_code < 500:
+                        return
+                except httpx.HTTPError:
+                    if time.time() > deadline:
+                        raise
+                await asyncio.sleep(0.002)
+
+    async def restores(self, k: int, image: Path | None = None) -> float:
+        """``k`` parallel restores of ``image`` (default the last checkpoint) until every
+        restored envd answers ``/health`` (ms); the restored sandboxes are destroyed."""
         t = time.perf_counter()
-        await asyncio.gather(*(self.drv.restore(spec(j), self.img) for j in range(k)))
+        await asyncio.gather(*(self.drv.restore(self._spec(j), image or self.img) for j in range(k)))
+        await asyncio.gather(*(self._envd_answers(j) for j in range(k)))
         ms = (time.perf_counter() - t) * 1000
         await asyncio.gather(*(self.drv.destroy(self.ids[j], self.settings.sandboxes_dir / self.ids[j])
                                for j in range(k)))
+        self._fresh_slots(range(k))
         return ms
+
+    def _fresh_slots(self, indexes) -> None:
+        """Replace used slots by new ones (untimed): a slot reused right after its
+        sandbox was destroyed did not answer (measured); the server never reuses one
+        either (it takes a fresh spare)."""
+        for j in indexes:
+            self.net.release(self.slots[j].index)
+            self.slots[j] = self.net.allocate(self.slots[j].index)
+
+    async def pause_resume(self) -> tuple[float, float]:
+        """Raw pause and resume: restore the last checkpoint into a raw sandbox (untimed),
+        then a stopping checkpoint of it (``pause``) and a restore of that image until
+        envd answers (``resume``), ms."""
+        await self.drv.restore(self._spec(0), self.img)
+        await self._envd_answers(0)
+        stopped = self.settings.data_dir / "img-stopped"
+        shutil.rmtree(stopped, ignore_errors=True)
+        os.sync()
+        t = time.perf_counter()
+        await self.drv.checkpoint(self.ids[0], stopped, leave_running=False)
+        pause = (time.perf_counter() - t) * 1000
+        await self.drv.destroy(self.ids[0], self.settings.sandboxes_dir / self.ids[0])
+        self._fresh_slots([0])
+        os.sync()
+        resume = await self.restores(1, stopped)
+        shutil.rmtree(stopped, ignore_errors=True)
+        return pause, resume
 
 
 def settle(api: httpx.Client) -> None:
@@ -117,13 +169,14 @@ def main() -> None:
 
     api = httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=120)
     keys = ("ckpt", "restore", "pause", "resume", "snap_idle", "snap_100mb", "stop_idle", "stop_100mb",
-            "raw_snap_idle", "raw_snap_100mb", *(f"fork{k}" for k in FAN), *(f"raw_fork{k}" for k in FAN))
+            "raw_snap_idle", "raw_snap_100mb", *(f"fork{k}" for k in FAN), *(f"raw_fork{k}" for k in FAN),
+            "raw_pause", "raw_resume", "pause_full")
     res: dict[str, list[float]] = {k: [] for k in keys}
 
     def snapshot(sid: str, key: str) -> None:
         res[f"raw_{key}"].append(loop.run_until_complete(raw.checkpoint(sid)))
+        os.sync()  # before the timer, as on the raw side: no write-back left to slow either
         t = time.perf_counter()
-        os.sync()  # no write-back of the raw image left to slow the API's checkpoint
         r = api.post(f"/sandboxes/{sid}/snapshots", json={})
         res[key].append((time.perf_counter() - t) * 1000)
         assert r.status_code == 201, r.text
@@ -136,11 +189,17 @@ def main() -> None:
         for _ in range(args.n):
             res["ckpt"].append(loop.run_until_complete(raw.checkpoint(sid)))
             res["restore"].append(loop.run_until_complete(raw.restores(1)))
+            rp, rr = loop.run_until_complete(raw.pause_resume())
+            res["raw_pause"].append(rp)
+            res["raw_resume"].append(rr)
             os.sync()
             t = time.perf_counter()
             sbx.pause()
             res["pause"].append((time.perf_counter() - t) * 1000)
-            time.sleep(1)  # the pause's background commit + teardown finish first
+            while api.get("/metrics/node").json()["pausesInFlight"]:  # commit + teardown in the background
+                time.sleep(0.005)
+            res["pause_full"].append((time.perf_counter() - t) * 1000)
+            os.sync()
             t = time.perf_counter()
             r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 3600})
             res["resume"].append((time.perf_counter() - t) * 1000)
@@ -172,11 +231,14 @@ def main() -> None:
 
     print(f"\nforkyard lifecycle benchmark, n={args.n}, forks n={args.forks} (raw ops on the same sandbox)")
     print(row("raw runsc checkpoint --leave-running", res["ckpt"]))
-    print(row("raw runsc restore --detach", res["restore"]))
+    print(row("raw runsc restore until envd answers", res["restore"]))
     for k in FAN:
         print(row(f"raw checkpoint + {k} parallel restores", res[f"raw_fork{k}"]))
-    print(row("pause", res["pause"], res["ckpt"]))
-    print(row("resume (1 s after the pause)", res["resume"], res["restore"]))
+    print(row("raw runsc checkpoint (stopping)", res["raw_pause"]))
+    print(row("raw runsc restore of it until envd answers", res["raw_resume"]))
+    print(row("pause (answer)", res["pause"], res["raw_pause"]))
+    print(row("pause incl. background commit", res["pause_full"], res["raw_pause"]))
+    print(row("resume (after the commit finished)", res["resume"], res["raw_resume"]))
     print(row("raw checkpoint, idle (snapshot loop)", res["raw_snap_idle"]))
     print(row("snapshot (idle)", res["snap_idle"], res["raw_snap_idle"]))
     print(row("  source stopped (Server-Timing)", res["stop_idle"], res["raw_snap_idle"]))

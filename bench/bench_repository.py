@@ -11,7 +11,7 @@ Reported per backend:
 * first snapshot (``c0``), second snapshot after the 1 MB change (``c1``), the fork
   snapshots: bytes added to the repository (compressed chunks) and commit wall time;
 * restore (materialize the image directory ``runsc restore`` reads) of ``c1`` on a node
-  with a **cold** cache (everything fetched), **warm** chunks (image evicted, chunks
+  with a **cold** cache (everything fetched, host page cache dropped first), **warm** chunks (image evicted, chunks
   cached: nothing fetched) and a **hot** cache (materialized image reused).
 
 Usage: ``python bench/bench_repository.py [--forks 16] [--fill-mb 0] [--settle 5] [-n 3] [--json out.json]``.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -116,6 +117,13 @@ def start_minio() -> tuple[MinIO, str]:
     return srv, srv.url
 
 
+def drop_page_cache() -> None:
+    """``sync`` then drop the host's page cache (``/proc/sys/vm/drop_caches`` = 3, root),
+    so a cold read really reads the disk; ``PermissionError`` when not root."""
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def _config(kind: str, s3_url: str | None, run: str) -> RepoConfig:
     if kind == "s3":
         return RepoConfig(url=f"s3://{BUCKET}/{run}", s3_endpoint=s3_url, s3_region=REGION, access_key=KEY,
@@ -156,6 +164,7 @@ def bench_backend(kind: str, images: Path, forks: int, n: int, s3_url: str | Non
     cold, warm, hot, fetched = [], [], [], []
     for r in range(n):
         node = SnapshotStore(ROOT / "runs" / run / f"node{r}", cfg, auto_gc=False)
+        drop_page_cache()  # "cold": the repository's files (or MinIO's) come from disk too
         t = time.perf_counter()
         node.image(c1)
         cold.append(time.perf_counter() - t)

@@ -121,3 +121,35 @@ async def test_rollout_callable_errors_are_per_child_and_pause(fy):
         for r in results:
             await fy.kill(r.sandbox_id)
     assert await _leftover_children(fy, src.sandbox_id) == []
+
+
+async def test_rollout_concurrency_step_timeout_and_keep(fy):
+    """``concurrency`` bounds the steps in flight (and they do overlap), ``step_timeout``
+    turns a slow step into that child's error, ``then="keep"`` leaves children running."""
+    import asyncio
+
+    src = await fy.create("base", timeout=240)
+    fy.made.append(src.sandbox_id)
+    running, peak = 0, 0
+
+    async def step(child, index):
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        try:
+            await asyncio.sleep(30 if index == 2 else 1.5)
+        finally:
+            running -= 1
+        return await child.commands.run("echo kept")
+
+    results = await rollout(src, 3, step, concurrency=2, step_timeout=5, then="keep", timeout=120, client=fy)
+    try:
+        assert peak == 2, peak
+        assert [r.ok for r in results] == [True, True, False]
+        assert results[2].error == "step timed out after 5 s" and isinstance(results[2].exception, TimeoutError)
+        for r in results:  # then="keep": every child still runs
+            assert (await fy.get_sandbox(r.sandbox_id)).state == "running"
+    finally:
+        for r in results:
+            await fy.kill(r.sandbox_id)
+    assert await _leftover_children(fy, src.sandbox_id) == []

@@ -1,0 +1,160 @@
+"""README claims and documented settings, each checked against a real server.
+
+One server of this module runs with every setting changed from its default
+(``FORKYARD_HOST``, ``FORKYARD_RUNSC``, ``FORKYARD_ENVD``, ``FORKYARD_SPARE_SLOTS``,
+``FORKYARD_CACHE_BYTES``, ``FORKYARD_PAUSED_RETENTION_S``, no ``FORKYARD_API_KEY``), so
+each test shows the setting took effect, not only that the server started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import TEST_ROOT, ServerProc
+
+from forkyard.network.slots import NetworkManager
+
+_N = os.getpid() % 10
+PREFIX = "fr" + "klmnopqrst"[_N]
+OUTER_NET = f"10.{160 + _N}.0.0/16"
+HOST = "127.0.0.2"
+RETENTION_S = 6
+SPARES = 2
+CACHE_BYTES = 123_456_789
+DATA = TEST_ROOT / f"server-{PREFIX}-claims"
+ENVD = Path(__file__).resolve().parent.parent / "envd" / "bin" / "envd"
+
+
+def _ts(iso: str) -> float:
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+class ClaimsServer(ServerProc):
+    """The server with every documented setting changed from its default."""
+
+    def __init__(self):
+        super().__init__(DATA, TEST_ROOT / "templates")
+        self.url = f"http://{HOST}:{self.port}"
+        self.wrapper_log = DATA.parent / f"{DATA.name}-runsc-calls"
+        self.envd_copy = DATA.parent / f"{DATA.name}-envd"
+
+    def env(self) -> dict[str, str]:
+        env = super().env()
+        env.pop("FORKYARD_API_KEY")  # the server generates its key file
+        env.pop("FORKYARD_API_KEY_FILE", None)
+        env.update(FORKYARD_NET_PREFIX=PREFIX, FORKYARD_OUTER_NET=OUTER_NET, FORKYARD_HOST=HOST,
+                   FORKYARD_RUNSC=str(DATA.parent / f"{DATA.name}-runsc"), FORKYARD_ENVD=str(self.envd_copy),
+                   FORKYARD_SPARE_SLOTS=str(SPARES), FORKYARD_CACHE_BYTES=str(CACHE_BYTES),
+                   FORKYARD_PAUSED_RETENTION_S=str(RETENTION_S))
+        return env
+
+
+@pytest.fixture(scope="module")
+def claims(base_template):
+    shutil.rmtree(DATA, ignore_errors=True)
+    DATA.mkdir(parents=True)
+    srv = ClaimsServer()
+    real = shutil.which("runsc")
+    wrapper = Path(srv.env()["FORKYARD_RUNSC"])
+    wrapper.write_text(f'#!/bin/sh\necho "$@" >> {srv.wrapper_log}\nexec {real} "$@"\n')
+    wrapper.chmod(0o700)
+    shutil.copy2(ENVD, srv.envd_copy)
+    srv.start()
+    key_file = DATA / "api_key"
+    srv.api_key = key_file.read_text().strip()
+    yield srv
+    try:
+        if srv.proc and srv.proc.poll() is None:
+            srv.kill_all()
+    finally:
+        srv.stop()
+        NetworkManager(None, outer_net=OUTER_NET, prefix=PREFIX).teardown_host()
+        shutil.rmtree(DATA, ignore_errors=True)
+        for p in (wrapper, srv.wrapper_log, srv.envd_copy):
+            p.unlink(missing_ok=True)
+
+
+def _create(c: httpx.Client, **body) -> str:
+    r = c.post("/sandboxes", json={"templateID": "base", "timeout": 120, **body})
+    assert r.status_code == 201, r.text
+    return r.json()["sandboxID"]
+
+
+def test_generated_api_key_file_is_0600_and_works(claims):
+    key_file = DATA / "api_key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert claims.api_key
+    with claims.api() as c:
+        assert c.get("/v2/sandboxes").status_code == 200
+    assert httpx.get(f"{claims.url}/v2/sandboxes", headers={"X-API-Key": "e2b_wrong"}).status_code == 401
+
+
+def test_host_runsc_envd_spare_slots_and_cache_settings_take_effect(claims):
+    with pytest.raises(httpx.ConnectError):  # FORKYARD_HOST: bound to 127.0.0.2 only
+        httpx.get(f"http://127.0.0.1:{claims.port}/health", timeout=2)
+    with claims.api() as c:
+        sid = _create(c)
+        calls = claims.wrapper_log.read_text()  # FORKYARD_RUNSC: every runsc call went through it
+        assert sid in calls and ("run" in calls.split() or "restore" in calls.split())
+        config = (DATA / "sandboxes" / sid / "bundle" / "config.json").read_text()
+        assert str(claims.envd_copy) in config  # FORKYARD_ENVD: the binary mounted into the sandbox
+        deadline = time.time() + 30
+        while len(c.get("/metrics/node").json()["spareSlots"]) != SPARES and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(c.get("/metrics/node").json()["spareSlots"]) == SPARES  # FORKYARD_SPARE_SLOTS
+        repo = c.get("/metrics/repository").json()
+        assert repo["cache"]["limit_bytes"] == CACHE_BYTES  # FORKYARD_CACHE_BYTES
+        assert repo["backend"] == "posix_fs"
+        assert c.delete(f"/sandboxes/{sid}").status_code == 204
+
+
+def test_node_counts_refreshes_and_fork_defaults(claims):
+    with claims.api() as c:
+        before = c.get("/metrics/node").json()["sandboxes"]
+        sid = _create(c)
+        assert c.get("/metrics/node").json()["sandboxes"]["running"] == before["running"] + 1
+        # /refreshes extends to at least now + duration and never shortens.
+        end0 = _ts(c.get(f"/sandboxes/{sid}").json()["endAt"])
+        assert c.post(f"/sandboxes/{sid}/refreshes", json={"duration": 600}).status_code == 204
+        end1 = _ts(c.get(f"/sandboxes/{sid}").json()["endAt"])
+        assert end1 > end0 and 590 < end1 - time.time() <= 600
+        assert c.post(f"/sandboxes/{sid}/refreshes", json={"duration": 10}).status_code == 204
+        assert _ts(c.get(f"/sandboxes/{sid}").json()["endAt"]) == pytest.approx(end1, abs=1)
+        # Snapshot and fork answers carry their phases in Server-Timing.
+        r = c.post(f"/sandboxes/{sid}/snapshots", json={})
+        assert r.status_code == 201, r.text
+        phases = {p.split(";")[0].strip() for p in r.headers["server-timing"].split(",")}
+        assert {"checkpoint", "commit"} <= phases, phases
+        assert c.delete(f"/templates/{r.json()['snapshotID']}").status_code in (200, 204)
+        r = c.post(f"/sandboxes/{sid}/fork", json={})  # no timeout: children live 15 s
+        assert r.status_code in (200, 201), r.text
+        phases = {p.split(";")[0].strip() for p in r.headers["server-timing"].split(",")}
+        assert {"checkpoint", "children"} <= phases, phases
+        (kid,) = [x["sandbox"] for x in r.json()]
+        info = c.get(f"/sandboxes/{kid['sandboxID']}").json()
+        assert _ts(info["endAt"]) - _ts(info["startedAt"]) == pytest.approx(15, abs=1)
+        assert c.get("/metrics/node").json()["sandboxes"]["running"] == before["running"] + 2
+        c.delete(f"/sandboxes/{kid['sandboxID']}")
+        c.delete(f"/sandboxes/{sid}")
+
+
+def test_paused_sandbox_is_deleted_after_retention(claims):
+    with claims.api() as c:
+        sid = _create(c)
+        assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+        claims.settle()
+        assert c.get(f"/sandboxes/{sid}").json()["state"] == "paused"
+        assert c.get("/metrics/node").json()["sandboxes"]["paused"] >= 1
+        deadline = time.time() + RETENTION_S + 30
+        while c.get(f"/sandboxes/{sid}").status_code != 404 and time.time() < deadline:
+            time.sleep(0.5)
+        assert c.get(f"/sandboxes/{sid}").status_code == 404  # FORKYARD_PAUSED_RETENTION_S
+        claims.settle()
+        assert not list((DATA / "snapshots" / "repository" / "manifests").glob("*.json"))  # its image too
