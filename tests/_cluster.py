@@ -197,10 +197,10 @@ def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:
 
     runsc_root = data_dir / "runsc"
     if runsc_root.is_dir():
-        out = subprocess.run(["runsc", f"--root={runsc_root}", "list", "-quiet"], capture_output=True, text=True)
+        out = subprocess.run([Settings().runsc, f"--root={runsc_root}", "list", "-quiet"], capture_output=True, text=True)
         for cid in out.stdout.split():
-            subprocess.run(["runsc", f"--root={runsc_root}", "kill", cid, "KILL"], capture_output=True)
-            subprocess.run(["runsc", f"--root={runsc_root}", "delete", "-force", cid], capture_output=True)
+            subprocess.run([Settings().runsc, f"--root={runsc_root}", "kill", cid, "KILL"], capture_output=True)
+            subprocess.run([Settings().runsc, f"--root={runsc_root}", "delete", "-force", cid], capture_output=True)
     procs = subprocess.run(["pgrep", "-f", f"--root={runsc_root}"], capture_output=True, text=True).stdout.split()
     for pid in procs:
         try:

@@ -13,6 +13,8 @@ import time
 from collections import Counter
 
 import httpx
+
+from forkyard.config import Settings
 import pytest
 from _cluster import Cluster
 from conftest import TEST_ROOT
@@ -222,7 +224,7 @@ def test_node_sigkill(cluster):
     node0 = httpx.Client(base_url=c.node_urls[0], headers={"X-API-Key": c.api_key}, timeout=30)
     wait_for(lambda: node0.get("/v2/sandboxes").json() == [], 20, "node0 to drop what it no longer owns")
     runsc_root = c.root / "node0" / "runsc"
-    listed = subprocess.run(["runsc", f"--root={runsc_root}", "list", "-quiet"], capture_output=True, text=True)
+    listed = subprocess.run([Settings().runsc, f"--root={runsc_root}", "list", "-quiet"], capture_output=True, text=True)
     assert run.sandbox_id not in listed.stdout
     assert counter(c, moved) == 5  # the moved sandbox is untouched
     moved.kill()

@@ -17,13 +17,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from forkyard.config import Settings
 from conftest import TEST_ROOT, ServerProc
 
 from forkyard.network.slots import NetworkManager
 
-_N = os.getpid() % 10
-PREFIX = "fr" + "klmnopqrst"[_N]
-OUTER_NET = f"10.{160 + _N}.0.0/16"
+from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
+
+PREFIX = "fc" + LETTER
+OUTER_NET = f"10.214.{SLOT * 16}.0/20"
 HOST = "127.0.0.2"
 RETENTION_S = 6
 SPARES = 2
@@ -61,7 +64,7 @@ def claims(base_template):
     shutil.rmtree(DATA, ignore_errors=True)
     DATA.mkdir(parents=True)
     srv = ClaimsServer()
-    real = shutil.which("runsc")
+    real = os.path.realpath(shutil.which(Settings().runsc))  # the build forkyard runs by default
     wrapper = Path(srv.env()["FORKYARD_RUNSC"])
     wrapper.write_text(f'#!/bin/sh\necho "$@" >> {srv.wrapper_log}\nexec {real} "$@"\n')
     wrapper.chmod(0o700)
