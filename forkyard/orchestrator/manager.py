@@ -413,6 +413,7 @@ class Orchestrator(LifecycleMixin):
             spec = SandboxSpec(
                 sandbox_id=rec.id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname="e2b.local", workdir=workdir,
+                disk_mb=rec.disk_mb,
             )
             if image is None:
                 await self.driver.create(spec)
@@ -506,6 +507,7 @@ class Orchestrator(LifecycleMixin):
             env_vars={**(snap.env_vars if snap else {}), **(env_vars or {})},
             image_id=snap.snapshot_id if snap else None,
             timeout_s=timeout_s,
+            disk_mb=self.settings.default_disk_mb,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
@@ -768,6 +770,13 @@ class Orchestrator(LifecycleMixin):
         rec = self.get(sandbox_id)
         host, _ = self.target(sandbox_id, 0)
         try:
-            return await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
+            m = await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
         except httpx.HTTPError as e:
             raise CreateFailed(f"envd of sandbox {sandbox_id} did not answer /metrics: {e}") from e
+        # Inside, gVisor's overlay reports no real disk figures: take the sandbox's disk
+        # (its writable layer) from the host.
+        usage = getattr(self.driver, "disk_usage", None)
+        disk = await asyncio.to_thread(usage, self.settings.sandboxes_dir / sandbox_id) if usage else None
+        if disk is not None:
+            m["disk_used"], m["disk_total"] = disk
+        return m

@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     client_id TEXT NOT NULL DEFAULT 'forkyard',
     image_id TEXT,
     timeout_s INTEGER NOT NULL DEFAULT 300,
-    paused_at REAL
+    paused_at REAL,
+    disk_mb INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
@@ -38,7 +39,8 @@ CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 #: Lifecycle states (shared/DESIGN.md §4). Only ``running``/``paused`` are shown by the API.
 STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting", "forking", "killing")
 #: Columns added after the first schema, with their SQL type (migrated on open).
-_ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL"}
+_ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
+          "disk_mb": "INTEGER NOT NULL DEFAULT 0"}
 
 
 @dataclass
@@ -66,6 +68,8 @@ class SandboxRecord:
     timeout_s: int = 300
     #: UNIX seconds when the sandbox was paused (retention), else None.
     paused_at: float | None = None
+    #: disk size (MiB) of its writable layer; 0 = unbounded (rows from before disks).
+    disk_mb: int = 0
 
 
 class Store:
