@@ -11,7 +11,9 @@ Each cycle creates a sandbox and runs one of these scenarios (random, seeded):
 
 Afterwards every sandbox is killed, the server settles (pauses committed, image GC
 done), and the host is compared with the baseline taken before the first cycle:
-network namespaces and veths of the server's prefix (spare slots excepted), mounts
+sandbox rows in the state database (one a create or fork left behind would count
+against the node's capacity), network namespaces and veths of the server's prefix
+(spare slots excepted), mounts
 under its data dir, runsc processes of its runsc root, iptables rules naming its
 prefix, the server's open file descriptors and the repository's bytes (after a final
 image GC with no grace period, the server stopped). Goal: every difference 0.
@@ -97,8 +99,17 @@ def host_state(data: Path, pid: int, spare: set[int], port: int) -> dict[str, in
     fds = server_fds(pid, port)
     host_state.fd_targets = fds  # type: ignore[attr-defined]
     repo_bytes = repository_bytes(data / "snapshots" / "repository")
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"file:{data / 'state.db'}?mode=ro", uri=True)
+        rows = db.execute("SELECT count(*) FROM sandboxes").fetchone()[0]
+        db.close()
+    except sqlite3.Error:
+        rows = -1
     return {"netns": len(ns), "veth": len(veths), "mounts": len(mounts), "runsc": len(procs),
-            "iptables_rules": len(rules), "server_fds": len(fds), "repository_bytes": repo_bytes}
+            "iptables_rules": len(rules), "server_fds": len(fds), "repository_bytes": repo_bytes,
+            "state_rows": rows}
 
 
 class Soak:
