@@ -121,7 +121,8 @@ class Soak:
 
     async def create(self) -> tuple[str, str]:
         r = await self.c.post("/sandboxes", json={"templateID": "base", "timeout": 300})
-        r.raise_for_status()
+        if r.status_code != 201:
+            raise RuntimeError(f"create: {r.status_code} {r.text[:200]}")
         return r.json()["sandboxID"], r.json()["envdAccessToken"]
 
     async def run(self, sid: str, token: str, cmd: str, timeout: float = 60) -> str:
@@ -138,7 +139,12 @@ class Soak:
             raise RuntimeError(f"kill {sid}: {r.status_code} {r.text}")
 
     async def cycle(self, scenario: str) -> None:
-        sid, token = await self.create()
+        try:
+            sid, token = await self.create()
+        except Exception as e:  # noqa: BLE001 — counted and reported
+            self.outcomes[f"{scenario} create error"] += 1
+            self.errors.append(f"{scenario}: {e!r}"[:300])
+            return
         try:
             if scenario == "exec":
                 assert (await self.run(sid, token, "echo ok")).strip() == "ok"
