@@ -11,7 +11,9 @@ Each cycle creates a sandbox and runs one of these scenarios (random, seeded):
 
 Afterwards every sandbox is killed, the server settles (pauses committed, image GC
 done), and the host is compared with the baseline taken before the first cycle:
-network namespaces and veths of the server's prefix (spare slots excepted), mounts
+sandbox rows in the state database (one a create or fork left behind would count
+against the node's capacity), network namespaces and veths of the server's prefix
+(spare slots excepted), mounts
 under its data dir, runsc processes of its runsc root, iptables rules naming its
 prefix, the server's open file descriptors and the repository's bytes (after a final
 image GC with no grace period, the server stopped). Goal: every difference 0.
@@ -97,8 +99,17 @@ def host_state(data: Path, pid: int, spare: set[int], port: int) -> dict[str, in
     fds = server_fds(pid, port)
     host_state.fd_targets = fds  # type: ignore[attr-defined]
     repo_bytes = repository_bytes(data / "snapshots" / "repository")
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"file:{data / 'state.db'}?mode=ro", uri=True)
+        rows = db.execute("SELECT count(*) FROM sandboxes").fetchone()[0]
+        db.close()
+    except sqlite3.Error:
+        rows = -1
     return {"netns": len(ns), "veth": len(veths), "mounts": len(mounts), "runsc": len(procs),
-            "iptables_rules": len(rules), "server_fds": len(fds), "repository_bytes": repo_bytes}
+            "iptables_rules": len(rules), "server_fds": len(fds), "repository_bytes": repo_bytes,
+            "state_rows": rows}
 
 
 class Soak:
@@ -110,7 +121,8 @@ class Soak:
 
     async def create(self) -> tuple[str, str]:
         r = await self.c.post("/sandboxes", json={"templateID": "base", "timeout": 300})
-        r.raise_for_status()
+        if r.status_code != 201:
+            raise RuntimeError(f"create: {r.status_code} {r.text[:200]}")
         return r.json()["sandboxID"], r.json()["envdAccessToken"]
 
     async def run(self, sid: str, token: str, cmd: str, timeout: float = 60) -> str:
@@ -127,7 +139,12 @@ class Soak:
             raise RuntimeError(f"kill {sid}: {r.status_code} {r.text}")
 
     async def cycle(self, scenario: str) -> None:
-        sid, token = await self.create()
+        try:
+            sid, token = await self.create()
+        except Exception as e:  # noqa: BLE001 — counted and reported
+            self.outcomes[f"{scenario} create error"] += 1
+            self.errors.append(f"{scenario}: {e!r}"[:300])
+            return
         try:
             if scenario == "exec":
                 assert (await self.run(sid, token, "echo ok")).strip() == "ok"

@@ -216,7 +216,7 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
         "endAt": _iso(rec.end_at),
         "cpuCount": rec.vcpus,
         "memoryMB": rec.memory_mb,
-        "diskSizeMB": 0,
+        "diskSizeMB": rec.disk_mb,
         "state": "paused" if rec.state == "paused" else "running",
         "envdVersion": ENVD_VERSION,
         "metadata": rec.metadata,

@@ -572,6 +572,7 @@ class LifecycleMixin:
                 auto_pause=auto_pause,
                 metadata={**image.metadata, PARENT_KEY: image.source_sandbox_id, SNAPSHOT_KEY: image.snapshot_id},
                 env_vars=dict(image.env_vars), image_id=None, timeout_s=timeout_s,
+                disk_mb=self.settings.default_disk_mb,
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
                 egress=dict(egress or {}),
             )

@@ -455,6 +455,7 @@ class Orchestrator(LifecycleMixin):
             spec = SandboxSpec(
                 sandbox_id=rec.id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname="e2b.local", workdir=workdir,
+                disk_mb=rec.disk_mb,
             )
             if image is None:
                 await self.driver.create(spec)
@@ -567,6 +568,7 @@ class Orchestrator(LifecycleMixin):
             egress=egress.to_json() if egress is not None and not egress.empty else {},
             traffic_token=None if public_traffic else secrets.token_urlsafe(24),
             mask_host=mask_host,
+            disk_mb=self.settings.default_disk_mb,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
@@ -909,9 +911,16 @@ class Orchestrator(LifecycleMixin):
         cpu = await self._cpu.percent(sandbox_id)
         if cpu is not None:
             m["cpu_used_pct"], m["cpu_count"] = cpu[0], max(1, round(cpu[1]))
-        try:
-            st = os.statvfs(self.settings.sandboxes_dir)
-            m["disk_total"] = min(int(m.get("disk_total", 0)) or 1 << 62, st.f_blocks * st.f_frsize)
-        except OSError:
-            pass
+        # Inside, gVisor's overlay reports no real disk figures: take the sandbox's disk
+        # (its writable layer) from the host.
+        usage = getattr(self.driver, "disk_usage", None)
+        disk = await asyncio.to_thread(usage, self.settings.sandboxes_dir / sandbox_id) if usage else None
+        if disk is not None:
+            m["disk_used"], m["disk_total"] = disk
+        else:
+            try:
+                st = os.statvfs(self.settings.sandboxes_dir)
+                m["disk_total"] = min(int(m.get("disk_total", 0)) or 1 << 62, st.f_blocks * st.f_frsize)
+            except OSError:
+                pass
         return m

@@ -30,7 +30,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     client_id TEXT NOT NULL DEFAULT 'forkyard',
     image_id TEXT,
     timeout_s INTEGER NOT NULL DEFAULT 300,
-    paused_at REAL
+    paused_at REAL,
+    disk_mb INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sandboxes_state ON sandboxes(state);
 """
@@ -40,7 +41,7 @@ STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting"
 #: Columns added after the first schema, with their SQL type (migrated on open).
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
           "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
-          "mask_host": "TEXT"}
+          "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0"}
 
 
 @dataclass
@@ -79,6 +80,8 @@ class SandboxRecord:
     #: E2B ``network.maskRequestHost``: the Host user-port requests reach the sandbox
     #: with (``${PORT}`` replaced by the port).
     mask_host: str | None = None
+    #: disk size (MiB) of its writable layer; 0 = unbounded (rows from before disks).
+    disk_mb: int = 0
 
 
 class Store:

@@ -49,6 +49,7 @@ class SandboxSpec:
         hostname: hostname seen inside the sandbox.
         workdir: per-sandbox directory for the bundle, logs and writable state.
         env: environment for envd itself (PATH etc.); user env goes through envd ``/init``.
+        disk_mb: disk size (MiB) of the writable layer, 0 for none.
     """
 
     sandbox_id: str
@@ -59,6 +60,9 @@ class SandboxSpec:
     hostname: str
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
+    #: size of the sandbox's writable layer in MiB (writes beyond: ENOSPC inside);
+    #: 0 = unbounded (the host filesystem's free space).
+    disk_mb: int = 0
 
 
 @dataclass

@@ -72,3 +72,20 @@ def test_memory_and_cpu_capacity_bounds():
     with pytest.raises(AtCapacity, match="vCPUs"):
         cpu.check(live, 2, 512, count=2)
     assert Capacity.from_env().memory_mb > 0
+
+
+def test_cpu_quota_is_the_sandbox_vcpus(sandbox):
+    """The template's vCPU count is a hard CFS quota on the sandbox's cgroup: 4 busy
+    loops in a 2-vCPU sandbox get at most 2 cores (less when the host is busy)."""
+    import time
+    from pathlib import Path
+
+    cg = Path("/sys/fs/cgroup/cpu/forkyard", sandbox.sandbox_id)
+    if not cg.is_dir():
+        pytest.skip("no cgroup v1 cpu hierarchy on this host")
+    assert int((cg / "cpu.cfs_quota_us").read_text()) == 2 * int((cg / "cpu.cfs_period_us").read_text())
+    acct = Path("/sys/fs/cgroup/cpuacct/forkyard", sandbox.sandbox_id, "cpuacct.usage")
+    u0, t0 = int(acct.read_text()), time.time()
+    sandbox.commands.run("for i in 1 2 3 4; do timeout 3 sh -c 'while :; do :; done' & done; wait", timeout=30)
+    cores = (int(acct.read_text()) - u0) / 1e9 / (time.time() - t0)
+    assert 0 < cores <= 2.2, cores

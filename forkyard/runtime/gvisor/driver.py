@@ -35,6 +35,7 @@ from pathlib import Path
 
 from forkyard.config import Settings
 from forkyard.runtime.base import RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage, SandboxSpec
+from forkyard.runtime.gvisor import disk
 from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.runtime.gvisor.reaper import ensure_reaper
 
@@ -374,6 +375,11 @@ class GVisorDriver(RuntimeDriver):
         spec.workdir.mkdir(parents=True, exist_ok=True)
         if self.overlay == "dir":
             self._overlay_dir(spec.workdir).mkdir(parents=True, exist_ok=True)
+            if spec.disk_mb:
+                try:
+                    await asyncio.to_thread(disk.attach, spec.workdir, self._overlay_dir(spec.workdir), spec.disk_mb)
+                except disk.DiskError as e:
+                    raise RuntimeError_(f"sandbox {sid}: disk of {spec.disk_mb} MiB: {e}") from e
         ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp)
 
         console = spec.workdir / "console.log"
@@ -476,9 +482,15 @@ class GVisorDriver(RuntimeDriver):
         if error is None:
             _remove_cgroups(sandbox_id)
         if workdir is not None:
+            disk.detach(workdir, self._overlay_dir(workdir))
             for path in (ocispec.bundle_dir(workdir), self._overlay_dir(workdir)):
                 shutil.rmtree(path, ignore_errors=True)
         return error
+
+    def disk_usage(self, workdir: Path) -> tuple[int, int] | None:
+        """``(used, total)`` bytes of the sandbox's disk (its writable layer), None when
+        it has no disk of its own."""
+        return disk.usage(self._overlay_dir(workdir))
 
     async def destroy(self, sandbox_id: str, workdir: Path | None = None) -> None:
         """Kill and delete the sandbox (``runsc delete --force``) and remove its bundle
