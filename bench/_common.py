@@ -62,7 +62,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         _kill_sandboxes(*proc.forkyard)
     proc.terminate()
     proc.wait(30)
-    NetworkManager(None, outer_net="10.240.0.0/16", prefix="fbn").teardown_host()
+    NetworkManager(None, outer_net="10.120.0.0/16", prefix="fbn").teardown_host()
 
 
 def _clean_previous(data: Path) -> None:
@@ -97,7 +97,7 @@ def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     shutil.rmtree(DATA / "server", ignore_errors=True)
     env = dict(os.environ, FORKYARD_DATA_DIR=str(DATA / "server"), FORKYARD_TEMPLATES_DIR=str(templates),
                FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX="fbn",
-               FORKYARD_OUTER_NET="10.240.0.0/16")
+               FORKYARD_OUTER_NET="10.120.0.0/16")
     proc = subprocess.Popen([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base",
                              "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"

@@ -60,7 +60,7 @@ def connect_run(client: httpx.Client, ip: str, script: str = "true") -> None:
 async def raw_runsc(settings: Settings, rootfs: Path, n: int) -> tuple[list[float], list[float], list[float]]:
     """Raw ``runsc run --detach`` (envd as init) until envd answers, direct Connect
     ``Start("true")`` calls to that envd, and ``runsc exec true`` timings, ms."""
-    net = NetworkManager(settings, outer_net="10.241.0.0/16", prefix="fbr")
+    net = NetworkManager(settings, outer_net="10.122.0.0/16", prefix="fbr")
     net.setup_host()
     driver = GVisorDriver(settings)
     runs, calls, execs = [], [], []

@@ -49,7 +49,7 @@ class Raw:
     def __init__(self, rootfs: Path):
         self.rootfs = rootfs
         self.settings = Settings(data_dir=DATA / "raw")
-        self.net = NetworkManager(self.settings, outer_net="10.241.0.0/16", prefix="fbr")
+        self.net = NetworkManager(self.settings, outer_net="10.122.0.0/16", prefix="fbr")
         self.drv = GVisorDriver(self.settings)
         self.server_drv = GVisorDriver(Settings(data_dir=DATA / "server"))
         self.ids = [f"k{j:02d}x" for j in range(max(FAN))]

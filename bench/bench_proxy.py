@@ -34,7 +34,7 @@ def outer_address(sandbox_id: str) -> str:
     db = Settings(data_dir=DATA / "server").db_path
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         (slot,) = c.execute("SELECT slot FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-    return NetworkManager(None, outer_net="10.240.0.0/16", prefix="fbn").addresses(slot)[1]
+    return NetworkManager(None, outer_net="10.120.0.0/16", prefix="fbn").addresses(slot)[1]
 
 
 def measure(url: str, headers: dict, n: int) -> float:

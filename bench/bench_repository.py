@@ -69,7 +69,7 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
     and one 5 s later, 1.4 MB compressed; between two idle checkpoints 1.6-2 MB, 0.15 MB
     compressed)."""
     settings = Settings(data_dir=ROOT / "rt")
-    net = NetworkManager(settings, outer_net="10.242.0.0/16", prefix="fbs")
+    net = NetworkManager(settings, outer_net="10.123.0.0/16", prefix="fbs")
     net.setup_host()
     drv = GVisorDriver(settings)
 

@@ -20,7 +20,7 @@ image GC with no grace period, the server stopped). Goal: every difference 0.
 
 Usage (as root): ``python bench/soak.py [--cycles 1000] [--concurrency 4] [--seed 1]``.
 The server runs from this checkout with its own data dir (``/var/lib/forkyard-soak``),
-network prefix ``fsk`` and outer range 10.242.0.0/16. Exit status 1 when anything leaked.
+network prefix ``soak`` and outer range 10.121.0.0/16. Exit status 1 when anything leaked.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import _clean_previous, templates_dir  # noqa: E402
 
-PREFIX = "fsk"
-OUTER = "10.242.0.0/16"
+PREFIX = "soak"  # clear of every test prefix (tests/_slot.py)
+OUTER = "10.121.0.0/16"
 SCENARIOS = ("exec", "pause", "fork", "kill-pause", "kill-fork", "kill-exec")
 
 
