@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from forkyard.client import (
@@ -153,3 +155,19 @@ async def test_rollout_concurrency_step_timeout_and_keep(fy):
         for r in results:
             await fy.kill(r.sandbox_id)
     assert await _leftover_children(fy, src.sandbox_id) == []
+
+
+def test_url_falls_back_to_the_servers_port_setting(monkeypatch, tmp_path, server):
+    """With no URL given anywhere, the client (and so the CLI) uses FORKYARD_PORT — the
+    setting the server itself reads — and reaches a server started with it."""
+    import subprocess
+    import sys
+
+    for var in ("FORKYARD_URL", "E2B_API_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("FORKYARD_CONFIG", str(tmp_path / "none.toml"))
+    monkeypatch.setenv("FORKYARD_PORT", str(server.port))
+    assert resolve().url == server.url
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "ls"], capture_output=True, text=True,
+                       env={**os.environ, "E2B_API_KEY": server.api_key}, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -225,6 +225,7 @@ def doctor(as_json: bool = JSON_OPT):
 
 # -- templates ----------------------------------------------------------------------------
 
+@template_app.command("ls", hidden=True)  # like `forkyard ls`, `snapshot ls`, `node ls`
 @template_app.command("list")
 def template_list(as_json: bool = JSON_OPT):
     """List templates sandboxes can be started from."""

@@ -4,7 +4,8 @@ Order (first wins): explicit arguments; environment (``FORKYARD_URL`` or ``E2B_A
 ``E2B_API_KEY`` or ``FORKYARD_API_KEY``); the config file written by ``forkyard auth``
 (``$FORKYARD_CONFIG``, else ``$XDG_CONFIG_HOME/forkyard/config.toml``, else
 ``~/.config/forkyard/config.toml``, mode 0600); finally the local defaults
-``http://127.0.0.1:3000`` and the key file of a server on this host
+``http://127.0.0.1:$FORKYARD_PORT`` (3000; the same setting the server reads) and the key
+file of a server on this host
 (``$FORKYARD_DATA_DIR/api_key``, default ``/var/lib/forkyard/api_key``) when readable.
 """
 
@@ -93,6 +94,8 @@ def resolve(url: str | None = None, api_key: str | None = None) -> ResolvedConfi
         url, url_src = os.environ["E2B_API_URL"], "E2B_API_URL"
     elif fileconf.get("url"):
         url, url_src = fileconf["url"], str(config_path())
+    elif os.environ.get("FORKYARD_PORT", "").isdigit():
+        url, url_src = f"http://127.0.0.1:{os.environ['FORKYARD_PORT']}", "FORKYARD_PORT"
     else:
         url, url_src = DEFAULT_URL, "default"
     if api_key:
