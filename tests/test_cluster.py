@@ -22,7 +22,7 @@ from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import NotFoundException
 from test_lifecycle import COUNTER
 
-from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 
 # COUNTER: a value held only in a running process's memory (GET /set/V stores V, GET
 # returns it), reached here through the gateway.
@@ -362,6 +362,28 @@ def test_two_schedulers_move_a_paused_sandbox_once(cluster):
     assert sum(1 for a in answers if a.get("moved")) == 1, answers
     back = Sandbox.connect(p.sandbox_id, **c.sdk)
     assert counter(c, back) == 3
+    back.kill()
+
+
+def test_moved_paused_sandbox_is_adopted_without_the_adopt_call(cluster):
+    """The scheduler moves a dead node's paused sandbox to another node, and the adopt
+    call that normally follows never comes (say the gateway died in between): the
+    target's next heartbeats must adopt it, not drop the binding (it was lost: 404)."""
+    c = cluster
+    with only_on(c, "node2"):
+        p = Sandbox.create("base", timeout=300, **c.sdk)
+    with_counter(c, p, 5)
+    p.pause()
+    c.nodes[2].stop(sig_kill=True)
+    wait_for(lambda: c.node_states().get("node2") == "down", HEARTBEAT_TIMEOUT_S + 5, "node2 to be down")
+    r = httpx.post(f"{c.scheduler_url}/v1/placements", json={"kind": "resume", "sandboxID": p.sandbox_id},
+                   headers={"x-forkyard-cluster-secret": c.secret}, timeout=30).json()
+    assert r.get("moved") is True, r
+    target = r["placements"][0]["nodeID"]
+    time.sleep(3 * HEARTBEAT_INTERVAL_S + 1)  # several heartbeats of the target, no adopt call
+    assert c.owner(p.sandbox_id) == target
+    back = Sandbox.connect(p.sandbox_id, **c.sdk)
+    assert counter(c, back) == 5
     back.kill()
 
 

@@ -190,11 +190,22 @@ class NodeAgent:
                                    {"url": self.url, "report": self._report().to_dict(), "held": held})
             self._dirty |= set(out.get("missing", []))
         await self._drop(out.get("foreign", []))
+        for body in out.get("adopt", []):  # moved here, but the adopt call never came
+            await self._adopt_quietly(body)
         if out.get("status") == NODE_DRAINING and self.status != NODE_DRAINING:
             self.status = NODE_DRAINING
             self._drain_task = asyncio.create_task(self.drain(), name="drain")
         elif out.get("status") != NODE_DRAINING:
             self.status = out.get("status", "up")
+
+    async def _adopt_quietly(self, body: dict) -> None:
+        """Adopt a paused sandbox the scheduler moved here (heartbeat answer); errors are
+        logged (the next heartbeat asks again while the move stands)."""
+        try:
+            rec = await self.orch.adopt(_record(body))
+            self._dirty.add(rec.id)  # publishing it clears the binding's "moved" mark
+        except Exception as e:  # noqa: BLE001
+            log.warning("adopting moved sandbox %s failed: %s", body.get("id"), e)
 
     async def publish(self) -> None:
         """Send every changed row to the scheduler now (rows in hidden states are
@@ -296,7 +307,7 @@ class NodeAgent:
             if not isinstance(body, dict) or not isinstance(body.get("id"), str):
                 raise HTTPException(400, "body must be a sandbox record with an id")
             try:
-                rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
+                rec = _record(body)
             except TypeError as e:
                 raise HTTPException(400, f"not a sandbox record: {e}") from e
             rec = await orch.adopt(rec)
@@ -322,3 +333,12 @@ class NodeAgent:
             return Response(status_code=204)
 
         return router
+
+
+def _record(body: dict) -> SandboxRecord:
+    """A :class:`SandboxRecord` from its published dict (unknown keys ignored).
+
+    Raises:
+        TypeError: required fields missing or malformed.
+    """
+    return SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})

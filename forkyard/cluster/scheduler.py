@@ -7,7 +7,7 @@ counted in Redis until the chosen node's heartbeat reflects them.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held}`` → ``{status, foreign, missing}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held}`` → ``{status, foreign, missing, adopt}``
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted}`` → ``{foreign}``
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
 * ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count}]}``
@@ -126,8 +126,8 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, body: Heartbeat):
         status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report))
-        foreign, missing = await store.reconcile(node_id, set(body.held))
-        return {"status": status, "foreign": foreign, "missing": missing}
+        foreign, missing, adopt = await store.reconcile(node_id, set(body.held))
+        return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
     @app.post("/v1/nodes/{node_id}/publish")
     async def publish(node_id: str, body: Publish):

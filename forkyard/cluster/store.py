@@ -45,6 +45,7 @@ if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur and cur ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4])
+redis.call('HDEL', KEYS[1], 'moved')
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('SADD', KEYS[4], ARGV[5])
 return 1
@@ -62,7 +63,7 @@ return 1
 _REBIND = """
 local cur = redis.call('HMGET', KEYS[1], 'node', 'state')
 if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' then return 0 end
-redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4])
+redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4], 'moved', '1')
 redis.call('SREM', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[3])
 return 1
@@ -258,13 +259,20 @@ class ClusterStore:
                                           args=[node_id, sid]))
         return foreign
 
-    async def reconcile(self, node_id: str, held: set[str]) -> tuple[list[str], list[str]]:
-        """Compare what the node holds with its bindings. Returns ``(foreign, missing)``:
-        held ids bound elsewhere or tombstoned (the node drops them), and held ids with
-        no binding at all (the node publishes them again). Bindings of this node that it
-        no longer holds are removed."""
+    async def reconcile(self, node_id: str, held: set[str]) -> tuple[list[str], list[str], list[dict]]:
+        """Compare what the node holds with its bindings. Returns ``(foreign, missing,
+        adopt)``: held ids bound elsewhere or tombstoned (the node drops them), held ids
+        with no binding at all (the node publishes them again), and the records of
+        paused sandboxes moved to this node (:meth:`rebind`) that it has not adopted yet
+        (it adopts them: a move whose adopt never came must not lose the sandbox).
+        Other bindings of this node that it no longer holds are removed."""
         bound = await self.node_sandboxes(node_id)
-        for sid in bound - held:
+        adopt: list[dict] = []
+        for sid in sorted(bound - held):
+            moved, record = await self._call(self._r.hmget(f"{P}sbx:{sid}", "moved", "record"))
+            if moved is not None and record is not None:
+                adopt.append(json.loads(_s(record)))
+                continue
             await self._call(self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
                                           args=[node_id, sid]))
         unknown = sorted(held - bound)
@@ -278,7 +286,7 @@ class ClusterStore:
             for i, sid in enumerate(unknown):
                 gone, owner = res[2 * i], res[2 * i + 1]
                 (foreign if gone or (owner and _s(owner) != node_id) else missing).append(sid)
-        return foreign, missing
+        return foreign, missing, adopt
 
     async def rebind(self, sandbox_id: str, from_node: str, to_node: str, now: float | None = None) -> bool:
         """Move a *paused* sandbox's binding from ``from_node`` to ``to_node``
