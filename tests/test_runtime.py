@@ -223,7 +223,9 @@ async def test_memory_limit_is_enforced(settings, driver, sandboxes):
     mem = Path("/sys/fs/cgroup/memory/forkyard/rt-oom")
     oom = dict(line.split() for line in (mem / "memory.oom_control").read_text().splitlines())
     peak = int((mem / "memory.max_usage_in_bytes").read_text())
-    running = await driver.is_running(spec.sandbox_id)
+    deadline = time.time() + 15  # the sentry is gone; runsc's state follows within moments
+    while (running := await driver.is_running(spec.sandbox_id)) and time.time() < deadline:
+        await asyncio.sleep(0.2)
     print(f"\n400 MiB in a 256 MiB sandbox: exit {r.returncode}; still running: {running}; "
           f"oom_kill {oom.get('oom_kill')}; peak {peak >> 20} MiB; {r.stderr.strip()[:200]}")
     # What happens under gVisor (measured): the host's OOM killer acts on the sandbox's
