@@ -7,6 +7,7 @@ state directory below it, wiped per session.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -156,6 +157,25 @@ class ServerProc:
                     f.unlink(missing_ok=True)
                 elif f.suffix == ".reached":
                     f.with_suffix(".release").touch()
+
+    @contextlib.contextmanager
+    def restarted_with(self, **env: str):
+        """Restart the server with extra environment ``env`` (e.g. a setting under test);
+        on exit the old values come back and the server restarts with them."""
+        before = {k: os.environ.get(k) for k in env}
+        self.stop()
+        os.environ.update(env)
+        try:
+            self.start()
+            yield self
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            self.stop()
+            self.start()
 
     def kill_all(self) -> None:
         self.release_holds()  # a test that failed while an operation was held

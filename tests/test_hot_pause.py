@@ -4,7 +4,6 @@ copy (grace over, restart) resumes from the image with nothing lost."""
 
 from __future__ import annotations
 
-import os
 import time
 
 from e2b import Sandbox
@@ -58,11 +57,7 @@ def test_kill_of_a_kept_sandbox_frees_everything(server):
 def test_dropped_copy_resumes_from_the_image(server):
     """With a 1 s grace the frozen copy is dropped (runtime and slot freed, the sandbox
     stays paused); the next resume restores the committed image: process and files kept."""
-    before = os.environ.get("FORKYARD_HOT_PAUSE_S")
-    server.stop()
-    os.environ["FORKYARD_HOT_PAUSE_S"] = "1"
-    try:
-        server.start()
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="1"):
         sbx = Sandbox.create("base", timeout=300)
         try:
             h = sbx.commands.run("sleep 1000", background=True)
@@ -81,10 +76,3 @@ def test_dropped_copy_resumes_from_the_image(server):
             assert same.files.read("/home/user/f") == "v2"
         finally:
             sbx.kill()
-    finally:
-        if before is None:
-            os.environ.pop("FORKYARD_HOT_PAUSE_S", None)
-        else:
-            os.environ["FORKYARD_HOT_PAUSE_S"] = before
-        server.stop()
-        server.start()

@@ -54,26 +54,14 @@ def test_pause_image_of_another_runtime_build_is_refused_with_409(server, tmp_pa
                      f"exec {real} \"$@\"\n")
     other.chmod(0o755)
     sbx = Sandbox.create("base", timeout=300)
-    before = os.environ.get("FORKYARD_RUNSC")
-    try:
-        sbx.files.write("/home/user/keep", "kept")
-        sbx.pause()
-        server.settle()
-        server.stop()
-        os.environ["FORKYARD_RUNSC"] = str(other)
-        server.start()
-        with server.api() as c:
-            r = c.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
-            assert r.status_code == 409, r.text
-            assert "0.0~test-other-build" in r.json()["message"] and real_build in r.json()["message"]
-            assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
-    finally:
-        if before is None:
-            os.environ.pop("FORKYARD_RUNSC", None)
-        else:
-            os.environ["FORKYARD_RUNSC"] = before
-        server.stop()
-        server.start()
+    sbx.files.write("/home/user/keep", "kept")
+    sbx.pause()
+    server.settle()
+    with server.restarted_with(FORKYARD_RUNSC=str(other)), server.api() as c:
+        r = c.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 60})
+        assert r.status_code == 409, r.text
+        assert "0.0~test-other-build" in r.json()["message"] and real_build in r.json()["message"]
+        assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
     same = Sandbox.connect(sbx.sandbox_id)
     assert same.files.read("/home/user/keep") == "kept"
     same.kill()

@@ -10,20 +10,13 @@ import time
 import httpx
 from e2b import Sandbox
 
+from _wire import read_head
+
 
 def _raw(server, request: bytes, timeout: float = 10) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=timeout) as s:
         s.sendall(request)
-        data = b""
-        try:
-            while b"\r\n\r\n" not in data:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-        except socket.timeout:
-            pass
-    return data
+        return read_head(s, timeout)
 
 
 def test_nested_json_on_build_routes_is_400(server):

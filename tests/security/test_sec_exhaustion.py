@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from _wire import read_head
+
 
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -24,17 +26,7 @@ def _connect(server) -> socket.socket:
 
 
 def _status_of(s: socket.socket, timeout: float) -> bytes:
-    s.settimeout(timeout)
-    data = b""
-    try:
-        while b"\r\n\r\n" not in data:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    except (socket.timeout, ConnectionResetError):
-        pass
-    return data
+    return read_head(s, timeout)
 
 
 def test_keyless_huge_body_is_refused_from_headers(server):
