@@ -209,6 +209,22 @@ def server(base_template) -> ServerProc:
     NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
 
 
+@pytest.fixture(autouse=True)
+def _server_stays_up(request):
+    """A test that leaves the session server down (stopped and not started again, or
+    crashed) gets an error of its own, and the server is started again so the tests
+    after it are not failed by its leftovers (CI once lost 89 tests that way)."""
+    yield
+    if "server" not in request.fixturenames:
+        return
+    srv = request.getfixturevalue("server")
+    if srv.proc is not None and srv.proc.poll() is None:
+        return
+    code = None if srv.proc is None else srv.proc.returncode
+    srv.start()
+    pytest.fail(f"the session server was down after this test (exit code {code}); started again")
+
+
 @pytest.fixture
 def sandbox(server):
     """A fresh sandbox from ``base`` through the real e2b SDK, killed afterwards."""

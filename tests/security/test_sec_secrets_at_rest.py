@@ -37,6 +37,10 @@ def _nobody_can_read(path: Path) -> bool:
 
 def test_data_dir_is_private_also_after_upgrade(server):
     data = server.data_dir
+    # The check runs as a real other user, so the dirs above the data dir must let it
+    # through (the test root may be 0700, e.g. made private by the base template build).
+    parent_mode = stat.S_IMODE(data.parent.stat().st_mode)
+    os.chmod(data.parent, parent_mode | 0o011)
     sbx = Sandbox.create("base", timeout=120, envs={"USER_API_KEY": "sk-secret-value"})
     sid = sbx.sandbox_id
     try:
@@ -70,6 +74,9 @@ def test_data_dir_is_private_also_after_upgrade(server):
         assert sbx.commands.run("cat /etc/hosts /etc/passwd >/dev/null && echo ok", user="user").stdout.strip() == "ok"
         assert _public_entries(data) == []
     finally:
+        os.chmod(data.parent, parent_mode)
+        if server.proc is None:  # failed while stopped: the rest of the session needs it
+            server.start()
         try:
             Sandbox.connect(sid).kill()
         except Exception:
