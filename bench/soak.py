@@ -176,12 +176,12 @@ class Soak:
                 await self.kill(sid)
                 res = (await asyncio.gather(op, return_exceptions=True))[0]
                 if isinstance(res, httpx.Response) and res.status_code == 201:
-                    for k in res.json():
-                        if "sandboxID" in k:
-                            await self.kill(k["sandboxID"])
-                # Children a fork started before its source was killed, though the fork
-                # call failed: the client never learns their ids (they live until their
-                # timeout). Found by lineage metadata and counted.
+                    for k in res.json():  # E2B's fork answer: {"sandbox": Sandbox} or {"error": …}
+                        if "sandbox" in k:
+                            await self.kill(k["sandbox"]["sandboxID"])
+                # Children the client was never told of (the fork answered an error, or
+                # its answer left them out): they would live until their timeout. Found
+                # by lineage metadata and counted; goal 0.
                 for _ in range(6):  # some may still be starting when the fork call ends
                     orphans = [s["sandboxID"] for s in (await self.c.get("/v2/sandboxes")).json()
                                if s.get("metadata", {}).get(PARENT_KEY) == sid]
