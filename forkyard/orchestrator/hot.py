@@ -63,6 +63,11 @@ class HotPaused:
         entry = self._kept.pop(sandbox_id, None)
         return entry[0] if entry else None
 
+    def slot(self, sandbox_id: str) -> Slot | None:
+        """The slot ``sandbox_id`` is kept in (None if it is not kept); it stays kept."""
+        entry = self._kept.get(sandbox_id)
+        return entry[0] if entry else None
+
     def __contains__(self, sandbox_id: str) -> bool:
         return sandbox_id in self._kept
 

@@ -262,8 +262,8 @@ class Orchestrator(LifecycleMixin):
             if sandbox_id not in self._hot:
                 return
             rec = self.store.get(sandbox_id)
-            slot = self._hot.take(sandbox_id)
-            await self._teardown(sandbox_id, slot.index if slot else None)
+            slot = self._hot.slot(sandbox_id)
+            await self._teardown(sandbox_id, slot.index if slot else None)  # forgets it last
             if rec is not None and rec.state == "paused":
                 rec.slot = None
                 self.store.put(rec)
@@ -594,7 +594,6 @@ class Orchestrator(LifecycleMixin):
         """Destroy runtime state, network slot and workdir; never raises."""
         self._slots.pop(sandbox_id, None)
         self._proxy_rules.pop(sandbox_id, None)
-        self._hot.take(sandbox_id)
         await self._notify_gone(sandbox_id)
         try:
             await self.driver.destroy(sandbox_id, self.settings.sandboxes_dir / sandbox_id)
@@ -606,6 +605,7 @@ class Orchestrator(LifecycleMixin):
             except Exception as e:  # noqa: BLE001
                 log.error("release of slot %s failed: %s", slot_index, e)
         shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
+        self._hot.take(sandbox_id)  # last: the hot-paused count covers a copy until it is gone
 
     @metrics.timed("kill")
     async def kill(self, sandbox_id: str, only_if=None) -> None:
