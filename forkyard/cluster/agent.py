@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from dataclasses import asdict, fields
 
 import httpx
@@ -31,7 +32,7 @@ from pydantic import BaseModel, Field, StrictInt
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.proxy import route_of
 from forkyard.api.routes_lifecycle import fork_results
-from forkyard.cluster.config import SECRET_HEADER
+from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NodeReport
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.store import SandboxRecord
@@ -46,12 +47,17 @@ _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 
 
 def default_max_sandboxes() -> int:
-    """``FORKYARD_NODE_MAX_SANDBOXES``, else host memory (MiB) / 256 (at least 1): a
-    512 MiB sandbox rarely touches all of its memory under gVisor."""
+    """``FORKYARD_NODE_MAX_SANDBOXES``, else as many sandboxes of the default size
+    (512 MiB, :class:`~forkyard.config.Settings`) as the node's admission lets run at
+    once (:class:`~forkyard.orchestrator.admission.Capacity`), at least 1 — so placement
+    never counts on room the node would refuse."""
     env = os.environ.get("FORKYARD_NODE_MAX_SANDBOXES")
     if env:
         return max(1, int(env))
-    return max(1, _memory_mb() // 256)
+    from forkyard.config import Settings
+    from forkyard.orchestrator.admission import Capacity
+
+    return max(1, Capacity.from_env().memory_mb // Settings().default_memory_mb)
 
 
 def _memory_mb() -> int:
@@ -86,13 +92,18 @@ class NodeAgent:
         proxy_app: the node app from ``create_app`` (its FastAPI instance at ``.fastapi``).
         node_id: this node's name; url: where gateways reach it.
         scheduler_url: the scheduler's base URL; secret: the cluster secret.
-        max_sandboxes: sandboxes this node runs at once (reported for placement).
+        max_sandboxes: sandboxes this node runs at once (reported for placement, and
+            enforced by the node's admission beside ``FORKYARD_MAX_SANDBOXES``).
     """
 
     def __init__(self, proxy_app, node_id: str, url: str, scheduler_url: str, secret: str, max_sandboxes: int):
         self.app = proxy_app.fastapi
         self.orch = self.app.state.orchestrator
         self.node_id, self.url, self.max_sandboxes = node_id, url, max_sandboxes
+        # The node enforces the count it reports: a placement computed on a stale report
+        # is refused here (503, and the caller retries elsewhere) rather than overfilling.
+        cap = self.orch.capacity
+        cap.max_sandboxes = max_sandboxes if cap.max_sandboxes is None else min(cap.max_sandboxes, max_sandboxes)
         self.secret = secret
         self.status = "up"
         self._http = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
@@ -104,6 +115,9 @@ class NodeAgent:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
         self._runtime = self.orch.driver.build or "unknown"
+        #: placement ids whose calls have ended here, acked in the next heartbeat
+        self._acked: set[str] = set()
+        self.app.add_middleware(_PlacementAck, agent=self)
         self.app.state.cluster_secret = secret
         self.app.state.on_start.append(self.start)
         self.app.state.on_stop.insert(0, self.stop)
@@ -151,7 +165,7 @@ class NodeAgent:
                 pass
             self._wake.clear()
             try:
-                if self._loop.time() >= next_beat:
+                if self._loop.time() >= next_beat or self._acked:  # acks go out at once
                     next_beat = self._loop.time() + HEARTBEAT_INTERVAL_S
                     await self._beat()
                 elif self._dirty:
@@ -185,9 +199,12 @@ class NodeAgent:
     async def _beat(self) -> None:
         async with self._lock:
             await self._publish_locked()
+            acked = set(self._acked)  # taken before the report: their rows are in it
             held = [r.id for r in self.orch.store.all() if r.state not in _HIDDEN]
             out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
-                                   {"url": self.url, "report": self._report().to_dict(), "held": held})
+                                   {"url": self.url, "report": self._report().to_dict(), "held": held,
+                                    "placements": sorted(acked)})
+            self._acked -= acked
             self._dirty |= set(out.get("missing", []))
         await self._drop(out.get("foreign", []))
         for body in out.get("adopt", []):  # moved here, but the adopt call never came
@@ -342,3 +359,32 @@ def _record(body: dict) -> SandboxRecord:
         TypeError: required fields missing or malformed.
     """
     return SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
+
+
+_PLACEMENT_ID = re.compile(r"[0-9a-f]{16}")
+_MAX_ACKED = 10_000
+
+
+class _PlacementAck:
+    """ASGI middleware on the node: a call that carries the scheduler's placement id
+    (:data:`~forkyard.cluster.config.PLACEMENT_HEADER`, with the cluster secret) is
+    acknowledged in a heartbeat sent as soon as it has ended — answered or failed — so the
+    scheduler counts the placement until the node's report shows its sandboxes, never
+    both gone (a placement made while a report was in flight used to be lost)."""
+
+    def __init__(self, app, agent: "NodeAgent"):
+        self.app, self.agent = app, agent
+
+    async def __call__(self, scope, receive, send):
+        pid = None
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            got = headers.get(PLACEMENT_HEADER)
+            if got and _PLACEMENT_ID.fullmatch(got) and cluster_secret_ok(headers, self.agent.secret):
+                pid = got
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if pid and len(self.agent._acked) < _MAX_ACKED:  # beyond: they expire in Redis
+                self.agent._acked.add(pid)
+                self.agent._wake.set()  # a heartbeat now, so the placement is not counted twice for long

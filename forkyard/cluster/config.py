@@ -11,7 +11,7 @@ CLI options override).
 ``FORKYARD_NODE_ID``               this node's name (default: the host name)
 ``FORKYARD_ADVERTISE_URL``         where the gateway reaches this node (default
                                    ``http://HOST:PORT`` of the node's listener)
-``FORKYARD_NODE_MAX_SANDBOXES``    sandboxes this node runs at once (default: memory MiB / 256)
+``FORKYARD_NODE_MAX_SANDBOXES``    sandboxes this node runs at once, enforced by its admission (default: what its memory admits of 512 MiB sandboxes)
 =================================  ==========================================================
 """
 
@@ -22,6 +22,10 @@ import stat
 from pathlib import Path
 
 from forkyard.api.auth import CLUSTER_SECRET_HEADER as SECRET_HEADER  # noqa: F401 — re-exported
+
+#: Header on a gateway → node call that starts sandboxes the scheduler placed: the
+#: placement id, acknowledged in the node's next heartbeat once the call has ended.
+PLACEMENT_HEADER = "x-forkyard-placement"
 from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"

@@ -38,7 +38,7 @@ from pydantic import ValidationError
 from forkyard.api import schemas
 from forkyard.api.proxy import _HOP, _WS_SKIP, orchestrator_only, relay_http, relay_ws, route_of
 from forkyard.api.routes_sandboxes import filter_records, list_page
-from forkyard.cluster.config import SECRET_HEADER
+from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_UP, NodeInfo
 from forkyard.obs import logs
@@ -55,7 +55,7 @@ MAX_JSON_BODY = 1 << 20
 NODES_TTL_S = 0.5
 OWNER_TTL_S = 1.0
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
-_NODE_SKIP = _HOP | {"x-api-key"}
+_NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER}  # the last two: only ours
 
 
 class _Fail(Exception):
@@ -149,10 +149,13 @@ class Gateway:
             raise _Fail(r.status_code if r.status_code < 500 else 503, msg)
         return r.json()
 
-    async def _node_call(self, node: NodeInfo, method: str, path: str, body=None) -> httpx.Response:
+    async def _node_call(self, node: NodeInfo, method: str, path: str, body=None,
+                         placement: str | None = None) -> httpx.Response:
+        headers = {SECRET_HEADER: self.secret, **logs.outgoing()}
+        if placement:
+            headers[PLACEMENT_HEADER] = placement
         try:
-            return await self._client(node).request(method, node.url + path, json=body,
-                                                    headers={SECRET_HEADER: self.secret, **logs.outgoing()},
+            return await self._client(node).request(method, node.url + path, json=body, headers=headers,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
@@ -282,13 +285,17 @@ class Gateway:
         hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 
-    async def _forward(self, node: NodeInfo, scope, receive, send, body: bytes | None = None):
+    async def _forward(self, node: NodeInfo, scope, receive, send, body: bytes | None = None,
+                       placement: str | None = None):
         """Relay a REST call to ``node`` (streaming), the user's key swapped for the
-        secret. The client's ``Host`` goes along, so URLs the node builds from it (the
+        secret, with the scheduler's ``placement`` id when the call starts sandboxes it
+        placed. The client's ``Host`` goes along, so URLs the node builds from it (the
         template build's signed upload URL) point back at the gateway."""
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
         headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
         headers.append((SECRET_HEADER.encode(), self.secret.encode()))
+        if placement:
+            headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
         await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
                          node.url, headers, self.max_body_bytes, f"node {node.node_id}")
 
@@ -321,11 +328,11 @@ class Gateway:
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
             raise _Fail(400, "templateID: Field required")
-        out = await self._schedule({"kind": "create", "snapshot": template[:128]})
-        node = (await self.nodes(fresh=True)).get(out["placements"][0]["nodeID"])
+        out = (await self._schedule({"kind": "create", "snapshot": template[:128]}))["placements"][0]
+        node = (await self.nodes(fresh=True)).get(out["nodeID"])
         if node is None:
             raise _Fail(503, "the placed node left the cluster; retry")
-        await self._forward(node, scope, receive, send, body=raw)
+        await self._forward(node, scope, receive, send, body=raw, placement=out.get("placementID"))
 
     async def _fork(self, sandbox_id: str, scope, receive, send):
         raw, body = await self._json_body(scope, receive)
@@ -340,10 +347,14 @@ class Gateway:
         plan = (await self._schedule({"kind": "fork", "sandboxID": sandbox_id, "count": fb.count,
                                       "vcpus": int(b.record.get("vcpus", 2))}))["placements"]
         if len(plan) == 1 and plan[0]["nodeID"] == node.node_id:
-            return await self._forward(node, scope, receive, send, body=raw)
-        local = sum(p["count"] for p in plan if p["nodeID"] == node.node_id)
+            return await self._forward(node, scope, receive, send, body=raw, placement=plan[0].get("placementID"))
+        here = [p for p in plan if p["nodeID"] == node.node_id]
+        local = sum(p["count"] for p in here)
+        log.info("fork of %s (%d) spread over nodes: %s", sandbox_id, fb.count,
+                 ", ".join(f"{p['nodeID']}={p['count']}" for p in plan))
         r = await self._node_call(node, "POST", f"/cluster/sandboxes/{sandbox_id}/fork",
-                                  {"count": local, "timeout": fb.timeout})
+                                  {"count": local, "timeout": fb.timeout},
+                                  placement=here[0].get("placementID") if here else None)
         if r.status_code != 200:
             return await JSONResponse(r.json(), status_code=r.status_code)(scope, receive, send)
         first = r.json()
@@ -358,7 +369,8 @@ class Gateway:
                 rr = await self._node_call(target, "POST", "/cluster/fork-children",
                                            {"image": image, "count": p["count"], "timeout": fb.timeout,
                                             "autoPause": bool(b.record.get("auto_pause", True)),
-                                            "egress": b.record.get("egress") or None})
+                                            "egress": b.record.get("egress") or None},
+                                           placement=p.get("placementID"))
                 if rr.status_code == 200:
                     return rr.json()["results"]
                 err = schemas.error(rr.status_code, rr.text[:300])

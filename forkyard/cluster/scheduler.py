@@ -3,14 +3,15 @@
 Stateless itself — everything lives in Redis (:class:`~.store.ClusterStore`), so a
 restart loses nothing and two replicas can run at once: bindings change only through
 atomic scripts (a paused sandbox is moved to one node, never two), and placements are
-counted in Redis until the chosen node's heartbeat reflects them.
+counted in Redis until the chosen node acknowledges them in a heartbeat whose report
+shows their sandboxes (a placement made while a report was in flight is never lost).
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held}`` → ``{status, foreign, missing, adopt}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held, placements}`` → ``{status, foreign, missing, adopt}``
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted}`` → ``{foreign}``
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
-* ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count}]}``
+* ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count, placementID}]}``
 * ``GET /v1/sandboxes/{id}`` → the binding
 """
 
@@ -42,6 +43,8 @@ class Heartbeat(BaseModel):
     url: str = Field(max_length=512)
     report: dict = Field(default_factory=dict)
     held: list[str] = Field(default_factory=list, max_length=200_000)
+    #: placement ids whose requests ended on the node before ``report`` was built
+    placements: list[str] = Field(default_factory=list, max_length=10_000)
 
 
 class Publish(BaseModel):
@@ -126,6 +129,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, body: Heartbeat):
         status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report))
+        await store.ack_placing(node_id, body.placements)  # after the report that shows them
         foreign, missing, adopt = await store.reconcile(node_id, set(body.held))
         return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
@@ -166,8 +170,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         now = time.time()
         all_nodes = await store.nodes()
         by_id = {n.node_id: n for n in all_nodes}
-        placing = await store.placing_since([n.node_id for n in all_nodes],
-                                            {n.node_id: n.last_seen for n in all_nodes})
+        placing = await store.pending_placements([n.node_id for n in all_nodes])
         prefer, snapshot, exclude = None, body.snapshot, set()
         if body.kind in ("fork", "resume"):
             if not body.sandbox_id:
@@ -196,11 +199,10 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                     raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
                 return {"placements": [_entry(by_id.get(cur.node_id), 1, cur.node_id)], "moved": False}
             log.info("sandbox %s moves from node %s to node %s", body.sandbox_id, b.node_id, target.node_id)
-            await store.add_placing(target.node_id)
-            return {"placements": [_entry(target, 1)], "moved": True, "record": b.record}
-        for node, n in plan:
-            await store.add_placing(node.node_id, n)
-        return {"placements": [_entry(node, n) for node, n in plan]}
+            pid = await store.add_placing(target.node_id)
+            return {"placements": [_entry(target, 1, placement=pid)], "moved": True, "record": b.record}
+        return {"placements": [_entry(node, n, placement=await store.add_placing(node.node_id, n))
+                               for node, n in plan]}
 
     from forkyard.obs.collect import cluster_families
     from forkyard.obs.middleware import ObsMiddleware
@@ -211,5 +213,8 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                          keys=lambda: [secret])
 
 
-def _entry(node, count: int, node_id: str | None = None) -> dict:
-    return {"nodeID": node.node_id if node else node_id, "url": node.url if node else None, "count": count}
+def _entry(node, count: int, node_id: str | None = None, placement: str | None = None) -> dict:
+    out = {"nodeID": node.node_id if node else node_id, "url": node.url if node else None, "count": count}
+    if placement:
+        out["placementID"] = placement  # the gateway sends it to the node (PLACEMENT_HEADER)
+    return out

@@ -12,8 +12,12 @@ gateways acting at once never see half a change):
 ``fy:nodesbx:<node>``          set of the sandbox ids bound to that node
 ``fy:gone:<id>``               tombstone (7 days) of a sandbox reported gone with its node;
                                the node is told to destroy it if it comes back
-``fy:placing:<node>``          sorted set of placements by time, counted until the node's
-                               next heartbeat reflects them
+``fy:placing:<node>``          sorted set of placement ids by time, and
+``fy:placingn:<node>``         hash placement id → sandbox count: counted against the node
+                               until its heartbeat acknowledges them (the node acks a
+                               placement once the request that carried it has ended, so its
+                               rows are in that heartbeat's report) or after
+                               :data:`PLACING_TTL_S`
 =============================  ==========================================================
 
 Durability is Redis's: run it with ``appendonly yes`` (deploy/ does) so a Redis restart
@@ -38,6 +42,9 @@ from forkyard.cluster.types import NODE_DOWN, NODE_UP, Binding, NodeInfo, NodeRe
 
 P = "fy:"
 TOMBSTONE_S = 7 * 24 * 3600
+#: A placement no heartbeat acknowledged stops counting after this long (s): the
+#: request never reached the node (gateway died) or was a move, whose adopt is not acked.
+PLACING_TTL_S = 30.0
 
 # KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id
 _UPSERT = """
@@ -91,6 +98,20 @@ return gone
 """
 
 
+# KEYS: placing zset, placingn hash   ARGV: cutoff
+# Drops placements older than the cutoff; returns the sandbox count of the rest.
+_PENDING = """
+local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if #old > 0 then
+  redis.call('ZREM', KEYS[1], unpack(old))
+  redis.call('HDEL', KEYS[2], unpack(old))
+end
+local n = 0
+for _, v in ipairs(redis.call('HVALS', KEYS[2])) do n = n + tonumber(v) end
+return n
+"""
+
+
 class ClusterStoreUnavailable(Exception):
     """Redis did not answer (down, unreachable, or refused the command)."""
 
@@ -119,6 +140,7 @@ class ClusterStore:
         self._delete = self._r.register_script(_DELETE)
         self._rebind = self._r.register_script(_REBIND)
         self._mark_down = self._r.register_script(_MARK_DOWN)
+        self._pending = self._r.register_script(_PENDING)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -194,23 +216,39 @@ class ClusterStore:
             args=[P, repr(deadline), TOMBSTONE_S]))
         return [_s(x) for x in res]
 
-    async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> None:
-        """Count ``n`` placements onto ``node_id`` until its next heartbeat."""
+    async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> str:
+        """Count ``n`` sandboxes placed onto ``node_id`` until the node acknowledges the
+        placement (:meth:`ack_placing`) or :data:`PLACING_TTL_S` passes. Returns the
+        placement id (16 hex chars) the request to the node carries."""
         now = time.time() if now is None else now
-        key = f"{P}placing:{node_id}"
+        pid = secrets.token_hex(8)
         async with self._r.pipeline(transaction=True) as p:
-            p.zadd(key, {f"{now!r}:{secrets.token_hex(4)}": now for _ in range(n)})
-            p.zremrangebyscore(key, "-inf", now - 60)
-            p.expire(key, 120)
+            p.zadd(f"{P}placing:{node_id}", {pid: now})
+            p.hset(f"{P}placingn:{node_id}", pid, n)
+            p.expire(f"{P}placing:{node_id}", 120)
+            p.expire(f"{P}placingn:{node_id}", 120)
+            await self._call(p.execute())
+        return pid
+
+    async def ack_placing(self, node_id: str, placement_ids: list[str]) -> None:
+        """Stop counting placements the node has acknowledged (their rows are in the
+        report it just sent)."""
+        if not placement_ids:
+            return
+        async with self._r.pipeline(transaction=True) as p:
+            p.zrem(f"{P}placing:{node_id}", *placement_ids)
+            p.hdel(f"{P}placingn:{node_id}", *placement_ids)
             await self._call(p.execute())
 
-    async def placing_since(self, node_ids: list[str], since: dict[str, float]) -> dict[str, int]:
-        """Placements onto each node made after ``since[node]`` (its last heartbeat)."""
-        async with self._r.pipeline(transaction=False) as p:
-            for nid in node_ids:
-                p.zcount(f"{P}placing:{nid}", f"({since.get(nid, 0)!r}", "+inf")
-            counts = await self._call(p.execute())
-        return dict(zip(node_ids, (int(c) for c in counts)))
+    async def pending_placements(self, node_ids: list[str], now: float | None = None) -> dict[str, int]:
+        """Sandboxes placed onto each node that its reports may not show yet."""
+        now = time.time() if now is None else now
+        cutoff = repr(now - PLACING_TTL_S)
+        out = {}
+        for nid in node_ids:
+            out[nid] = int(await self._call(self._pending(keys=[f"{P}placing:{nid}", f"{P}placingn:{nid}"],
+                                                          args=[cutoff])))
+        return out
 
     # ---- bindings -------------------------------------------------------------------
     async def binding(self, sandbox_id: str) -> Binding | None:

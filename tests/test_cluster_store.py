@@ -1,0 +1,73 @@
+"""The cluster store's placement accounting against a real redis-server: a placement
+counts against its node until the node acknowledges it in a heartbeat (whose report
+then shows its sandboxes) or it expires — never lost while a report is in flight,
+which put a 17th child on a node with room for 16 and two creates in a row on one node."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import pytest
+from conftest import free_port
+
+from forkyard.cluster.store import PLACING_TTL_S, ClusterStore
+from forkyard.cluster.types import NodeReport
+
+
+@pytest.fixture
+def redis_url(tmp_path_factory):
+    port = free_port()
+    d = tmp_path_factory.mktemp("redis", numbered=True)
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        import redis
+
+        deadline = time.time() + 20
+        while True:
+            try:
+                if redis.Redis(port=port).ping():
+                    break
+            except redis.RedisError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+async def test_placement_counts_until_acked_not_until_the_next_heartbeat(redis_url):
+    store = ClusterStore(redis_url)
+    try:
+        now = time.time()
+        await store.heartbeat("n0", "http://n0", NodeReport(running=0), now=now)
+        pid = await store.add_placing("n0", 3, now=now + 0.01)
+        other = await store.add_placing("n1", 1, now=now + 0.01)
+        # A heartbeat recorded after the placement, whose report was built before the
+        # sandboxes existed (running=0): the placement still counts.
+        await store.heartbeat("n0", "http://n0", NodeReport(running=0), now=now + 0.02)
+        assert await store.pending_placements(["n0", "n1"], now=now + 0.03) == {"n0": 3, "n1": 1}
+        # The node acks it once its report shows them; acks of unknown ids are harmless.
+        await store.ack_placing("n0", [pid, "0123456789abcdef"])
+        assert await store.pending_placements(["n0", "n1"], now=now + 0.04) == {"n0": 0, "n1": 1}
+        # One never acked (its request never reached the node) stops counting in time.
+        assert await store.pending_placements(["n1"], now=now + PLACING_TTL_S + 1) == {"n1": 0}
+        assert other  # an id was handed out for it
+    finally:
+        await store.aclose()
+
+
+async def test_concurrent_placements_each_count(redis_url):
+    store = ClusterStore(redis_url)
+    try:
+        pids = await asyncio.gather(*(store.add_placing("n0", 2) for _ in range(20)))
+        assert len(set(pids)) == 20
+        assert (await store.pending_placements(["n0"]))["n0"] == 40
+        await store.ack_placing("n0", pids[:15])
+        assert (await store.pending_placements(["n0"]))["n0"] == 10
+    finally:
+        await store.aclose()
