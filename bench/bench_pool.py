@@ -9,9 +9,10 @@ Prints p50/p95 (ms) of
     ``Server-Timing`` ``total``, and its ``pool`` hand-out phase), through REST (client
     side, ``POST /sandboxes``) and through the e2b SDK (``Sandbox.create``);
   * cold create (a server with ``FORKYARD_POOL=off``): the same three.
-Ratios are to the raw operation (S-T = the answer's Server-Timing header). Every pooled create is timed with the pool full and no
-refill running (checked through ``GET /metrics/node``, not slept): it measures the
-hand-out, not a burst larger than the pool (which starts cold).
+Ratios are to the raw operation (S-T = the answer's Server-Timing header). Every pooled
+create is timed with the pool full and no refill running (checked through
+``GET /metrics/node``, not slept): it measures the hand-out, not a burst larger than the
+pool (which starts cold).
 
     .venv/bin/python bench/bench_pool.py -n 20
 """

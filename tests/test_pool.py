@@ -9,7 +9,9 @@ pooled together), so the yielding is visible with few sandboxes."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 import time
 
 import httpx
@@ -73,6 +75,9 @@ def test_pooled_create_applies_the_request_and_is_not_listed(pool_server):
     with srv.api() as c:
         assert not pooled & {s["sandboxID"] for s in c.get("/v2/sandboxes").json()}  # never listed
         assert _node(srv)["sandboxes"]["running"] == 0  # nor counted
+        prom = httpx.get(f"{srv.url}/metrics", timeout=30).text  # the pool is visible in Prometheus
+        assert 'forkyard_pool_target{template="base"} 2.0' in prom
+        assert 'forkyard_pool_sandboxes{state="ready",template="base"} 2.0' in prom, prom
         r = _create(c, envVars={"POOL_VAR": "v1"}, metadata={"who": "pool-test"}, timeout=90)
         assert "pool" in _phases(r) and "runtime" not in _phases(r), r.headers
         info = r.json()
@@ -184,6 +189,35 @@ def test_a_request_the_pool_cannot_honour_starts_cold_and_the_pool_yields(pool_s
                 c.delete(f"/sandboxes/{sid}")
         finally:
             c.delete(f"/templates/{snap}")
+
+
+def test_a_rebuilt_template_makes_pooled_sandboxes_stale(pool_server):
+    """Pooled sandboxes of an older build of the template (its completion marker
+    changed) are dropped, never handed out; the create starts cold from the new build."""
+    srv = pool_server
+    _wait_pool(srv, 2)
+    old = set(_node(srv)["poolSandboxes"])
+    marker = srv.templates_dir / "base" / ".complete"
+    st = marker.stat()
+    os.utime(marker, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # what a rebuild's new marker does
+    with srv.api() as c:
+        r = _create(c)
+        assert "runtime" in _phases(r) and "pool" not in _phases(r), r.headers
+        assert r.json()["sandboxID"] not in old
+        c.delete(f"/sandboxes/{r.json()['sandboxID']}")
+        _wait_pool(srv, 2)
+        assert not old & set(_node(srv)["poolSandboxes"])
+        r = _create(c)
+        assert "pool" in _phases(r)
+        c.delete(f"/sandboxes/{r.json()['sandboxID']}")
+
+
+def test_a_malformed_pool_setting_stops_the_server_with_a_clear_error(tmp_path):
+    env = {**os.environ, "FORKYARD_POOL": "base:lots", "FORKYARD_DATA_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "FORKYARD_POOL" in r.stdout + r.stderr and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_restart_and_crash_leave_no_pooled_sandbox_behind(pool_server):

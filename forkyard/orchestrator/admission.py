@@ -15,6 +15,11 @@ Capacity (environment):
   and each sandbox is capped by its own quota; E2B overcommits CPU too);
 * count: ``FORKYARD_MAX_SANDBOXES`` (unset: no count limit).
 
+The warm pool's sandboxes hold capacity too but never take it from users: user starts are
+admitted against user sandboxes, then pooled sandboxes that no longer fit are dropped
+(``Orchestrator._admit``); the pool refills only into room left over
+(:mod:`forkyard.orchestrator.pool`).
+
 A start beyond capacity is refused with :class:`AtCapacity` (503, with what is used and
 what is left), before anything is created.
 """

@@ -1002,7 +1002,11 @@ class Orchestrator(LifecycleMixin):
                 for sandbox_id in self._hot.due(available_memory_pct()):
                     asyncio.create_task(self._drop_hot(sandbox_id), name=f"unfreeze-drop-{sandbox_id}")
             if tick % 4 == 0:
-                if self.pool.enabled:  # memory pressure; refill after room was freed or a retry is due
+                if self.pool.enabled:  # died meanwhile; memory pressure; refill after room was freed
+                    for e in self.pool.ready():
+                        if not await self.driver.alive(e.sandbox_id) and e.state == "ready":
+                            log.warning("pooled sandbox %s died; replacing it", e.sandbox_id)
+                            self.pool.drop(e)
                     self.pool.check_memory()
                     self.pool.refill()
                 await self._reap_dead()

@@ -118,6 +118,7 @@ class WarmPool:
     _reaping: set[asyncio.Task] = field(default_factory=set)
     _retry_at: dict[str, float] = field(default_factory=dict)
     _closing: bool = False
+    _skipped: set[str] = field(default_factory=set)
     stats: dict[str, PoolStats] = field(default_factory=dict)
 
     @property
@@ -284,13 +285,19 @@ class WarmPool:
                 self._entries.pop(e.sandbox_id, None)
                 continue
             e.state, e.ready_at = "ready", time.monotonic()
+            self._skipped.discard(tid)
             self._stat(tid, "boots")
 
     def skip(self, template_id: str, why: str) -> None:
-        """Do not refill ``template_id`` for ``retry_s`` (``why`` is logged once)."""
-        if self._retry_at.get(template_id, 0) <= time.monotonic():
-            log.info("warm pool: not pooling %r for now: %s", template_id, why)
+        """Do not refill ``template_id`` for ``retry_s`` (``why`` is logged the first time)."""
+        if template_id not in self._skipped:
+            self._skipped.add(template_id)
+            log.warning("warm pool: cannot pool %r (retried every %.0f s): %s", template_id, self.retry_s, why)
         self._retry_at[template_id] = time.monotonic() + self.retry_s
+
+    def ready(self) -> list[Pooled]:
+        """The ready pooled sandboxes (for liveness checks)."""
+        return [e for e in self._entries.values() if e.state == "ready"]
 
     async def stop(self) -> None:
         """Stop refilling (a boot in flight finishes) and destroy every pooled sandbox."""
