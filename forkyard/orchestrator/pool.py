@@ -50,9 +50,12 @@ class Pooled:
         vcpus / memory_mb: its limits (the node defaults; counted in admission).
         stamp: the template's build identity at boot (:func:`Orchestrator._template_stamp`):
             a rebuilt template makes older pooled sandboxes stale.
-        slot: its network slot once allocated (None while booting before that).
-        state: ``starting`` → ``ready``; ``doomed`` once dropped (a booting one is
-            destroyed when its boot returns).
+        slot: its network slot once built (None while booting before that).
+        slot_index: the slot's index once reserved (kept from other sandboxes until the
+            pooled sandbox is destroyed or handed out).
+        ready_at: ``time.monotonic()`` when it became ready (oldest handed out first).
+        state: ``starting`` → ``ready`` → ``taken`` (handed out: no longer the pool's);
+            ``doomed`` once dropped (a booting one is destroyed when its boot returns).
     """
 
     sandbox_id: str
@@ -99,6 +102,10 @@ class WarmPool:
         busy: ``busy()`` — True while user starts are in flight (refill waits).
         available_pct: host memory available, % (None: unknown).
         defaults: ``(vcpus, memory_mb)`` a pooled sandbox gets.
+        new_id: ``new_id()`` — a fresh sandbox id (the pooled sandbox keeps it when
+            handed out).
+        refill_min_available_pct / drop_available_pct: host memory thresholds (%, see
+            the module doc).
     """
 
     targets: dict[str, int]
@@ -175,6 +182,7 @@ class WarmPool:
             break
         if found is not None:
             del self._entries[found.sandbox_id]
+            found.state = "taken"
         self.refill()
         return found
 
