@@ -87,7 +87,8 @@ def _clean_previous(data: Path) -> None:
 
 def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     """Start ``forkyard serve`` on a free loopback port with state under
-    ``DATA/server`` (net prefix ``fbn``); returns ``(process, url, api key)`` and
+    ``DATA/server`` (net prefix ``fbn``; no warm pool unless ``FORKYARD_POOL`` is set in
+    the environment); returns ``(process, url, api key)`` and
     exports the E2B variables so the SDK talks to it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,6 +99,10 @@ def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     env = dict(os.environ, FORKYARD_DATA_DIR=str(DATA / "server"), FORKYARD_TEMPLATES_DIR=str(templates),
                FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX="fbn",
                FORKYARD_OUTER_NET="10.120.0.0/16")
+    # No warm pool unless the caller sets FORKYARD_POOL (bench_pool.py does): the other
+    # benchmarks measure cold starts, and a pool refilling in the background would add
+    # boots to every timing on these 2-core machines.
+    env.setdefault("FORKYARD_POOL", "off")
     proc = subprocess.Popen([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base",
                              "--log-level", "warning"], env=env)
     url = f"http://127.0.0.1:{port}"

@@ -8,6 +8,7 @@ absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,39 @@ def _env_cidrs(name: str) -> list[str] | None:
             out.append(str(ipaddress.IPv4Network(part, strict=False)))
         except ValueError as e:
             raise ValueError(f"{name}: {part!r} is not an IPv4 CIDR") from e
+    return out
+
+
+#: ``FORKYARD_POOL`` when unset: two idle ``base`` sandboxes (~20-40 MiB of host memory
+#: each, 2 × the default memory limit held in admission; docs/runtime.md).
+DEFAULT_POOL = "base:2"
+_POOL_ENTRY = re.compile(r"^([a-z0-9][a-z0-9_-]{0,63}):(\d{1,3})$")
+#: Most pooled sandboxes per template (a typo such as ``base:200`` should not start 200).
+POOL_MAX_PER_TEMPLATE = 64
+
+
+def parse_pool(raw: str | None, name: str = "FORKYARD_POOL") -> dict[str, int]:
+    """``"base:2,other:1"`` → ``{"base": 2, "other": 1}``; ``""``, ``"0"`` or ``"off"``
+    → ``{}`` (no pool). Sizes are 0 … :data:`POOL_MAX_PER_TEMPLATE`.
+
+    Raises:
+        ValueError: a malformed entry or a size out of range (naming ``name``).
+    """
+    raw = (raw or "").strip()
+    if raw.lower() in ("", "0", "off", "false", "none"):
+        return {}
+    out: dict[str, int] = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        m = _POOL_ENTRY.match(part)
+        if m is None:
+            raise ValueError(f"{name}: {part!r} is not TEMPLATE:SIZE (e.g. base:2)")
+        size = int(m.group(2))
+        if size > POOL_MAX_PER_TEMPLATE:
+            raise ValueError(f"{name}: {part!r}: at most {POOL_MAX_PER_TEMPLATE} pooled sandboxes per template")
+        if size:
+            out[m.group(1)] = size
     return out
 
 
@@ -116,6 +150,10 @@ class Settings:
             seconds (``FORKYARD_HOT_PAUSE_S``, 60; 0 disables) by at most this many
             sandboxes (``FORKYARD_HOT_PAUSE_MAX``, 32), so resuming it is an unfreeze
             (:mod:`forkyard.orchestrator.hot`); never in a cluster.
+        pool: warm pool size per rootfs template (``FORKYARD_POOL``, ``base:2``;
+            ``TEMPLATE:N,…``; ``off`` or ``0`` disables): sandboxes started ahead so a
+            create is a hand-out (:mod:`forkyard.orchestrator.pool`); never in a cluster
+            (E2B has no such setting: its orchestrator starts every sandbox on demand).
     """
 
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
@@ -141,6 +179,7 @@ class Settings:
     cluster: bool = False
     hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
     hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))
+    pool: dict[str, int] = field(default_factory=lambda: parse_pool(os.environ.get("FORKYARD_POOL", DEFAULT_POOL)))
 
     @property
     def public_domain(self) -> str:

@@ -85,6 +85,10 @@ class ServerProc:
                    FORKYARD_API_KEY=self.api_key, FORKYARD_PORT=str(self.port),
                    FORKYARD_NET_PREFIX=NET_PREFIX, FORKYARD_OUTER_NET=OUTER_NET,
                    FORKYARD_TEST_HOLD_DIR=str(self.hold_dir))  # tests/_holds.py
+        # No warm pool unless a test asks for one (tests/test_pool.py, via restarted_with):
+        # two idle sandboxes per test server and a boot after every create would cost
+        # every test session CPU on these 2-core machines.
+        env.setdefault("FORKYARD_POOL", "off")
         return env
 
     @property
@@ -130,13 +134,18 @@ class ServerProc:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60)
 
     def leftovers(self) -> dict[str, list[str]]:
-        """:func:`host_leftovers` of this running server, its spare slots excepted (the
-        host is listed first: a spare built meanwhile is already in the server's list)."""
+        """:func:`host_leftovers` of this running server, its spare slots and its warm
+        pool's sandboxes (slots and runsc processes) excepted (the host is listed first:
+        a spare or pooled sandbox made meanwhile is already in the server's lists)."""
         found = host_leftovers()
         with self.api() as c:
-            spare = set(c.get("/metrics/node").json()["spareSlots"])
+            node = c.get("/metrics/node").json()
+        spare = set(node["spareSlots"]) | set(node.get("poolSlots", []))
+        pooled = [f"/sandboxes/{sid}/" for sid in node.get("poolSandboxes", [])]
         found["netns"] = [n for n in found["netns"] if int(n[len(NET_PREFIX):].rstrip("s")) not in spare]
         found["veth"] = [n for n in found["veth"] if int(n[len(NET_PREFIX) + 1:]) not in spare]
+        found["runsc"] = [p for p in found["runsc"] if not any(d in p for d in pooled)]
+        found["mounts"] = [m for m in found["mounts"] if not any(d.rstrip("/") in m for d in pooled)]
         return found
 
     def settle(self, timeout_s: float = 30) -> None:

@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
+from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import BadRequest
 from forkyard.orchestrator.manager import Orchestrator
 
@@ -55,6 +56,11 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
 
 
 async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
+    """Create; the answer's ``Server-Timing`` says how: ``pool`` (handed out from the
+    warm pool) or ``slot``/``runtime``/``envd`` (a cold start), and ``total`` (ms in
+    this handler)."""
+    t0 = time.perf_counter()
+    phases = timing.start()
     refused = schemas.unsupported_create_fields(body)
     if refused:
         raise BadRequest("; ".join(refused))
@@ -78,7 +84,9 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         public_traffic=not (net is not None and net.allow_public_traffic is False),
         mask_host=net.mask_request_host if net is not None else None,
     )
-    return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201)
+    timing.add("total", (time.perf_counter() - t0) * 1000)
+    return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201,
+                        headers=timing.header(phases))
 
 
 @router.post("/sandboxes", status_code=201)

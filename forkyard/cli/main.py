@@ -71,7 +71,10 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
     from forkyard.repository.errors import RepositoryConfigError
     from forkyard.templates import registry
 
-    settings = Settings()
+    try:
+        settings = Settings()
+    except ValueError as e:  # a malformed setting (the message names it), e.g. FORKYARD_POOL
+        _fail(str(e))
     if host:
         settings.host = host
     if port:

@@ -63,6 +63,22 @@ def node_families(orch) -> list:
         gauge("forkyard_pauses_in_flight", "Pauses that answered and are still committing their image.",
               nm["pausesInFlight"]),
     ]
+    pool = nm.get("pool") or {}
+    if pool:  # templates are the configured ones (FORKYARD_POOL): a bounded label set
+        fams += [
+            gauge("forkyard_pool_sandboxes", "Warm pool sandboxes by template and state (ready, starting); "
+                  "not counted in forkyard_sandboxes.",
+                  labels={"names": ["template", "state"],
+                          "samples": [((t, st), p[st]) for t, p in pool.items() for st in ("ready", "starting")]}),
+            gauge("forkyard_pool_target", "Warm pool size wanted per template (FORKYARD_POOL).",
+                  labels={"names": ["template"], "samples": [((t,), p["target"]) for t, p in pool.items()]}),
+        ]
+        for name, doc in (("hits", "Creates served from the warm pool."),
+                          ("misses", "Creates of a pooled template that started cold (pool empty or hand-out failed).")):
+            fam = CounterMetricFamily(f"forkyard_pool_{name}", doc, labels=["template"])
+            for t, p in pool.items():
+                fam.add_metric([t], float(p[name]))
+            fams.append(fam)
     rm = orch.repository_metrics()
     cache, restore, commit, gc = rm["cache"], rm["restore"], rm["commit"], rm["gc"]
 

@@ -15,6 +15,11 @@ Capacity (environment):
   and each sandbox is capped by its own quota; E2B overcommits CPU too);
 * count: ``FORKYARD_MAX_SANDBOXES`` (unset: no count limit).
 
+The warm pool's sandboxes hold capacity too but never take it from users: user starts are
+admitted against user sandboxes, then pooled sandboxes that no longer fit are dropped
+(``Orchestrator._admit``); the pool refills only into room left over
+(:mod:`forkyard.orchestrator.pool`).
+
 A start beyond capacity is refused with :class:`AtCapacity` (503, with what is used and
 what is left), before anything is created.
 """
@@ -61,12 +66,14 @@ class Capacity:
         return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
                    max_sandboxes=int(count) if count else None)
 
-    def check(self, live, vcpus: int, memory_mb: int, count: int = 1) -> None:
+    def check(self, live, vcpus: int, memory_mb: int, count: int = 1,
+              held: list[tuple[int, int]] = ()) -> None:
         """Raise :class:`AtCapacity` unless ``count`` more sandboxes of ``vcpus`` /
-        ``memory_mb`` fit beside ``live`` (records; paused ones hold nothing)."""
-        holding = [r for r in live if r.state != "paused"]
-        used_mem = sum(r.memory_mb for r in holding)
-        used_cpu = sum(r.vcpus for r in holding)
+        ``memory_mb`` fit beside ``live`` (records; paused ones hold nothing) and
+        ``held`` (``(vcpus, memory_mb)`` of other holders: the warm pool's sandboxes)."""
+        holding = [(r.vcpus, r.memory_mb) for r in live if r.state != "paused"] + list(held)
+        used_mem = sum(m for _, m in holding)
+        used_cpu = sum(c for c, _ in holding)
         what = f"{count} sandbox(es) of {vcpus} vCPU / {memory_mb} MiB"
         if self.max_sandboxes is not None and len(holding) + count > self.max_sandboxes:
             raise AtCapacity(f"node at capacity: {len(holding)} of {self.max_sandboxes} sandboxes in use, "
@@ -81,3 +88,11 @@ class Capacity:
     def as_dict(self) -> dict:
         """For ``GET /metrics/node``."""
         return {"memoryMB": self.memory_mb, "vcpus": self.vcpus, "maxSandboxes": self.max_sandboxes}
+
+    def fits(self, live, vcpus: int, memory_mb: int, count: int = 1, held: list[tuple[int, int]] = ()) -> bool:
+        """True when :meth:`check` with the same arguments would not raise."""
+        try:
+            self.check(live, vcpus, memory_mb, count, held)
+        except AtCapacity:
+            return False
+        return True

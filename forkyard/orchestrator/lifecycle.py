@@ -316,7 +316,7 @@ class LifecycleMixin:
                              auto_pause: bool | None) -> SandboxRecord:
         # AtCapacity: it stays paused (a kept frozen copy stays kept). Kept copies are
         # not counted as holding memory: they are dropped first when memory runs low.
-        self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)
+        self._admit(rec.vcpus, rec.memory_mb)
         if timeout_s is not None:
             rec.timeout_s = timeout_s
         if auto_pause is not None:
@@ -484,7 +484,7 @@ class LifecycleMixin:
             raise BadRequest(f"count must be between 1 and {MAX_FORKS}")
         timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         src = self.get(sandbox_id)
-        self.capacity.check(self.store.all(), src.vcpus, src.memory_mb, count)  # before the checkpoint
+        self._admit(src.vcpus, src.memory_mb, count)  # before the checkpoint
         src, image, staging = await self._fork_stage(sandbox_id)
         # Children restore straight from the staged image: a fork image is never needed
         # after its children run, so it is not committed to the repository.
@@ -511,7 +511,7 @@ class LifecycleMixin:
             raise BadRequest(f"count must be between 0 and {MAX_FORKS}")
         timeout_s = self._check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         src = self.get(sandbox_id)
-        self.capacity.check(self.store.all(), src.vcpus, src.memory_mb, count)
+        self._admit(src.vcpus, src.memory_mb, count)
         src, image, staging = await self._fork_stage(sandbox_id)
         image = await self._commit(staging, image)
         return (await self._spawn_children(image, count, timeout_s, src.auto_pause, None, egress=src.egress),
@@ -537,7 +537,7 @@ class LifecycleMixin:
             raise NotFound(f"fork image {image_id!r} not found")
         if image.kind != "fork":
             raise BadRequest(f"{image_id!r} is a {image.kind} image, not a fork image")
-        self.capacity.check(self.store.all(), image.vcpus, image.memory_mb, count)
+        self._admit(image.vcpus, image.memory_mb, count)
         return await self._spawn_children(image, count, timeout_s, auto_pause, None, egress=egress)
 
     async def _fork_stage(self, sandbox_id: str) -> tuple[SandboxRecord, SnapshotMeta, Path]:

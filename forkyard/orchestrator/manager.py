@@ -25,11 +25,12 @@ from forkyard.config import Settings
 from forkyard.network.base import Slot
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
-from forkyard.orchestrator import envd_client
+from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
+from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
@@ -109,6 +110,16 @@ class Orchestrator(LifecycleMixin):
         self.capacity = Capacity.from_env()
         #: Paused sandboxes whose frozen runtime is still kept (hot pause).
         self._hot = HotPaused(settings.hot_pause_s if not settings.cluster else 0, settings.hot_pause_max)
+        #: Sandboxes started ahead per template (:mod:`forkyard.orchestrator.pool`); none in
+        #: a cluster: the scheduler places by the capacity a node reports, and a node's
+        #: pool would either be hidden from it or look like user sandboxes.
+        self.pool = WarmPool(
+            targets={} if settings.cluster else dict(settings.pool),
+            boot=self._pool_boot, destroy=self._pool_destroy,
+            room=lambda vcpus, mem, held: self.capacity.fits(self.store.all(), vcpus, mem, 1, held),
+            busy=lambda: self._starting > 0, available_pct=available_memory_pct,
+            defaults=(settings.default_vcpu, settings.default_memory_mb), new_id=new_sandbox_id,
+        )
 
     # ---- startup / shutdown -------------------------------------------------------
     async def start(self) -> None:
@@ -119,6 +130,7 @@ class Orchestrator(LifecycleMixin):
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
         self._firewall_task = asyncio.create_task(self._firewall_loop(), name="firewall")
         self._refill_spares()
+        self.pool.refill()
 
     #: How often forkyard's iptables jumps are checked to still come first (s).
     FIREWALL_CHECK_S = 5.0
@@ -136,8 +148,10 @@ class Orchestrator(LifecycleMixin):
 
     async def stop(self) -> None:
         """Stop background work (pauses in flight are finished first). Running sandboxes
-        are left running for re-adoption."""
+        are left running for re-adoption; pooled ones are destroyed (they belong to no
+        one)."""
         self._closing = True
+        await self.pool.stop()
         if self._pending:
             await asyncio.wait(list(self._pending.values()), timeout=60)
         for sandbox_id in self._hot.ids():  # their images are committed: resumable after the restart
@@ -354,7 +368,7 @@ class Orchestrator(LifecycleMixin):
             CreateFailed: all :data:`MAX_SLOTS` are taken.
         """
         used = {r.slot for r in self.store.all() if r.slot is not None}
-        used |= {s.index for s in self._spares} | self._building
+        used |= {s.index for s in self._spares} | self._building | self.pool.slot_indexes()
         for step in range(MAX_SLOTS):
             idx = (self._next_slot + step) % MAX_SLOTS
             if idx not in used:
@@ -365,14 +379,24 @@ class Orchestrator(LifecycleMixin):
 
     async def _alloc_slot(self, rec: SandboxRecord) -> Slot:
         """A spare slot when one is ready, else one built now; recorded in ``rec``."""
+        def note(index: int) -> None:
+            rec.slot = index
+            self.store.put(rec)
+
+        return await self._reserve_slot(note)
+
+    async def _reserve_slot(self, note) -> Slot:
+        """A spare slot when one is ready, else one built now. ``note(index)`` records the
+        index (in a row or a pool entry) before the slot lock is released, so
+        :meth:`_pick_index` never hands the same index out twice."""
         async with self._slot_lock:
             spare = self._spares.pop(0) if self._spares else None
-            rec.slot = spare.index if spare is not None else self._pick_index()
-            self.store.put(rec)
+            index = spare.index if spare is not None else self._pick_index()
+            note(index)
         self._refill_spares()
         if spare is not None:
             return spare
-        return await asyncio.to_thread(self.network.allocate, rec.slot)
+        return await asyncio.to_thread(self.network.allocate, index)
 
     def _refill_spares(self) -> None:
         if SPARE_SLOTS > 0 and not self._closing and (self._spare_task is None or self._spare_task.done()):
@@ -410,10 +434,16 @@ class Orchestrator(LifecycleMixin):
 
     def node_metrics(self) -> dict:
         """``{"sandboxes": {"running": n, "paused": n}, "spareSlots": [index, …],
-        "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool}`` (hot paused: paused
-        sandboxes whose frozen runtime is still kept here; spare slots include those being
-        built; pauses in flight have answered but are still committing their image /
-        releasing the runtime; gc deletes pause images nothing needs any more)."""
+        "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool, "pool": {template:
+        {"target", "ready", "starting", "memoryMB", "hits", "misses", "boots",
+        "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …]}`` (hot
+        paused: paused sandboxes whose frozen runtime is still kept here; spare slots
+        include those being built; pauses in flight have answered but are still
+        committing their image / releasing the runtime; gc deletes pause images nothing
+        needs any more; pool: the warm pool per template (:meth:`WarmPool.describe`), its
+        sandboxes are not in ``sandboxes``; their slots and runtime ids are listed so
+        leak checks can tell them apart — an id becomes the id of the sandbox a create
+        gets)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
@@ -421,7 +451,109 @@ class Orchestrator(LifecycleMixin):
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
                 "spareSlots": sorted({s.index for s in self._spares} | self._building),
                 "pausesInFlight": len(self._pending), "hotPaused": len(self._hot),
-                "gcInFlight": self._gc_task is not None and not self._gc_task.done()}
+                "gcInFlight": self._gc_task is not None and not self._gc_task.done(),
+                "pool": self.pool.describe(), "poolSlots": sorted(self.pool.slot_indexes()),
+                "poolSandboxes": self.pool.ids()}
+
+    # ---- warm pool ----------------------------------------------------------------
+    def _template_stamp(self, template_id: str) -> int:
+        """Build identity of rootfs template ``template_id``: its completion marker's
+        mtime (ns), rewritten by every (re)build; 0 when unreadable."""
+        try:
+            return (self.settings.templates_dir / template_id / registry.MARKER).stat().st_mtime_ns
+        except OSError:
+            return 0
+
+    async def _pool_boot(self, e: Pooled) -> None:
+        """Boot pooled sandbox ``e`` as a cold create of its template would (node default
+        vCPUs, memory and disk, hostname, a slot of its own) until envd answers
+        ``/health``; no ``/init`` is sent (that is the hand-out's).
+
+        Raises:
+            NotPoolable: the template is not a rootfs template built here.
+            Exception: the runtime, the network or envd failed (everything made is removed).
+        """
+        tmpl = registry.resolve(self.settings, e.template_id)
+        if tmpl is None:
+            raise NotPoolable(f"no rootfs template {e.template_id!r} is built on this node")
+        e.stamp = self._template_stamp(e.template_id)
+
+        def note(index: int) -> None:
+            e.slot_index = index
+
+        try:
+            slot = await self._reserve_slot(note)
+            e.slot = slot
+            workdir = self.settings.sandboxes_dir / e.sandbox_id
+            shutil.rmtree(workdir, ignore_errors=True)
+            workdir.mkdir(parents=True)
+            spec = SandboxSpec(
+                sandbox_id=e.sandbox_id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
+                vcpus=e.vcpus, memory_mb=e.memory_mb, hostname="e2b.local", workdir=workdir,
+                disk_mb=self.settings.default_disk_mb,
+            )
+            await self.driver.create(spec)
+            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            await self.driver.alive(e.sandbox_id)  # caches its pid: the hand-out's check is a kill(0)
+        except BaseException:
+            await asyncio.shield(self._pool_destroy(e))
+            raise
+
+    async def _pool_destroy(self, e: Pooled) -> None:
+        """Remove pooled sandbox ``e``: runtime, slot, workdir. Never raises."""
+        await self._teardown(e.sandbox_id, e.slot_index)
+        e.slot_index = None
+
+    def _pool_yield(self, vcpus: int, memory_mb: int, count: int = 1) -> None:
+        """After admitting ``count`` user sandboxes of ``vcpus``/``memory_mb`` that have no
+        row yet: drop pooled sandboxes until the pool fits beside every user sandbox."""
+        if self.pool.enabled:
+            self.pool.make_room(lambda held: self.capacity.fits(self.store.all(), vcpus, memory_mb, count, held))
+
+    def _admit(self, vcpus: int, memory_mb: int, count: int = 1) -> None:
+        """Admission of ``count`` user sandboxes (:meth:`Capacity.check` over the user
+        sandboxes); the warm pool yields to them (:meth:`_pool_yield`).
+
+        Raises:
+            AtCapacity: they do not fit beside the user sandboxes.
+        """
+        self.capacity.check(self.store.all(), vcpus, memory_mb, count)
+        self._pool_yield(vcpus, memory_mb, count)
+
+    def _poolable(self, tmpl, vcpus: int | None, memory_mb: int | None) -> bool:
+        """True when a pooled sandbox of ``tmpl`` can honour the request: a rootfs
+        template with a pool and the node's default vCPUs and memory."""
+        return (tmpl is not None and self.pool.pools(tmpl.template_id)
+                and vcpus in (None, self.settings.default_vcpu)
+                and memory_mb in (None, self.settings.default_memory_mb))
+
+    async def _handout(self, rec: SandboxRecord, e: Pooled) -> None:
+        """Make pooled sandbox ``e`` the sandbox ``rec`` (whose id is ``e``'s): apply the
+        egress policy, send envd ``/init`` (env vars, access token, default user ``user``
+        as a cold create of a rootfs template does, the clock), then mark it running as
+        :meth:`_start` does (expiry from now).
+
+        Raises:
+            CreateFailed: it died meanwhile or envd refused ``/init``; the pooled
+                sandbox is destroyed (the caller falls back to a cold create).
+        """
+        self._starting += 1
+        try:
+            if not await self.driver.alive(e.sandbox_id):
+                raise CreateFailed(f"pooled sandbox {e.sandbox_id} is no longer running")
+            if rec.egress:  # before anything of the caller's runs in it
+                await asyncio.to_thread(self.network.set_egress, e.slot.index, EgressPolicy.from_json(rec.egress))
+            await envd_client.init(self._http, e.slot.outer_ip, rec.env_vars, rec.envd_access_token, None,
+                                   default_user="user")
+        except BaseException as err:
+            log.warning("hand-out of pooled sandbox %s failed: %r", e.sandbox_id, err)
+            await asyncio.shield(self._pool_destroy(e))
+            if isinstance(err, Exception) and not isinstance(err, CreateFailed):
+                raise CreateFailed(f"hand-out of pooled sandbox {e.sandbox_id} failed: {err!r}") from err
+            raise
+        finally:
+            self._starting -= 1
+        self._mark_running(rec, e.slot)
 
     async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
                      image_dir: Path | None = None, phases: dict[str, float] | None = None) -> None:
@@ -494,6 +626,10 @@ class Orchestrator(LifecycleMixin):
             self._starting -= 1
         for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
             metrics.observe_phase(name, ms / 1000)
+        self._mark_running(rec, slot)
+
+    def _mark_running(self, rec: SandboxRecord, slot: Slot) -> None:
+        """Record that ``rec`` runs in ``slot`` (proxy table, row: running, expiry from now)."""
         self._slots[rec.id] = slot
         if rec.traffic_token or rec.mask_host:
             self._proxy_rules[rec.id] = (rec.traffic_token, rec.mask_host)
@@ -574,12 +710,37 @@ class Orchestrator(LifecycleMixin):
         if secure or old_token:
             rec.envd_access_token = secrets.token_urlsafe(24)
         self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)  # no await until put: atomic
+        pooled = None
+        if snap is None and self._poolable(tmpl, vcpus, memory_mb):
+            pooled = self.pool.take(tmpl.template_id, self._template_stamp(tmpl.template_id))
+            if pooled is not None:
+                rec.id, rec.slot = pooled.sandbox_id, pooled.slot.index
+        self._pool_yield(rec.vcpus, rec.memory_mb)
         self.store.put(rec)
+        if pooled is not None:
+            t0 = time.perf_counter()
+            try:
+                await self._handout(rec, pooled)
+                self.pool.record(tmpl.template_id, hit=True)
+                timing.record("pool", (time.perf_counter() - t0) * 1000)
+                return rec
+            except CreateFailed:
+                self.store.delete(rec.id)  # cold below, under a new id
+                rec.id, rec.slot = new_sandbox_id(), None
+                self.store.put(rec)
+            except BaseException:
+                self.store.delete(rec.id)
+                raise
+        if tmpl is not None and snap is None and self.pool.pools(tmpl.template_id):
+            self.pool.record(tmpl.template_id, hit=False)
+        phases: dict[str, float] = {}
         try:
-            await self._start(rec, snap, old_token)
+            await self._start(rec, snap, old_token, phases=phases)
         except BaseException:
             self.store.delete(rec.id)
             raise
+        for name, ms in phases.items():  # (observed in Prometheus by _start)
+            timing.add(name, ms)
         return rec
 
     async def _notify_gone(self, sandbox_id: str) -> None:
@@ -841,6 +1002,13 @@ class Orchestrator(LifecycleMixin):
                 for sandbox_id in self._hot.due(available_memory_pct()):
                     asyncio.create_task(self._drop_hot(sandbox_id), name=f"unfreeze-drop-{sandbox_id}")
             if tick % 4 == 0:
+                if self.pool.enabled:  # died meanwhile; memory pressure; refill after room was freed
+                    for e in self.pool.ready():
+                        if not await self.driver.alive(e.sandbox_id) and e.state == "ready":
+                            log.warning("pooled sandbox %s died; replacing it", e.sandbox_id)
+                            self.pool.drop(e)
+                    self.pool.check_memory()
+                    self.pool.refill()
                 await self._reap_dead()
 
     def _due(self, sandbox_id: str) -> bool:

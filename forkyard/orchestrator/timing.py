@@ -32,3 +32,11 @@ def header(phases: list[tuple[str, float]]) -> dict[str, str]:
     if not phases:
         return {}
     return {"Server-Timing": ", ".join(f"{n};dur={ms:.1f}" for n, ms in phases)}
+
+
+def add(name: str, ms: float) -> None:
+    """Add phase ``name`` to the current request's header only (for phases already
+    observed in Prometheus elsewhere); no-op outside a collecting request."""
+    phases = _current.get()
+    if phases is not None:
+        phases.append((name, ms))
