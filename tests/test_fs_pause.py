@@ -7,6 +7,7 @@ template over it — same id, token, env vars and metadata, a new boot id, files
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -80,6 +81,9 @@ def test_fs_pause_then_connect_cold_boots_over_the_files(server):
             assert "boot;" in timing and "restore;" not in timing and "thaw;" not in timing, timing
             assert r.json()["envdAccessToken"] == sbx._envd_access_token  # same token
             assert c.get("/metrics/node").json()["hotPaused"] == hot  # nothing was kept frozen
+        with server.api() as c:
+            prom = c.get("/metrics").text
+        assert re.search(r"^forkyard_fs_image_bytes_count [1-9]", prom, re.M), "fs image size not observed"
         same = Sandbox.connect(sid)
         _check_cold_booted(same, pid, boot_id)
         assert same.commands.run("echo $FY_VAR").stdout.strip() == "v1"
