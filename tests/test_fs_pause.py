@@ -214,3 +214,53 @@ def test_restart_keeps_an_fs_paused_sandbox_resumable(server):
         _check_cold_booted(same, pid, boot_id)
     finally:
         sbx.kill()
+
+
+#: (hold point where the server is SIGKILLed during an fs-only pause, state after restart)
+CRASHES = [
+    ("pause.before-checkpoint", "running"),  # "pausing" persisted, nothing exported yet
+    ("pause.checkpointed", "running"),  # exported, sandbox frozen, no reply: it runs on (thawed)
+    ("pause.before-commit", "paused"),  # replied, not committed: the restart commits it
+]
+
+
+@pytest.mark.parametrize("phase, after", CRASHES, ids=[c[0] for c in CRASHES])
+def test_kill9_mid_fs_pause(server, phase, after):
+    import threading
+
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    hold = server.hold(phase, sid)
+    try:
+        pid, boot_id = _prepare(sbx)
+
+        def fire():
+            try:
+                with server.api() as c:
+                    c.post(f"/sandboxes/{sid}/pause", json={"memory": False}, timeout=120)
+            except httpx.HTTPError:
+                pass  # the server dies under it
+
+        t = threading.Thread(target=fire)
+        t.start()
+        assert hold.wait() == sid
+        server.stop(sig_kill=True)
+        t.join(60)
+        server.start()
+        assert _state(server, sid) == after
+        same = Sandbox.connect(sid)
+        assert same.files.read("/home/user/kept.txt") == "kept"
+        assert not same.files.exists("/etc/issue")
+        if after == "running":  # never paused: the same boot, its process alive
+            assert pid in _pids(same)
+            assert same.commands.run(BOOT_ID).stdout.strip() == boot_id
+        else:
+            _check_cold_booted(same, pid, boot_id)
+        assert not [p for p in (SERVER_DIR / "snapshots").iterdir() if p.name.startswith(".staging")]
+    finally:
+        hold.disarm()
+        server.kill_all()
+    deadline = time.time() + 20
+    while server.leftovers() != CLEAN and time.time() < deadline:
+        time.sleep(0.5)
+    assert server.leftovers() == CLEAN
