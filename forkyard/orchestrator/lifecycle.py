@@ -271,8 +271,6 @@ class LifecycleMixin:
                     self._hot.keep(rec.id, slot)
                     await self._notify_gone(rec.id)  # open streams end, as for a stopping checkpoint
                 meta = self._meta_for(rec, "pause", sid, memory=memory)
-                if not memory:
-                    await self._notify_gone(rec.id)  # its processes are gone for good
                 task = self._pending[rec.id] = asyncio.create_task(
                     self._finish_pause(rec.id, staging, meta, rec.slot, keep_runtime=keep), name=f"pause-{rec.id}")
                 if self.settings.cluster:
