@@ -173,6 +173,29 @@ def test_snapshot_with_memory_false_then_create_from_it(server):
                 c.delete(f"/templates/{snap_id}")
 
 
+def test_template_user_and_workdir_survive_a_cold_boot(server):
+    """A template's final USER and WORKDIR (kept in the restored envd's memory on a memory
+    resume) are sent to the cold-booted envd of a filesystem-only resume too."""
+    import secrets
+
+    from e2b import Template
+
+    name = f"fsroot-{secrets.token_hex(3)}"
+    Template.build(Template().from_template("base").run_cmd("true").set_user("root").set_workdir("/opt"), name)
+    try:
+        sbx = Sandbox.create(name, timeout=120)
+        try:
+            assert sbx.commands.run("whoami; pwd").stdout.split() == ["root", "/opt"]
+            sbx.pause(mode="filesystem")
+            same = Sandbox.connect(sbx.sandbox_id)
+            assert same.commands.run("whoami; pwd").stdout.split() == ["root", "/opt"]
+        finally:
+            sbx.kill()
+    finally:
+        with server.api() as c:
+            c.delete(f"/templates/{name}")
+
+
 def test_kill_of_an_fs_paused_sandbox_frees_its_repository_bytes(server):
     from forkyard.repository.config import RepoConfig
     from forkyard.repository.repo import Repository

@@ -54,6 +54,20 @@ PAUSE_MARKER = "checkpointed"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
+#: Metadata keys a template build leaves on its snapshot (forkyard.templates.build).
+DEFAULT_USER_KEY = "forkyard.defaultUser"
+DEFAULT_WORKDIR_KEY = "forkyard.defaultWorkdir"
+
+
+def guest_defaults(image: SnapshotMeta | None) -> tuple[str | None, str | None]:
+    """``(default user, default workdir)`` of envd in sandboxes started from ``image``:
+    its recorded source defaults, else a template build's metadata, else ``(None, None)``."""
+    if image is None:
+        return None, None
+    return (image.default_user or image.metadata.get(DEFAULT_USER_KEY),
+            image.default_workdir or image.metadata.get(DEFAULT_WORKDIR_KEY))
+
+
 def staged_memory(staging: Path) -> bool:
     """Whether the image staged under ``staging`` is a checkpoint (True) or a
     filesystem-only image (False: it holds :data:`ROOTFS_TAR`, or its temporary name)."""
@@ -83,7 +97,7 @@ class LifecycleMixin:
             vcpus=rec.vcpus, memory_mb=rec.memory_mb, env_vars=dict(rec.env_vars),
             metadata=dict(rec.metadata), names=list(names or []),
             envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
-            memory=memory,
+            memory=memory, default_user=rec.default_user, default_workdir=rec.default_workdir,
         )
 
     async def _stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
@@ -655,6 +669,7 @@ class LifecycleMixin:
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
                 egress=dict(egress or {}),
             )
+            kid.default_user, kid.default_workdir = guest_defaults(image)
             self.store.put(kid)
             kids.append(kid)
         await hold("fork.children-recorded", image.source_sandbox_id)

@@ -29,7 +29,7 @@ from forkyard.orchestrator import envd_client
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
-from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin, staged_memory
+from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin, guest_defaults, staged_memory
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, SnapshotStore
@@ -490,12 +490,16 @@ class Orchestrator(LifecycleMixin):
             phases["runtime"] = (t2 - t1) * 1000
             cold = image is None or not image.memory
             if cold or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
-                # A template build records its final USER on its snapshot (forkyard.templates.build).
-                user = (image.metadata.get("forkyard.defaultUser") if image else None) or "user"
+                # A template build records its final USER and WORKDIR on its snapshot
+                # (forkyard.templates.build); the record carries them on (rows from
+                # before: the image's). A restored envd keeps its workdir in memory.
+                user, workdir = guest_defaults(image)
+                user = rec.default_user or user or "user"
+                workdir = (rec.default_workdir or workdir) if cold else None
                 # A cold-booted envd holds no token yet: nothing to prove.
                 await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token,
                                        None if cold else old_token, default_user=user,
-                                       wait_s=ENVD_READY_TIMEOUT_S)
+                                       wait_s=ENVD_READY_TIMEOUT_S, default_workdir=workdir)
             else:
                 await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             phases["envd"] = (time.perf_counter() - t2) * 1000
@@ -595,6 +599,7 @@ class Orchestrator(LifecycleMixin):
             disk_mb=self.settings.default_disk_mb,
             auto_pause_memory=auto_pause_memory,
         )
+        rec.default_user, rec.default_workdir = guest_defaults(snap)
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
             rec.envd_access_token = secrets.token_urlsafe(24)

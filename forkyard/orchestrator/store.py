@@ -42,7 +42,7 @@ STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting"
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
           "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
           "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0",
-          "auto_pause_memory": "INTEGER"}
+          "auto_pause_memory": "INTEGER", "default_user": "TEXT", "default_workdir": "TEXT"}
 
 
 @dataclass
@@ -86,6 +86,11 @@ class SandboxRecord:
     #: E2B ``autoPauseMemory``: False = the timeout auto-pause keeps the filesystem
     #: only (resume cold-boots); None (unset) and True = a full memory pause.
     auto_pause_memory: bool | None = None
+    #: user and working directory of envd requests that name none, when a template
+    #: build set them (None: envd's defaults, ``user`` and its home); a cold boot
+    #: (filesystem-only resume) sends them to the new envd.
+    default_user: str | None = None
+    default_workdir: str | None = None
 
 
 class Store:

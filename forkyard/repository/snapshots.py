@@ -85,6 +85,8 @@ class SnapshotMeta:
             :data:`ROOTFS_TAR`, that a cold boot lays over the template's rootfs
             (E2B ``memory: false`` / SDK ``mode="filesystem"``). Manifests from before
             the field are checkpoints.
+        default_user, default_workdir: the source's envd defaults (set by a template
+            build), for a cold boot's ``/init``; None: envd's own.
     """
 
     snapshot_id: str
@@ -101,6 +103,8 @@ class SnapshotMeta:
     envd_access_token: str | None = None
     parent_image_id: str | None = None
     memory: bool = True
+    default_user: str | None = None
+    default_workdir: str | None = None
 
 
 #: The one file of a filesystem-only image (``SnapshotMeta.memory`` False): the
