@@ -253,6 +253,31 @@ def test_node_sigkill(cluster):
     Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
 
 
+def test_fs_paused_sandbox_resumes_on_another_node(cluster):
+    """A filesystem-only pause (SDK ``mode="filesystem"``) answers after its image is in
+    the shared repository; with its node SIGKILLed, connect cold-boots it on another
+    node over its files (processes gone, a new boot id)."""
+    c = cluster
+    with only_on(c, "node0"):
+        p = Sandbox.create("base", timeout=300, **c.sdk)
+    assert c.owner(p.sandbox_id) == "node0"
+    p.files.write("/home/user/keep.txt", "kept")
+    bg = p.commands.run("sleep 1000", background=True)
+    boot = p.commands.run("cat /proc/sys/kernel/random/boot_id").stdout
+    with c.api() as api:
+        r = api.post(f"/sandboxes/{p.sandbox_id}/pause", json={"memory": False})
+        assert r.status_code == 204, r.text
+        assert "export;" in r.headers.get("server-timing", "") and "commit;" in r.headers["server-timing"]
+    c.nodes[0].stop(sig_kill=True)
+    wait_for(lambda: c.node_states().get("node0") == "down", HEARTBEAT_TIMEOUT_S + 5, "node0 to be down")
+    moved = Sandbox.connect(p.sandbox_id, **c.sdk)
+    assert c.owner(p.sandbox_id) in ("node1", "node2")
+    assert moved.files.read("/home/user/keep.txt") == "kept"
+    assert bg.pid not in [x.pid for x in moved.commands.list()]
+    assert moved.commands.run("cat /proc/sys/kernel/random/boot_id").stdout != boot
+    moved.kill()
+
+
 def test_scheduler_and_gateway_restarts(cluster):
     """Scheduler SIGKILL: running sandboxes keep being served (the gateway reads
     bindings from Redis), creates answer a clear 503, and after a restart no binding

@@ -184,6 +184,7 @@ def test_connect_frame_tracker_boundaries():
 #: (field, value) pairs forkyard honours; each creates a sandbox.
 HONOURED = [
     ("timeout", 30), ("autoPause", True), ("autoPause", False), ("autoPauseMemory", True),
+    ("autoPauseMemory", False),
     ("autoResume", {"enabled": False}), ("secure", True), ("secure", False),
     ("allow_internet_access", True), ("network", {}), ("network", {"allowPublicTraffic": True}),
     ("network", {"allowOut": ["198.51.100.7/32"], "denyOut": ["198.51.100.0/24"]}),
@@ -192,7 +193,6 @@ HONOURED = [
 ]
 #: (field, value, name the 400 must mention) pairs forkyard does not enforce yet.
 REFUSED = [
-    ("autoPauseMemory", False, "autoPauseMemory"),
     ("autoResume", {"enabled": True, "x": 1}, "autoResume"),
     ("network", {"allowOut": ["example.com"]}, "allowOut"),
     ("network", {"denyOut": ["10.0.0.0/99"]}, "denyOut"),

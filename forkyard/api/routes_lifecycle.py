@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
 from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import BadRequest, OrchestratorError
+from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -21,21 +21,23 @@ def _orch(request: Request) -> Orchestrator:
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | None = None):
-    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused; 400 for
-    ``memory: false``; 503 when ``requireHealthyGuest`` and envd does not answer.
-    ``Server-Timing``: ``freeze`` (hot pause only) and ``checkpoint`` (ms)."""
-    if body is not None and body.memory is False:
-        raise BadRequest(schemas.FILESYSTEM_ONLY_UNSUPPORTED)
+    """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused; 503 when
+    ``requireHealthyGuest`` and envd does not answer. ``memory: false``: a
+    filesystem-only pause (resume cold-boots over the saved files).
+    ``Server-Timing``: ``freeze`` (hot or filesystem-only pause), ``checkpoint``
+    (memory) or ``export`` (filesystem-only), and ``commit`` in a cluster (ms)."""
     phases = timing.start()
-    await _orch(request).pause(sandbox_id, require_healthy=bool(body and body.require_healthy_guest))
+    await _orch(request).pause(sandbox_id, require_healthy=bool(body and body.require_healthy_guest),
+                               memory=not (body is not None and body.memory is False))
     return Response(status_code=204, headers=timing.header(phases))
 
 
 @router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
 async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | None = None):
     """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running.
-    ``Server-Timing``: ``thaw`` (its frozen runtime was still kept: hot pause) or
-    ``restore`` (from its image), ms."""
+    ``Server-Timing``: ``thaw`` (its frozen runtime was still kept: hot pause),
+    ``restore`` (from its memory image) or ``boot`` (a cold boot over its
+    filesystem-only image), ms."""
     phases = timing.start()
     rec = await _orch(request).resume(sandbox_id, body.timeout if body else None,
                                       body.auto_pause if body else None)
@@ -47,9 +49,12 @@ async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | N
 async def connect(request: Request, sandbox_id: str, body: schemas.ConnectBody | None = None):
     """Connect: a running sandbox gets its timeout extended (never shortened), 200; a
     paused one is resumed, 201 (``Server-Timing`` as for resume). Waits for a
-    pause/resume in progress."""
+    pause/resume in progress. ``memory: false`` (SDK ``on_resume="reboot"``): accepted
+    for a running or filesystem-only paused sandbox (nothing to drop), 400 for one
+    paused with memory."""
     phases = timing.start()
-    rec, resumed = await _orch(request).connect(sandbox_id, body.timeout if body else 300)
+    rec, resumed = await _orch(request).connect(sandbox_id, body.timeout if body else 300,
+                                                body.memory if body else None)
     return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201 if resumed else 200,
                         headers=timing.header(phases))
 
@@ -83,11 +88,12 @@ def fork_results(results: list, domain: str | None = None) -> list[dict]:
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
 async def create_snapshot(request: Request, sandbox_id: str, body: schemas.SnapshotBody | None = None):
     """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``.
-    ``Server-Timing``: ``checkpoint`` (how long the source was stopped) and ``commit`` (ms)."""
-    if body is not None and body.memory is False:
-        raise BadRequest(schemas.FILESYSTEM_ONLY_UNSUPPORTED)
+    ``memory: false``: its filesystem only (sandboxes created from it cold-boot).
+    ``Server-Timing``: ``checkpoint`` (how long the source was stopped; filesystem-only:
+    ``freeze`` + ``export``) and ``commit`` (ms)."""
     phases = timing.start()
-    meta = await _orch(request).snapshot(sandbox_id, body.name if body else None)
+    meta = await _orch(request).snapshot(sandbox_id, body.name if body else None,
+                                         memory=not (body is not None and body.memory is False))
     return JSONResponse(schemas.snapshot_info(meta), status_code=201, headers=timing.header(phases))
 
 

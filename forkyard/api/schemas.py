@@ -144,8 +144,9 @@ def unsupported_create_fields(body: NewSandbox) -> list[str]:
     Defaults and explicit "off" values (``autoResume.enabled: false``, empty lists and
     maps, ``allowPublicTraffic: true``) are honoured and pass."""
     out = []
-    if body.auto_pause_memory is False:
-        out.append("autoPauseMemory: false (a filesystem-only auto-pause) is not supported yet")
+    if body.auto_pause_memory is False and body.auto_resume is not None and body.auto_resume.enabled:
+        out.append("autoResume.enabled: true cannot be combined with autoPauseMemory: false (a "
+                   "filesystem-only pause cold-boots on resume; resume it explicitly with connect)")
     if body.auto_resume is not None and body.auto_resume.enabled and body.auto_pause is False:
         out.append("autoResume.enabled: true needs autoPause: true (a killed sandbox cannot resume)")
     net = body.network
@@ -177,9 +178,11 @@ class RefreshBody(_Strict):
 
 
 class ConnectBody(_Strict):
-    """``POST /sandboxes/{id}/connect``: new ``timeout`` in seconds."""
+    """``POST /sandboxes/{id}/connect``: new ``timeout`` in seconds; ``memory`` (E2B
+    ``ConnectSandbox.memory``, default true; false = resume from disk state only)."""
 
     timeout: int = Field(default=300, ge=0, le=86400)
+    memory: bool | None = None
 
 
 def _iso(ts: float) -> str:
@@ -255,8 +258,8 @@ class ForkBody(_Strict):
 
 
 class SnapshotBody(_Strict):
-    """``POST /sandboxes/{id}/snapshots``: optional ``name``; ``memory`` false (a
-    filesystem-only snapshot, E2B's ``mode="filesystem"``) is refused with 400."""
+    """``POST /sandboxes/{id}/snapshots``: optional ``name``; ``memory`` (default true;
+    false = a filesystem-only snapshot, E2B's ``mode="filesystem"``)."""
 
     name: str | None = Field(default=None, max_length=64)
     memory: bool | None = None
@@ -264,19 +267,11 @@ class SnapshotBody(_Strict):
 
 class PauseBody(_Strict):
     """``POST /sandboxes/{id}/pause`` (E2B ``SandboxPauseRequest``): ``memory`` (default
-    true; false = filesystem-only pause, refused with 400 here) and
+    true; false = a filesystem-only pause: resume cold-boots over the saved files) and
     ``requireHealthyGuest`` (default false; true = 503 unless envd answers first)."""
 
     memory: bool | None = None
     require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")
-
-
-#: Why ``memory: false`` is refused (pause and snapshot).
-FILESYSTEM_ONLY_UNSUPPORTED = (
-    "memory: false (a filesystem-only pause/snapshot, SDK mode='filesystem') is not supported by "
-    "forkyard's gVisor runtime: pauses and snapshots always keep memory and running processes; "
-    "omit memory or send memory: true"
-)
 
 
 def snapshot_info(meta) -> dict:

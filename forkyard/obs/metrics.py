@@ -45,7 +45,8 @@ LIFECYCLE = Histogram(
 PHASE = Histogram(
     "forkyard_lifecycle_phase_seconds",
     "Duration of one phase of a lifecycle operation: the phases the Server-Timing header reports "
-    "(checkpoint, commit, children, slot-max, runtime-max, envd-max) and each sandbox start's "
+    "(checkpoint, commit, children, slot-max, runtime-max, envd-max; freeze, export and boot of a "
+    "filesystem-only pause, snapshot or resume) and each sandbox start's "
     "slot, runtime and envd (create, resume, every fork child).",
     ["op", "phase"], buckets=LIFECYCLE_BUCKETS, registry=REGISTRY)
 HTTP_REQUESTS = Counter(
@@ -69,6 +70,11 @@ ADMISSION_REFUSALS = Counter(
     "forkyard_admission_refusals_total",
     "Sandbox placements or starts refused for lack of capacity (reason: a fixed word, e.g. no_capacity).",
     ["reason"], registry=REGISTRY)
+FS_IMAGE_BYTES = Histogram(
+    "forkyard_fs_image_bytes",
+    "Size of each filesystem-only image (pause or snapshot with memory: false) as exported, "
+    "before the repository's deduplication and compression.",
+    buckets=(1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28, 1 << 30, 1 << 32), registry=REGISTRY)
 #: Pre-bound children (``labels()`` costs a locked lookup; bytes count once per body chunk).
 BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
 OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")

@@ -49,12 +49,14 @@ async def init(
     current_token: str | None = None,
     default_user: str = "user",
     wait_s: float = 0.0,
+    default_workdir: str | None = None,
 ) -> None:
     """Send ``POST /init`` with the sandbox's env vars and access token.
 
     ``current_token`` is the token envd already holds (a restored checkpoint keeps its
     source's token; envd only accepts a new one from a caller that knows the old one).
-    ``default_user`` is the user of requests that name none. With ``wait_s`` > 0 a
+    ``default_user`` is the user of requests that name none, ``default_workdir``
+    (when given) their working directory. With ``wait_s`` > 0 a
     refused connection (envd not listening yet) is retried every 10 ms for up to
     ``wait_s`` seconds, so a just-started sandbox needs no separate ``/health`` poll;
     the request is never sent twice once a connection was made.
@@ -68,6 +70,8 @@ async def init(
         "defaultUser": default_user,
         "timestamp": datetime.now(timezone.utc).isoformat(),
     }
+    if default_workdir:
+        body["defaultWorkdir"] = default_workdir
     if access_token:
         body["accessToken"] = access_token
     headers = {"X-Access-Token": current_token} if current_token else {}

@@ -35,7 +35,7 @@ from forkyard.orchestrator.holds import hold
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.errors import RepositoryError
-from forkyard.repository.snapshots import SnapshotMeta, new_snapshot_id
+from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, new_snapshot_id
 from forkyard.templates import registry
 
 log = logging.getLogger("forkyard.orchestrator")
@@ -54,6 +54,27 @@ PAUSE_MARKER = "checkpointed"
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
+#: Metadata keys a template build leaves on its snapshot (forkyard.templates.build).
+DEFAULT_USER_KEY = "forkyard.defaultUser"
+DEFAULT_WORKDIR_KEY = "forkyard.defaultWorkdir"
+
+
+def guest_defaults(image: SnapshotMeta | None) -> tuple[str | None, str | None]:
+    """``(default user, default workdir)`` of envd in sandboxes started from ``image``:
+    its recorded source defaults, else a template build's metadata, else ``(None, None)``."""
+    if image is None:
+        return None, None
+    return (image.default_user or image.metadata.get(DEFAULT_USER_KEY),
+            image.default_workdir or image.metadata.get(DEFAULT_WORKDIR_KEY))
+
+
+def staged_memory(staging: Path) -> bool:
+    """Whether the image staged under ``staging`` is a checkpoint (True) or a
+    filesystem-only image (False: it holds :data:`ROOTFS_TAR`, or its temporary name)."""
+    image = staging / "image"
+    return not ((image / ROOTFS_TAR).exists() or (image / f"{ROOTFS_TAR}.tmp").exists())
+
+
 class LifecycleMixin:
     """Pause/resume/snapshot/fork; relies on the Orchestrator's store, driver,
     snapshots, locks and ``_start``/``_teardown``/``_gc_images``."""
@@ -68,13 +89,15 @@ class LifecycleMixin:
         return rec
 
     def _meta_for(self, rec: SandboxRecord, kind: str, snapshot_id: str,
-                  names: list[str] | None = None) -> SnapshotMeta:
-        """The :class:`SnapshotMeta` a checkpoint of ``rec`` is committed under."""
+                  names: list[str] | None = None, memory: bool = True) -> SnapshotMeta:
+        """The :class:`SnapshotMeta` an image of ``rec`` is committed under (``memory``
+        False: a filesystem-only image)."""
         return SnapshotMeta(
             snapshot_id=snapshot_id, kind=kind, template_id=rec.template_id, source_sandbox_id=rec.id,
             vcpus=rec.vcpus, memory_mb=rec.memory_mb, env_vars=dict(rec.env_vars),
             metadata=dict(rec.metadata), names=list(names or []),
             envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
+            memory=memory, default_user=rec.default_user, default_workdir=rec.default_workdir,
         )
 
     async def _stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
@@ -97,6 +120,39 @@ class LifecycleMixin:
                 raise CreateFailed(f"checkpoint of sandbox {rec.id} failed: {e}") from e
             raise
         timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
+        return staging
+
+    async def _stage_fs(self, rec: SandboxRecord, snapshot_id: str, thaw: bool) -> Path:
+        """Filesystem-only image of ``rec`` into a fresh staging directory
+        (``<it>/image/`` :data:`ROOTFS_TAR`): the sandbox is frozen, its writable layer
+        exported, and — when ``thaw`` (snapshot) — continued; a pause leaves it frozen
+        for :meth:`_teardown`. Records ``freeze`` and ``export`` (ms) for
+        ``Server-Timing``.
+
+        Raises:
+            CreateFailed: the runtime failed; the staging directory is removed and the
+                sandbox runs on (thawed).
+        """
+        t0 = time.perf_counter()
+        frozen = False
+        try:
+            staging = self.snapshots.staging(snapshot_id)
+            await self.driver.freeze(rec.id)  # a consistent cut: nothing writes meanwhile
+            frozen = True
+            t1 = time.perf_counter()
+            timing.record("freeze", (t1 - t0) * 1000)
+            size = await self.driver.export_rootfs(rec.id, staging / "image" / ROOTFS_TAR)
+            timing.record("export", (time.perf_counter() - t1) * 1000)
+            metrics.FS_IMAGE_BYTES.observe(size)
+        except BaseException as e:
+            self.snapshots.discard(self.snapshots.staging_path(snapshot_id))
+            if frozen:
+                await self._thaw_quietly(rec.id)
+            if isinstance(e, Exception):
+                raise CreateFailed(f"filesystem export of sandbox {rec.id} failed: {e}") from e
+            raise
+        if thaw:
+            await self._thaw_quietly(rec.id)
         return staging
 
     async def _commit(self, staging: Path, meta: SnapshotMeta, keep_on_error: bool = False) -> SnapshotMeta:
@@ -130,7 +186,8 @@ class LifecycleMixin:
 
     # ---- pause / resume ---------------------------------------------------------------
     @metrics.timed("pause")
-    async def pause(self, sandbox_id: str, require_healthy: bool = False, only_if=None) -> SandboxRecord:
+    async def pause(self, sandbox_id: str, require_healthy: bool = False, only_if=None,
+                    memory: bool = True) -> SandboxRecord:
         """Checkpoint memory + filesystem, stop the sandbox and free its CPU, memory and
         network slot; the id, metadata and settings stay.
 
@@ -157,6 +214,15 @@ class LifecycleMixin:
         In a cluster (``settings.cluster``) the answer waits for the commit too, so the
         sandbox can resume on any node even if this one dies right after.
 
+        ``memory`` False (E2B ``memory: false``, SDK ``mode="filesystem"``): a
+        filesystem-only pause. The sandbox is frozen and its writable layer exported
+        (:meth:`_stage_fs`, no checkpoint); the image is a ``pause`` snapshot with
+        ``memory`` False, committed and the frozen runtime destroyed as above. Resume
+        cold-boots the template with those files laid over it: same id, token, env vars,
+        metadata and egress policy; a new boot id; no processes; ``/tmp`` and
+        ``/dev/shm`` (tmpfs mounts, not the rootfs) start empty. Hot pause never
+        applies to it (nothing would be kept to resume).
+
         Hot pause (``settings.hot_pause_s`` > 0, not in a cluster): the sandbox is frozen
         first and checkpointed with ``--leave-running`` (it stays frozen); the frozen
         runtime and its slot are kept so resume is an unfreeze, until dropped
@@ -182,11 +248,14 @@ class LifecycleMixin:
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
             self._stopping.add(rec.id)  # the proxy answers "not running" from now on
-            hot = self._hot.enabled and await self._freeze(rec.id)
+            hot = memory and self._hot.enabled and await self._freeze(rec.id)
             try:
                 await hold("pause.before-checkpoint", rec.id)
                 try:
-                    staging = await self._stage(rec, sid, stop=not hot)
+                    if memory:
+                        staging = await self._stage(rec, sid, stop=not hot)
+                    else:
+                        staging = await self._stage_fs(rec, sid, thaw=False)
                 except CreateFailed as e:
                     if hot:
                         await self._thaw_quietly(rec.id)
@@ -215,7 +284,7 @@ class LifecycleMixin:
                 if keep:
                     self._hot.keep(rec.id, slot)
                     await self._notify_gone(rec.id)  # open streams end, as for a stopping checkpoint
-                meta = self._meta_for(rec, "pause", sid)
+                meta = self._meta_for(rec, "pause", sid, memory=memory)
                 task = self._pending[rec.id] = asyncio.create_task(
                     self._finish_pause(rec.id, staging, meta, rec.slot, keep_runtime=keep), name=f"pause-{rec.id}")
                 if self.settings.cluster:
@@ -281,7 +350,8 @@ class LifecycleMixin:
         staging = self.snapshots.staging_path(rec.image_id or "-")
         if rec.image_id and (staging / PAUSE_MARKER).is_file():
             log.warning("resuming %s from its image staged on this node", rec.id)
-            return self._meta_for(rec, "pause", rec.image_id), staging / "image"
+            return (self._meta_for(rec, "pause", rec.image_id, memory=staged_memory(staging)),
+                    staging / "image")
         image = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
         if image is None:
             raise CreateFailed(f"paused state of sandbox {rec.id} is missing from the repository")
@@ -331,7 +401,8 @@ class LifecycleMixin:
             t0 = time.perf_counter()
             try:
                 await self._start(rec, image, rec.envd_access_token, image_dir=staged)
-                timing.record("restore", (time.perf_counter() - t0) * 1000)
+                # "boot": a cold boot over a filesystem-only image; "restore": a checkpoint.
+                timing.record("restore" if image.memory else "boot", (time.perf_counter() - t0) * 1000)
             except BaseException:
                 rec.state, rec.slot = "paused", None
                 self.store.put(rec)
@@ -368,19 +439,28 @@ class LifecycleMixin:
         self.store.put(rec)
         return True
 
-    async def connect(self, sandbox_id: str, timeout_s: int) -> tuple[SandboxRecord, bool]:
+    async def connect(self, sandbox_id: str, timeout_s: int, memory: bool | None = None) -> tuple[SandboxRecord, bool]:
         """E2B ``connect``: resume a paused sandbox (expiry now + ``timeout_s``) or
         extend a running one's expiry to at least now + ``timeout_s`` (never shorten).
         Waits for a pause, resume, snapshot or fork in progress, so concurrent connects
         all see the result. Returns ``(record, resumed)``.
 
+        ``memory`` False (E2B connect ``memory: false``, SDK ``on_resume="reboot"``):
+        a no-op for a running sandbox or one paused filesystem-only; refused (400) for
+        one paused with memory — forkyard cannot cold-boot from a memory checkpoint.
+
         Raises:
-            NotFound, BadRequest (timeout), CreateFailed (restore failed; stays paused).
+            NotFound, BadRequest (timeout; ``memory`` False on a memory pause),
+            CreateFailed (restore failed; stays paused).
         """
         timeout_s = self._check_timeout(max(timeout_s, 1))
         async with self._locks[sandbox_id]:
             await self._settle(sandbox_id)
             rec = self.get(sandbox_id)
+            if rec.state == "paused" and memory is False and await self._paused_with_memory(rec):
+                raise BadRequest(f"sandbox {sandbox_id} was paused with its memory; a reboot from a memory "
+                                 "snapshot (connect memory: false) is not supported by forkyard: connect "
+                                 "without it to restore the memory snapshot")
             if rec.state == "paused":
                 rec = await self._resume_locked(rec, timeout_s, None)
                 resumed = True
@@ -393,6 +473,15 @@ class LifecycleMixin:
         if resumed:
             self._gc_images_later()
         return rec, resumed
+
+    async def _paused_with_memory(self, rec: SandboxRecord) -> bool:
+        """Whether paused ``rec`` resumes from a memory checkpoint (True) or cold-boots
+        from a filesystem-only image (False)."""
+        staging = self.snapshots.staging_path(rec.image_id or "-")
+        if rec.image_id and (staging / PAUSE_MARKER).is_file():
+            return staged_memory(staging)
+        meta = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
+        return meta is None or meta.memory
 
     async def wake(self, sandbox_id: str) -> bool:
         """Auto-resume (E2B ``autoResume``): resume ``sandbox_id`` for its own timeout if
@@ -417,10 +506,13 @@ class LifecycleMixin:
 
     # ---- snapshots --------------------------------------------------------------------
     @metrics.timed("snapshot")
-    async def snapshot(self, sandbox_id: str, name: str | None = None) -> SnapshotMeta:
+    async def snapshot(self, sandbox_id: str, name: str | None = None, memory: bool = True) -> SnapshotMeta:
         """Persist the running sandbox's memory + filesystem as a reusable snapshot
         (usable as ``templateID``); the sandbox is stopped only for the checkpoint.
         A ``name`` already in use moves to the new snapshot (E2B semantics).
+        ``memory`` False (E2B ``memory: false``): the filesystem only — the sandbox is
+        frozen just while its writable layer is exported (``freeze`` + ``export``
+        phases); sandboxes created from it cold-boot over those files.
 
         Raises:
             NotFound, Conflict (paused/busy), BadRequest (bad name),
@@ -436,9 +528,10 @@ class LifecycleMixin:
             self.store.put(rec)
             try:
                 sid = new_snapshot_id()
-                staging = await self._stage(rec, sid)
+                staging = await (self._stage(rec, sid) if memory else self._stage_fs(rec, sid, thaw=True))
                 await hold("snapshot.staged", rec.id)
-                return await self._commit(staging, self._meta_for(rec, "snapshot", sid, [name] if name else []))
+                return await self._commit(staging, self._meta_for(rec, "snapshot", sid, [name] if name else [],
+                                                                  memory=memory))
             finally:
                 rec.state = "running"
                 self.store.put(rec)
@@ -576,6 +669,7 @@ class LifecycleMixin:
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
                 egress=dict(egress or {}),
             )
+            kid.default_user, kid.default_workdir = guest_defaults(image)
             self.store.put(kid)
             kids.append(kid)
         await hold("fork.children-recorded", image.source_sandbox_id)

@@ -29,11 +29,11 @@ from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
-from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
+from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin, guest_defaults, staged_memory
 from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.orchestrator.usage import CpuMeter
-from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
+from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
 from forkyard.templates import registry
 
@@ -311,6 +311,10 @@ class Orchestrator(LifecycleMixin):
             if rec.state == "pausing":
                 if not (staging / "image").is_dir() or not any((staging / "image").iterdir()):
                     continue
+                if not staged_memory(staging):
+                    # A filesystem-only pause stops nothing before its reply: the
+                    # sandbox still exists (frozen or running) and is re-adopted.
+                    continue
                 try:
                     if await self.driver.is_running(rec.id):
                         continue  # the checkpoint failed; reconcile re-adopts it
@@ -320,7 +324,8 @@ class Orchestrator(LifecycleMixin):
                 rec.state, rec.paused_at = "paused", time.time()
                 self.store.put(rec)
             try:
-                await self._commit(staging, self._meta_for(rec, "pause", rec.image_id), keep_on_error=True)
+                await self._commit(staging, self._meta_for(rec, "pause", rec.image_id,
+                                                           memory=staged_memory(staging)), keep_on_error=True)
                 log.info("committed the interrupted pause of sandbox %s", rec.id)
             except Exception as e:  # noqa: BLE001
                 log.error("committing the interrupted pause of %s failed (kept staged): %s", rec.id, e)
@@ -591,6 +596,19 @@ class Orchestrator(LifecycleMixin):
             )
             if image is None:
                 await self.driver.create(spec)
+            elif not image.memory:
+                # Filesystem-only image: a cold boot of the template with the saved
+                # writable layer laid over it (new boot id; processes do not survive).
+                if image_dir is not None:
+                    spec.rootfs_upper_tar = image_dir / ROOTFS_TAR
+                    await self.driver.create(spec)
+                else:
+                    path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
+                    try:
+                        spec.rootfs_upper_tar = path / ROOTFS_TAR
+                        await self.driver.create(spec)
+                    finally:
+                        self.snapshots.release(image.snapshot_id)
             elif image_dir is not None:
                 await self.driver.restore(spec, image_dir)
             else:
@@ -602,11 +620,18 @@ class Orchestrator(LifecycleMixin):
                     self.snapshots.release(image.snapshot_id)
             t2 = time.perf_counter()
             phases["runtime"] = (t2 - t1) * 1000
-            if image is None or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
-                # A template build records its final USER on its snapshot (forkyard.templates.build).
-                user = (image.metadata.get("forkyard.defaultUser") if image else None) or "user"
-                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token, old_token,
-                                       default_user=user, wait_s=ENVD_READY_TIMEOUT_S)
+            cold = image is None or not image.memory
+            if cold or old_token != rec.envd_access_token or rec.env_vars != image.env_vars:
+                # A template build records its final USER and WORKDIR on its snapshot
+                # (forkyard.templates.build); the record carries them on (rows from
+                # before: the image's). A restored envd keeps its workdir in memory.
+                user, workdir = guest_defaults(image)
+                user = rec.default_user or user or "user"
+                workdir = (rec.default_workdir or workdir) if cold else None
+                # A cold-booted envd holds no token yet: nothing to prove.
+                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token,
+                                       None if cold else old_token, default_user=user,
+                                       wait_s=ENVD_READY_TIMEOUT_S, default_workdir=workdir)
             else:
                 await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             phases["envd"] = (time.perf_counter() - t2) * 1000
@@ -661,6 +686,7 @@ class Orchestrator(LifecycleMixin):
         egress: EgressPolicy | None = None,
         public_traffic: bool = True,
         mask_host: str | None = None,
+        auto_pause_memory: bool | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -668,6 +694,8 @@ class Orchestrator(LifecycleMixin):
         Args:
             timeout_s: seconds until expiry (1 … 86400; default 300).
             auto_pause: pause (True) or kill (False) at expiry.
+            auto_pause_memory: False = that pause keeps the filesystem only (E2B
+                ``autoPauseMemory``); None/True = a full memory pause.
             auto_resume: proxied traffic resumes the sandbox when paused (:meth:`wake`).
             egress: outbound traffic policy, enforced from before the sandbox starts.
             public_traffic: False = user ports need the ``traffic_token`` generated here.
@@ -705,7 +733,9 @@ class Orchestrator(LifecycleMixin):
             traffic_token=None if public_traffic else secrets.token_urlsafe(24),
             mask_host=mask_host,
             disk_mb=self.settings.default_disk_mb,
+            auto_pause_memory=auto_pause_memory,
         )
+        rec.default_user, rec.default_workdir = guest_defaults(snap)
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
             rec.envd_access_token = secrets.token_urlsafe(24)
@@ -1023,7 +1053,10 @@ class Orchestrator(LifecycleMixin):
         return rec.state == "paused" and bool(rec.paused_at) and rec.paused_at + PAUSED_RETENTION_S <= now
 
     async def _expire_pause(self, sandbox_id: str) -> None:
-        await self.pause(sandbox_id, only_if=self._due)
+        rec = self.store.get(sandbox_id)
+        # E2B autoPauseMemory: false = a filesystem-only auto-pause; unset = full memory.
+        memory = rec is None or rec.auto_pause_memory is not False
+        await self.pause(sandbox_id, only_if=self._due, memory=memory)
 
     async def _expire_kill(self, sandbox_id: str) -> None:
         await self.kill(sandbox_id, only_if=self._due)

@@ -41,7 +41,8 @@ STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting"
 #: Columns added after the first schema, with their SQL type (migrated on open).
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
           "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
-          "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0"}
+          "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0",
+          "auto_pause_memory": "INTEGER", "default_user": "TEXT", "default_workdir": "TEXT"}
 
 
 @dataclass
@@ -82,6 +83,14 @@ class SandboxRecord:
     mask_host: str | None = None
     #: disk size (MiB) of its writable layer; 0 = unbounded (rows from before disks).
     disk_mb: int = 0
+    #: E2B ``autoPauseMemory``: False = the timeout auto-pause keeps the filesystem
+    #: only (resume cold-boots); None (unset) and True = a full memory pause.
+    auto_pause_memory: bool | None = None
+    #: user and working directory of envd requests that name none, when a template
+    #: build set them (None: envd's defaults, ``user`` and its home); a cold boot
+    #: (filesystem-only resume) sends them to the new envd.
+    default_user: str | None = None
+    default_workdir: str | None = None
 
 
 class Store:
@@ -125,6 +134,8 @@ class Store:
         d = dict(row)
         d["auto_pause"] = bool(d["auto_pause"])
         d["auto_resume"] = bool(d.get("auto_resume"))
+        apm = d.get("auto_pause_memory")
+        d["auto_pause_memory"] = None if apm is None else bool(apm)
         d["egress"] = json.loads(d["egress"]) if d.get("egress") else {}
         d["metadata"] = json.loads(d["metadata"])
         d["env_vars"] = json.loads(d["env_vars"])
@@ -135,6 +146,7 @@ class Store:
         d = asdict(rec)
         d["auto_pause"] = int(rec.auto_pause)
         d["auto_resume"] = int(rec.auto_resume)
+        d["auto_pause_memory"] = None if rec.auto_pause_memory is None else int(rec.auto_pause_memory)
         d["egress"] = json.dumps(rec.egress) if rec.egress else None
         d["metadata"] = json.dumps(rec.metadata)
         d["env_vars"] = json.dumps(rec.env_vars)

@@ -80,6 +80,13 @@ class SnapshotMeta:
             a restored child with a new one); it is stored in the manifest, so the
             repository (directory or bucket) must be as private as the data dir.
         parent_image_id: snapshot the source itself was restored from (lineage).
+        memory: True for a checkpoint (memory, processes and files; ``runsc
+            restore``); False for a filesystem-only image: one file,
+            :data:`ROOTFS_TAR`, that a cold boot lays over the template's rootfs
+            (E2B ``memory: false`` / SDK ``mode="filesystem"``). Manifests from before
+            the field are checkpoints.
+        default_user, default_workdir: the source's envd defaults (set by a template
+            build), for a cold boot's ``/init``; None: envd's own.
     """
 
     snapshot_id: str
@@ -95,6 +102,14 @@ class SnapshotMeta:
     size_bytes: int = 0
     envd_access_token: str | None = None
     parent_image_id: str | None = None
+    memory: bool = True
+    default_user: str | None = None
+    default_workdir: str | None = None
+
+
+#: The one file of a filesystem-only image (``SnapshotMeta.memory`` False): the
+#: sandbox's writable layer as ``runsc tar rootfs-upper`` writes it.
+ROOTFS_TAR = "rootfs-upper.tar"
 
 
 def new_snapshot_id() -> str:

@@ -50,6 +50,9 @@ class SandboxSpec:
         workdir: per-sandbox directory for the bundle, logs and writable state.
         env: environment for envd itself (PATH etc.); user env goes through envd ``/init``.
         disk_mb: disk size (MiB) of the writable layer, 0 for none.
+        rootfs_upper_tar: a filesystem-only image (:meth:`RuntimeDriver.export_rootfs`)
+            laid over ``rootfs`` as the writable layer's initial contents (files,
+            directories and deletions), or None for an empty layer. Cold boot only.
     """
 
     sandbox_id: str
@@ -63,6 +66,7 @@ class SandboxSpec:
     #: size of the sandbox's writable layer in MiB (writes beyond: ENOSPC inside);
     #: 0 = unbounded (the host filesystem's free space).
     disk_mb: int = 0
+    rootfs_upper_tar: Path | None = None
 
 
 @dataclass
@@ -135,6 +139,15 @@ class RuntimeDriver(abc.ABC):
         """Wait (≤ ``timeout_s``) until no checkpoint started by an earlier server
         process is still running; returns the ids still checkpointing at the deadline."""
         return []
+
+    async def export_rootfs(self, sandbox_id: str, path: Path) -> int:
+        """Write the sandbox's writable filesystem layer (its changes to the template
+        rootfs: new and changed files, directories, deletions) to ``path`` as a
+        filesystem-only image that :attr:`SandboxSpec.rootfs_upper_tar` takes back.
+        The sandbox keeps its state (the caller freezes it for a consistent cut).
+        Written under a temporary name, fsynced and renamed, so ``path`` is either
+        complete or absent. Returns its size in bytes."""
+        raise NotImplementedError(f"{self.name} runtime cannot export its filesystem")
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
         """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`."""

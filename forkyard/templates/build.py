@@ -49,6 +49,7 @@ from pathlib import Path
 import httpx
 
 from forkyard.config import ENVD_PORT, Settings
+from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY
 from forkyard.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -59,11 +60,10 @@ from forkyard.templates import build_envd, registry
 
 log = logging.getLogger("forkyard.templates.build")
 
-#: Metadata keys on build sandboxes (and so on the committed template snapshots).
+#: Metadata keys on build sandboxes (and so on the committed template snapshots); the
+#: default user/workdir keys are the orchestrator's (it hands them to cold-booted envds).
 TEMPLATE_KEY = "forkyard.template"
 BUILD_KEY = "forkyard.templateBuild"
-DEFAULT_USER_KEY = "forkyard.defaultUser"
-DEFAULT_WORKDIR_KEY = "forkyard.defaultWorkdir"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")

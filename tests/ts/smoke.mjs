@@ -34,6 +34,16 @@ try {
   assert((await again.files.read('/home/user/ts.txt')) === 'typescript', 'file survives pause')
   const r2 = await again.commands.run('echo back')
   assert(r2.stdout === 'back\n', 'run after connect')
+
+  // Filesystem-only pause (keepMemory: false): files kept, processes gone, a new boot.
+  const bg = await again.commands.run('sleep 1000', { background: true })
+  const boot = (await again.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout
+  await again.pause({ keepMemory: false })
+  const cold = await Sandbox.connect(sbx.sandboxId)
+  assert((await cold.files.read('/home/user/ts.txt')) === 'typescript', 'file survives an fs-only pause')
+  assert(!(await cold.commands.list()).some((p) => p.pid === bg.pid), 'process gone after an fs-only pause')
+  assert((await cold.commands.run('cat /proc/sys/kernel/random/boot_id')).stdout !== boot, 'new boot id')
+  out.fsPause = true
 } finally {
   await Sandbox.kill(sbx.sandboxId)
 }

@@ -370,6 +370,8 @@ class GVisorDriver(RuntimeDriver):
             raise RuntimeError_(f"init {init!r} does not exist in rootfs {spec.rootfs}")
         if self._container_files_exist(sid):
             raise RuntimeError_(f"runsc {op} {sid}: a container with this id already exists")
+        if spec.rootfs_upper_tar is not None and not Path(spec.rootfs_upper_tar).is_file():
+            raise RuntimeError_(f"filesystem image {spec.rootfs_upper_tar} does not exist")
 
         self.settings.runsc_root.mkdir(parents=True, exist_ok=True)
         spec.workdir.mkdir(parents=True, exist_ok=True)
@@ -386,7 +388,8 @@ class GVisorDriver(RuntimeDriver):
         argv = [
             "unshare", "--mount", "--propagation", "private",
             "sh", "-c", _SYSNET_WORKAROUND,
-            self._runsc(), *self._global_flags(), *self._sandbox_flags(spec.workdir), *args,
+            self._runsc(), *self._global_flags(), *self._sandbox_flags(spec.workdir),
+            *(["--allow-rootfs-tar-annotation"] if spec.rootfs_upper_tar is not None else []), *args,
         ]  # fmt: skip
         ok = False
         try:
@@ -606,6 +609,46 @@ class GVisorDriver(RuntimeDriver):
         """True when the sandbox exists and is frozen (runsc status ``paused``)."""
         st = await self.state(sandbox_id)
         return bool(st) and st.get("status") == "paused"
+
+    async def export_rootfs(self, sandbox_id: str, path: Path) -> int:
+        """Write the sandbox's rootfs overlay upper layer to ``path`` as a tar
+        (``runsc tar rootfs-upper``): new and changed files with their modes, owners and
+        xattrs, deletions of template files as whiteouts (character devices 0/0) and
+        replaced directories as opaque ones. :meth:`create` lays it back with
+        :attr:`SandboxSpec.rootfs_upper_tar`. The upper layer's directory tree lives in
+        the sentry's memory (only file data is in the host filestore, an unlinked file),
+        so runsc is the only way to read it. Works on a frozen sandbox (measured: 50 MB
+        in 0.17 s). Separate mounts (``/tmp``, ``/dev/shm``) are not part of it.
+        Written to ``<path>.tmp``, fsynced and renamed. Returns the tar's bytes.
+
+        Raises:
+            RuntimeError_: runsc failed (message = its stderr); nothing is left at ``path``.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        rc, _, err = await self._run(["tar", "rootfs-upper", f"--file={tmp}", sandbox_id],
+                                     timeout=CHECKPOINT_TIMEOUT_S)
+        if rc != 0 or not tmp.is_file():
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError_(f"runsc tar rootfs-upper {sandbox_id} failed: {err or 'no archive written'}")
+
+        def _durable() -> int:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            return size
+
+        return await asyncio.to_thread(_durable)
 
     # ---- checkpoint / restore ------------------------------------------------------------
     def _checkpointing(self) -> list[str]:
