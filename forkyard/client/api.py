@@ -301,10 +301,11 @@ class AsyncForkyard:
         """Sandbox log lines (``GET /sandboxes/{id}/logs``): ``{timestamp, line}`` each,
         plus ``level`` when the server gives structured ``logEntries`` (``line`` is then
         the entry's message). Raises :class:`NotSupported` when the server has no logs
-        endpoint, :class:`NotFound` for an unknown id."""
-        await self.get_sandbox(sandbox_id)  # a 404 below is then the route's
+        endpoint, :class:`NotFound` for an unknown id. A sandbox that died by itself
+        within the last hour still has logs on forkyard (the last saying why)."""
         r = await self._request("GET", f"/sandboxes/{_q(sandbox_id)}/logs", ok_404=True, what=f"logs of {sandbox_id}")
         if r.status_code == 404:
+            await self.get_sandbox(sandbox_id)  # NotFound for an unknown id: the 404 was the sandbox's
             raise NotSupported("this server has no sandbox logs endpoint (GET /sandboxes/{id}/logs → 404)")
         data = r.json()
         if isinstance(data, dict) and isinstance(data.get("logEntries"), list):

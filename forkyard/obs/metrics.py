@@ -69,6 +69,11 @@ ADMISSION_REFUSALS = Counter(
     "forkyard_admission_refusals_total",
     "Sandbox placements or starts refused for lack of capacity (reason: a fixed word, e.g. no_capacity).",
     ["reason"], registry=REGISTRY)
+SANDBOX_DEATHS = Counter(
+    "forkyard_sandbox_deaths_total",
+    "Running sandboxes whose runtime stopped without being asked to (cause: oom = the host's OOM "
+    "killer ended it at its memory limit, exited = its runtime stopped otherwise).",
+    ["cause"], registry=REGISTRY)
 #: Pre-bound children (``labels()`` costs a locked lookup; bytes count once per body chunk).
 BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
 OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")

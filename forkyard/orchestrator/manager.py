@@ -31,6 +31,7 @@ from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, Not
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin
 from forkyard.orchestrator.store import SandboxRecord, Store
+from forkyard.orchestrator.tombstones import Tombstones
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
@@ -107,6 +108,8 @@ class Orchestrator(LifecycleMixin):
         self._garbage: set[str] = set()
         #: What this node may hand out (see :mod:`forkyard.orchestrator.admission`).
         self.capacity = Capacity.from_env()
+        #: Why sandboxes that died by themselves died (told to clients who ask later).
+        self.tombstones = Tombstones()
         #: Paused sandboxes whose frozen runtime is still kept (hot pause).
         self._hot = HotPaused(settings.hot_pause_s if not settings.cluster else 0, settings.hot_pause_max)
 
@@ -316,11 +319,14 @@ class Orchestrator(LifecycleMixin):
         """The live (running or paused, possibly mid-operation) sandbox ``sandbox_id``.
 
         Raises:
-            NotFound: unknown id or killed sandbox.
+            NotFound: unknown id or killed sandbox; for one that died by itself within
+                the last hour the message adds why (``…: it was killed: out of memory
+                (limit 512 MiB), at …``, :mod:`forkyard.orchestrator.tombstones`).
         """
         rec = self.store.get(sandbox_id)
         if rec is None or rec.state in ("creating", "killing"):
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+            tomb = self.tombstones.get(sandbox_id)
+            raise NotFound(f"sandbox {sandbox_id!r} not found" + (f": {tomb.describe()}" if tomb else ""))
         return rec
 
     def list(self) -> list[SandboxRecord]:
@@ -332,7 +338,8 @@ class Orchestrator(LifecycleMixin):
 
         Raises:
             NotFound: unknown or not running sandbox; the message says "was not found"
-                (E2B's proxy wording) and whether it is paused.
+                (E2B's proxy wording) and whether it is paused, or why it died
+                (:mod:`forkyard.orchestrator.tombstones`).
         """
         slot = self._slots.get(sandbox_id)
         if slot is None or sandbox_id in self._stopping:
@@ -341,6 +348,9 @@ class Orchestrator(LifecycleMixin):
             if rec is not None and rec.state in ("paused", "pausing"):
                 raise NotFound(f"The sandbox {sandbox_id} was not found running: it is paused "
                                "(connect or resume it)")
+            tomb = self.tombstones.get(sandbox_id)
+            if tomb is not None:  # the SDK appends "The sandbox was killed or reached its timeout"
+                raise NotFound(f"The sandbox {sandbox_id} was not found: {tomb.describe()}")
             raise NotFound(f"The sandbox {sandbox_id} was not found")
         return slot.outer_ip, port
 
@@ -758,13 +768,17 @@ class Orchestrator(LifecycleMixin):
 
     def log_entries(self, sandbox_id: str) -> list[dict]:
         """The sandbox's log entries since it last started or resumed
-        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.
+        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused. For a
+        sandbox that died by itself within the last hour: its last entries and an
+        ``error`` entry saying why (:mod:`forkyard.orchestrator.tombstones`).
 
         Raises:
             NotFound: unknown sandbox.
         """
         from forkyard.orchestrator.logs import read_entries
 
+        if self.store.get(sandbox_id) is None and (tomb := self.tombstones.get(sandbox_id)) is not None:
+            return list(tomb.logs)
         self.get(sandbox_id)
         return read_entries(self.settings.sandboxes_dir / sandbox_id / "console.log")
 
@@ -883,11 +897,27 @@ class Orchestrator(LifecycleMixin):
                     cur = self.store.get(rec.id)
                     if cur is None or cur.state != "running" or await self.driver.is_running(rec.id):
                         continue
-                    log.warning("sandbox %s died (its runtime stopped); removing it", rec.id)
-                    await self._teardown(cur.id, cur.slot)
-                    self.store.delete(cur.id)
+                    await self._bury(cur)
             except Exception as e:  # noqa: BLE001
                 log.error("liveness check of %s failed: %s", rec.id, e)
+
+    async def _bury(self, rec: SandboxRecord) -> None:
+        """Remove running sandbox ``rec`` whose runtime stopped by itself (call with its
+        lock held), recording why first (:attr:`tombstones`: its proxy streams, the
+        502s and 404s that follow and its logs then name the cause) and logging it."""
+        from forkyard.orchestrator.logs import read_entries
+
+        cause = await self.driver.death_cause(rec.id)
+        reason = cause or "its runtime stopped unexpectedly (envd, the sandbox's init, exited)"
+        logs = await asyncio.to_thread(read_entries, self.settings.sandboxes_dir / rec.id / "console.log")
+        self.tombstones.add(rec.id, reason, logs)
+        metrics.SANDBOX_DEATHS.labels("oom" if cause and "out of memory" in cause else "exited").inc()
+        log.warning("sandbox %s was killed: %s; removing it", rec.id, reason,
+                    extra={"sandbox_id": rec.id})
+        rec.state = "killing"  # gone for clients from now on (get() answers with the cause)
+        self.store.put(rec)
+        await self._teardown(rec.id, rec.slot)
+        self.store.delete(rec.id)
 
     # ---- metrics ------------------------------------------------------------------
     async def metrics(self, sandbox_id: str) -> dict:
