@@ -535,6 +535,7 @@ class Orchestrator(LifecycleMixin):
         egress: EgressPolicy | None = None,
         public_traffic: bool = True,
         mask_host: str | None = None,
+        disk_mb: int | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -548,10 +549,14 @@ class Orchestrator(LifecycleMixin):
             mask_host: Host header for user-port requests (``${PORT}`` = the port).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
+            disk_mb: disk size (MiB) instead of the template's or snapshot's (a template
+                build's own ``diskSizeMB``); at least the snapshot's, within the node's
+                bounds (:func:`forkyard.templates.registry.check_disk_mb`). Default: the
+                snapshot's, else the template's, else ``FORKYARD_DISK_MB``.
 
         Raises:
             NotFound: unknown template/snapshot.
-            BadRequest: out-of-range timeout.
+            BadRequest: out-of-range timeout or disk size.
             CreateFailed: runtime or envd failure; everything half-made is removed.
         """
         timeout_s = self._check_timeout(timeout_s)
@@ -559,6 +564,15 @@ class Orchestrator(LifecycleMixin):
         snap = await asyncio.to_thread(self.snapshots.find, template_id) if tmpl is None else None
         if snap is None and tmpl is None:
             raise NotFound(f"template {template_id!r} not found")
+        inherited = (snap.disk_mb if snap else tmpl.disk_mb) or self.settings.default_disk_mb
+        if disk_mb is not None:
+            try:
+                registry.check_disk_mb(self.settings, disk_mb)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            if snap is not None and inherited and disk_mb < inherited:
+                raise BadRequest(f"diskSizeMB {disk_mb} is smaller than the disk of {template_id!r} "
+                                 f"({inherited} MiB), whose files it restores")
         now = time.time()
         rec = SandboxRecord(
             id=new_sandbox_id(),
@@ -578,7 +592,7 @@ class Orchestrator(LifecycleMixin):
             egress=egress.to_json() if egress is not None and not egress.empty else {},
             traffic_token=None if public_traffic else secrets.token_urlsafe(24),
             mask_host=mask_host,
-            disk_mb=self.settings.default_disk_mb,
+            disk_mb=disk_mb if disk_mb is not None else inherited,
         )
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:

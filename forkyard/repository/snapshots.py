@@ -80,6 +80,8 @@ class SnapshotMeta:
             a restored child with a new one); it is stored in the manifest, so the
             repository (directory or bucket) must be as private as the data dir.
         parent_image_id: snapshot the source itself was restored from (lineage).
+        disk_mb: the source's disk size (MiB), which sandboxes restored from it get;
+            0 = the node's default (images made before disks were sized per template).
     """
 
     snapshot_id: str
@@ -95,6 +97,7 @@ class SnapshotMeta:
     size_bytes: int = 0
     envd_access_token: str | None = None
     parent_image_id: str | None = None
+    disk_mb: int = 0
 
 
 def new_snapshot_id() -> str:
