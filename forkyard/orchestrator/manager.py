@@ -791,9 +791,12 @@ class Orchestrator(LifecycleMixin):
         """
         from forkyard.orchestrator.logs import read_entries
 
-        if self.store.get(sandbox_id) is None and (tomb := self.tombstones.get(sandbox_id)) is not None:
-            return list(tomb.logs)
-        self.get(sandbox_id)
+        try:
+            self.get(sandbox_id)
+        except NotFound:
+            if (tomb := self.tombstones.get(sandbox_id)) is not None:  # (its row may still be "killing")
+                return list(tomb.logs)
+            raise
         return read_entries(self.settings.sandboxes_dir / sandbox_id / "console.log")
 
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
