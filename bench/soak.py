@@ -20,7 +20,9 @@ image GC with no grace period, the server stopped). Goal: every difference 0.
 
 Usage (as root): ``python bench/soak.py [--cycles 1000] [--concurrency 4] [--seed 1]``.
 The server runs from this checkout with its own data dir (``/var/lib/forkyard-soak``),
-network prefix ``soak`` and outer range 10.121.0.0/16. Exit status 1 when anything leaked.
+network prefix ``soak`` and outer range 10.121.0.0/16. Exit status 1 when anything leaked
+(a figure above its baseline); ``sockets_to_sandboxes`` lists the server's new sockets to
+sandbox addresses, ``gone_fds`` what was open at the baseline and closed at the end.
 """
 
 from __future__ import annotations
@@ -86,6 +88,18 @@ def server_fds(pid: int, port: int) -> list[str]:
             continue
         out.append(names.get(inode, target) if inode else target)
     return sorted(out)
+
+
+def _to_sandbox(fd: str) -> bool:
+    """Whether an fd description from :func:`server_fds` (``tcp LOCAL->REMOTE stXX``)
+    is a TCP socket to an address in the sandboxes' outer range :data:`OUTER`."""
+    import ipaddress
+
+    m = re.match(r"^tcp [0-9A-F:]+->([0-9A-F]{8}):[0-9A-F]{4} ", fd)
+    if not m:
+        return False
+    addr = ipaddress.IPv4Address(bytes(reversed(bytes.fromhex(m.group(1)))))  # /proc/net/tcp: little-endian
+    return addr in ipaddress.ip_network(OUTER)
 
 
 def host_state(data: Path, pid: int, spare: set[int], port: int) -> dict[str, int]:
@@ -157,11 +171,13 @@ class Soak:
             elif scenario == "fork":
                 r = await self.c.post(f"/sandboxes/{sid}/fork", json={"count": 2, "timeout": 120})
                 r.raise_for_status()
-                kids = [k["sandboxID"] for k in r.json() if "sandboxID" in k]
+                # E2B's fork answer: one {"sandbox": Sandbox} or {"error": …} per child.
+                kids = [k["sandbox"]["sandboxID"] for k in r.json() if "sandbox" in k]
+                self.outcomes["fork children"] += len(kids)
                 try:
-                    if kids:
-                        k = (await self.c.get(f"/sandboxes/{kids[0]}")).json()
-                        assert (await self.run(kids[0], k.get("envdAccessToken", ""), "echo kid")).strip() == "kid"
+                    assert kids, f"fork gave no child: {r.text[:300]}"
+                    k = (await self.c.get(f"/sandboxes/{kids[0]}")).json()
+                    assert (await self.run(kids[0], k.get("envdAccessToken", ""), "echo kid")).strip() == "kid"
                 finally:
                     for k in kids:
                         await self.kill(k)
@@ -200,6 +216,19 @@ class Soak:
             self.errors.append(f"{scenario}: {e!r}"[:300])
         finally:
             await self.kill(sid)
+
+    async def quiet_state(self, data: Path, pid: int, port: int, timeout_s: float = 60) -> dict[str, int]:
+        """:func:`host_state` once the server is idle: the same figures (spare slots
+        built, fds) twice 1 s apart, so slots still being built around the baseline do
+        not read as leaks (or as negative ones)."""
+        last, deadline = None, time.time() + timeout_s
+        while True:
+            await asyncio.sleep(1)
+            spare = set((await self.c.get("/metrics/node")).json()["spareSlots"])
+            state = host_state(data, pid, spare, port)
+            if state == last or time.time() > deadline:
+                return state
+            last = state
 
     async def settle(self, timeout_s: float = 120) -> dict:
         deadline = time.time() + timeout_s
@@ -243,8 +272,7 @@ async def soak_run(args, proc: subprocess.Popen, url: str, key: str) -> tuple[di
     port = int(url.rsplit(":", 1)[1])
     try:
         node = await soak.settle()
-        await asyncio.sleep(1)
-        before = host_state(args.data, proc.pid, set((await soak.c.get("/metrics/node")).json()["spareSlots"]), port)
+        before = await soak.quiet_state(args.data, proc.pid, port)
         fds_before = list(host_state.fd_targets)  # type: ignore[attr-defined]
         t0 = time.time()
         sem = asyncio.Semaphore(args.concurrency)
@@ -257,14 +285,19 @@ async def soak_run(args, proc: subprocess.Popen, url: str, key: str) -> tuple[di
 
         await asyncio.gather(*(one(s) for s in plan))
         took = time.time() - t0
+        # Every cycle kills what it made: a sandbox still listed here (before the final
+        # sweep) was left behind, e.g. a fork child nobody was told of.
+        soak.left_live = [s["sandboxID"] for s in (await soak.c.get("/v2/sandboxes")).json()]
         node = await soak.settle()
-        await asyncio.sleep(1)
-        after = host_state(args.data, proc.pid, set(node["spareSlots"]), port)
+        after = await soak.quiet_state(args.data, proc.pid, port)
         rest = list(host_state.fd_targets)  # type: ignore[attr-defined]
+        gone = []
         for t in fds_before:
             if t in rest:
                 rest.remove(t)
-        soak.new_fds = rest
+            else:
+                gone.append(t)
+        soak.new_fds, soak.gone_fds = rest, gone
     finally:
         await soak.c.aclose()
     return before, after, soak, took
@@ -295,15 +328,18 @@ def main() -> int:
     gc = Repository(RepoConfig.from_env(repo_dir, env={}).open_backend()).gc(0) if repo_dir.is_dir() else {}
     after["repository_bytes"] = repository_bytes(repo_dir)
     leaks = {k: after[k] - before[k] for k in before}
+    leaks["sandboxes_left_by_cycles"] = len(getattr(soak, "left_live", []))
     report = {"cycles": args.cycles, "concurrency": args.concurrency, "seconds": round(took, 1),
               "outcomes": dict(sorted(soak.outcomes.items())), "before": before, "after": after, "leaked": leaks,
               "final_gc": {k: gc.get(k) for k in ("chunks_freed", "bytes_freed", "chunks_kept")},
-              "new_fds": getattr(soak, "new_fds", []), "errors": soak.errors[:20]}
+              "new_fds": getattr(soak, "new_fds", []), "gone_fds": getattr(soak, "gone_fds", []),
+              "sockets_to_sandboxes": [f for f in getattr(soak, "new_fds", []) if _to_sandbox(f)],
+              "errors": soak.errors[:20]}
     print(json.dumps(report, indent=1))
     from forkyard.network.slots import NetworkManager
 
     NetworkManager(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
-    return 1 if any(v != 0 for v in leaks.values()) else 0
+    return 1 if any(v > 0 for v in leaks.values()) else 0
 
 
 if __name__ == "__main__":

@@ -116,7 +116,10 @@ class Settings:
             default ``<repo>/envd/bin/envd``).
         default_vcpu / default_memory_mb: per-sandbox limits (2 vCPU, 512 MiB — E2B defaults).
         default_disk_mb: each sandbox's disk (its writable layer; ``FORKYARD_DISK_MB``,
-            4096; 0 = unbounded): writes beyond it fail with ENOSPC inside.
+            4096; 0 = unbounded) unless its template says otherwise (``diskSizeMB``):
+            writes beyond it fail with ENOSPC inside.
+        max_disk_mb: the largest disk a template may ask for (``FORKYARD_MAX_DISK_MB``,
+            20480 — forkyard's choice; a larger ``diskSizeMB`` is a 400).
         net_prefix: 2-4 letters naming this server's netns/veths/iptables chains
             (``FORKYARD_NET_PREFIX``, ``fy``); two servers on one host need different ones.
         outer_net: IPv4 range for per-sandbox outer addresses, one /30 each
@@ -168,6 +171,7 @@ class Settings:
     default_vcpu: int = 2
     default_memory_mb: int = 512
     default_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_DISK_MB", "4096")))
+    max_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_DISK_MB", "20480")))
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))

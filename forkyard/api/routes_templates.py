@@ -3,7 +3,8 @@ image import.
 
 Flow of ``Template.build(template, "name")`` (e2b ``template_sync/build_api.py``):
 
-1. ``POST /v3/templates`` ``{name, tags?, cpuCount?, memoryMB?}`` → 202
+1. ``POST /v3/templates`` ``{name, tags?, cpuCount?, memoryMB?, diskSizeMB?}`` → 202
+   (``diskSizeMB`` is forkyard's: E2B sizes disks per team, and shows the size);
    ``{templateID, buildID, public, names, tags, aliases}``;
 2. per ``COPY`` step ``GET /templates/{id}/files/{hash}`` → 201 ``{present, url?}``; when
    not present the SDK ``PUT``s the (gzipped) tarball to ``url`` — here
@@ -75,7 +76,8 @@ def template_entries(request: Request) -> list[dict]:
             ts = (settings.templates_dir / t.template_id / registry.MARKER).stat().st_mtime
         except OSError:
             ts = 0.0
-        out.append(_entry(t.template_id, t.template_id, settings.default_vcpu, settings.default_memory_mb, ts, ts, 1))
+        out.append(_entry(t.template_id, t.template_id, settings.default_vcpu, settings.default_memory_mb, ts, ts, 1,
+                          t.disk_mb or settings.default_disk_mb))
     builds = getattr(request.app.state, "template_builds", None)
     if builds is not None:
         for meta in builds.built_templates():
@@ -83,13 +85,16 @@ def template_entries(request: Request) -> list[dict]:
             done = builds.builds_of(name)
             build_id = next((b.build_id for b in reversed(done) if b.snapshot_id == meta.snapshot_id), meta.snapshot_id)
             created = done[0].created_at if done else meta.created_at
-            out.append(_entry(name, build_id, meta.vcpus, meta.memory_mb, created, meta.created_at, len(done) or 1))
+            out.append(_entry(name, build_id, meta.vcpus, meta.memory_mb, created, meta.created_at, len(done) or 1,
+                              meta.disk_mb or settings.default_disk_mb))
     return out
 
 
-def _entry(tid: str, build_id: str, cpu: int, mem: int, created: float, updated: float, nbuilds: int) -> dict:
+def _entry(tid: str, build_id: str, cpu: int, mem: int, created: float, updated: float, nbuilds: int,
+           disk_mb: int) -> dict:
+    """E2B's ``Template`` shape; ``disk_mb`` is shown as ``diskSizeMB`` (0: unbounded)."""
     return {
-        "templateID": tid, "buildID": build_id, "cpuCount": cpu, "memoryMB": mem, "diskSizeMB": 0,
+        "templateID": tid, "buildID": build_id, "cpuCount": cpu, "memoryMB": mem, "diskSizeMB": disk_mb,
         "public": False, "aliases": [tid], "names": [tid], "createdAt": _iso(created), "updatedAt": _iso(updated),
         "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0, "buildCount": nbuilds,
         "envdVersion": ENVD_VERSION, "buildStatus": "ready",
@@ -110,7 +115,8 @@ async def request_build(request: Request):
     name = body.get("name") or body.get("alias")
     if not name:
         raise BadRequest("name is required")
-    rec = _builds(request).request(name, body.get("cpuCount"), body.get("memoryMB"), body.get("tags"))
+    rec = _builds(request).request(name, body.get("cpuCount"), body.get("memoryMB"), body.get("tags"),
+                                   body.get("diskSizeMB"))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
                          "names": [rec.template_id], "tags": ["default"], "aliases": [rec.template_id]},
                         status_code=202)
@@ -174,13 +180,14 @@ async def get_template(request: Request, template_id: str):
         raise NotFound(f"template {template_id!r} not found")
     if entry is None:
         b = builds[-1]
-        entry = _entry(name, b.build_id, b.cpu_count, b.memory_mb, builds[0].created_at, b.created_at, len(builds))
+        entry = _entry(name, b.build_id, b.cpu_count, b.memory_mb, builds[0].created_at, b.created_at, len(builds),
+                       b.disk_mb or request.app.state.settings.default_disk_mb)
         entry["buildStatus"] = b.status
     entry["builds"] = [{
         "buildID": b.build_id, "status": b.status, "createdAt": _iso(b.created_at),
         "updatedAt": _iso(b.finished_at or b.created_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
         **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
-        "diskSizeMB": 0, "envdVersion": ENVD_VERSION,
+        "diskSizeMB": b.disk_mb or request.app.state.settings.default_disk_mb, "envdVersion": ENVD_VERSION,
     } for b in builds]
     return entry
 
@@ -205,11 +212,18 @@ async def delete_template(request: Request, template_id: str):
 
 
 @router.post("/templates/import", status_code=201, dependencies=authed)
-async def import_template(request: Request, name: str = Query(...)):
+async def import_template(request: Request, name: str = Query(...),
+                          disk_size_mb: int | None = Query(None, alias="diskSizeMB")):
     """Import the body — a ``docker save`` tarball or a tar of an OCI image layout
-    (optionally gzipped) — as rootfs template ``name``: 201 ``Template``; 400 bad image
-    or name; 409 name taken."""
+    (optionally gzipped) — as rootfs template ``name`` whose sandboxes get disks of
+    ``diskSizeMB`` MiB (default ``FORKYARD_DISK_MB``): 201 ``Template``; 400 bad image,
+    name or disk size; 409 name taken."""
     settings = request.app.state.settings
+    if disk_size_mb is not None:
+        try:
+            registry.check_disk_mb(settings, disk_size_mb)
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
     if registry.resolve(settings, name) is not None or _builds(request).template_snapshot(name) is not None:
         raise Conflict(f"template {name!r} already exists")
     tmp = settings.data_dir / f"import-{secrets.token_hex(6)}.tar"
@@ -225,7 +239,7 @@ async def import_template(request: Request, name: str = Query(...)):
         if size == 0:
             raise BadRequest("empty body: send the image tarball")
         try:
-            t = await asyncio.to_thread(build_oci.import_image, settings, tmp, name)
+            t = await asyncio.to_thread(build_oci.import_image, settings, tmp, name, disk_mb=disk_size_mb or 0)
         except build_oci.TemplateExists as e:
             raise Conflict(str(e)) from e
         except build_oci.ImageImportError as e:

@@ -239,11 +239,13 @@ def template_list(as_json: bool = JSON_OPT):
             err.print("no templates")
             return
         t = Table(box=None, header_style="bold")
-        for col in ("ID", "NAMES", "CPU", "MEM", "STATUS"):
+        for col in ("ID", "NAMES", "CPU", "MEM", "DISK", "STATUS"):
             t.add_column(col)
         for it in items:
+            disk = it.raw.get("diskSizeMB")
             t.add_row(it.template_id, ",".join(it.names), str(it.cpu_count or "-"),
-                      f"{it.memory_mb} MiB" if it.memory_mb else "-", it.build_status or "-")
+                      f"{it.memory_mb} MiB" if it.memory_mb else "-", f"{disk} MiB" if disk else "-",
+                      it.build_status or "-")
         print_table(t, [it.template_id for it in items])
 
     run(go)
@@ -330,6 +332,8 @@ def template_import(
     tarball: Path = typer.Argument(..., exists=True, dir_okay=False, readable=True,
                                    help="Image tarball: `docker save IMAGE -o image.tar`, or a tar of an OCI "
                                         "image layout (gzip allowed)."),
+    disk_mb: int | None = typer.Option(None, "--disk-mb", help="Disk size of its sandboxes in MiB "
+                                       "(default: the server's FORKYARD_DISK_MB)."),
     as_json: bool = JSON_OPT,
 ):
     """Import a container image tarball as a template (needs the server's import API)."""
@@ -340,7 +344,7 @@ def template_import(
     async def go(c: AsyncForkyard):
         with _progress() as p:
             task = p.add_task(f"import {tarball.name}", total=size)
-            t = await c.import_template(name, tarball, progress=lambda n: p.advance(task, n))
+            t = await c.import_template(name, tarball, progress=lambda n: p.advance(task, n), disk_mb=disk_mb)
         if as_json:
             print_json(t.raw)
         else:

@@ -59,8 +59,12 @@ IDS_ARG = typer.Argument(..., help="Sandbox ids (see `forkyard ls`).", autocompl
 snapshot_app = typer.Typer(help="Create, list and delete snapshots (usable as templates).", no_args_is_help=True)
 
 
-def _not_found(sandbox_id: str) -> None:
-    fail(f"sandbox {sandbox_id} not found", "list sandboxes with `forkyard ls`")
+def _not_found(sandbox_id: str, error: Exception | None = None) -> None:
+    """Fail with "sandbox … not found", plus why it died when the server says (a sandbox
+    killed for its resources: "…: it was killed: out of memory (limit 512 MiB), at …")."""
+    cause = str(error or "").partition(": it was killed: ")[2]
+    fail(f"sandbox {sandbox_id} not found" + (f": it was killed: {cause}" if cause else ""),
+         "list sandboxes with `forkyard ls`")
 
 
 def register(app: typer.Typer) -> None:
@@ -122,8 +126,8 @@ def register(app: typer.Typer) -> None:
         async def go(c: AsyncForkyard) -> int:
             try:
                 sbx = await c.connect(sandbox_id, timeout=timeout)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             from forkyard.cli.terminal import attach_shell
 
             return await attach_shell(c, sbx, keepalive_s=timeout)
@@ -159,8 +163,8 @@ def register(app: typer.Typer) -> None:
 
             try:
                 sbx = await c.connect(sandbox_id, timeout=max(int(timeout) + 60, 300))
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
 
             def w(stream):
                 def write(s: str) -> None:
@@ -248,8 +252,8 @@ def register(app: typer.Typer) -> None:
         async def go(c: AsyncForkyard):
             try:
                 s = await c.get_sandbox(sandbox_id)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             m = {}
             if s.state == "running":
                 try:
@@ -371,8 +375,8 @@ def register(app: typer.Typer) -> None:
             try:
                 with err.status(f"forking {sandbox_id} into {n}…"):
                     res = await c.fork_info(sandbox_id, n, timeout)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             if as_json:
                 print_json([{"error": {"code": r.status, "message": r.message}} if isinstance(r, ForkError)
                             else {"sandbox": r.to_json()} for r in res])
@@ -405,8 +409,8 @@ def register(app: typer.Typer) -> None:
         async def go(c: AsyncForkyard):
             try:
                 sbx = await c.connect(sandbox_id)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             with _progress() as p:
                 task = p.add_task(f"upload {local.name}", total=size)
 
@@ -439,8 +443,8 @@ def register(app: typer.Typer) -> None:
 
             try:
                 sbx = await c.connect(sandbox_id)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             try:
                 entry = await sbx.files.get_info(remote, user=user)
             except NotFoundException:
@@ -478,8 +482,8 @@ def register(app: typer.Typer) -> None:
         async def go(c: AsyncForkyard) -> int:
             try:
                 lines = await c.logs(sandbox_id)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             except NotSupported as e:
                 err.print(f"[yellow]{e.message}[/yellow]; no sandbox log is kept. "
                           "Processes running in the sandbox, from envd:", highlight=False)
@@ -525,8 +529,8 @@ def register(app: typer.Typer) -> None:
             try:
                 with err.status(f"snapshotting {sandbox_id}…"):
                     s = await c.create_snapshot(sandbox_id, name)
-            except NotFound:
-                _not_found(sandbox_id)
+            except NotFound as e:
+                _not_found(sandbox_id, e)
             if as_json:
                 print_json(s.raw)
             else:

@@ -301,10 +301,11 @@ class AsyncForkyard:
         """Sandbox log lines (``GET /sandboxes/{id}/logs``): ``{timestamp, line}`` each,
         plus ``level`` when the server gives structured ``logEntries`` (``line`` is then
         the entry's message). Raises :class:`NotSupported` when the server has no logs
-        endpoint, :class:`NotFound` for an unknown id."""
-        await self.get_sandbox(sandbox_id)  # a 404 below is then the route's
+        endpoint, :class:`NotFound` for an unknown id. A sandbox that died by itself
+        within the last hour still has logs on forkyard (the last saying why)."""
         r = await self._request("GET", f"/sandboxes/{_q(sandbox_id)}/logs", ok_404=True, what=f"logs of {sandbox_id}")
         if r.status_code == 404:
+            await self.get_sandbox(sandbox_id)  # NotFound for an unknown id: the 404 was the sandbox's
             raise NotSupported("this server has no sandbox logs endpoint (GET /sandboxes/{id}/logs → 404)")
         data = r.json()
         if isinstance(data, dict) and isinstance(data.get("logEntries"), list):
@@ -364,10 +365,11 @@ class AsyncForkyard:
         """Delete a template or snapshot (``DELETE /templates/{id}``). Raises :class:`NotFound`."""
         await self._request("DELETE", f"/templates/{_q(template_id)}", what=f"delete template {template_id}")
 
-    async def import_template(self, name: str, tarball, progress=None) -> TemplateInfo:
+    async def import_template(self, name: str, tarball, progress=None, disk_mb: int | None = None) -> TemplateInfo:
         """Import a container image as template ``name``: ``tarball`` is the path of a
         ``docker save`` tarball or a tar of an OCI image layout (optionally gzipped),
-        streamed as ``POST /templates/import?name=NAME``. ``progress(n)`` is called with
+        streamed as ``POST /templates/import?name=NAME``; ``disk_mb`` sizes its
+        sandboxes' disks (MiB, ``diskSizeMB``; None: the server's default). ``progress(n)`` is called with
         each chunk's size (bytes). Raises :class:`NotSupported` when the server has no
         import endpoint, :class:`Conflict` when the name is taken, :class:`BadRequest`
         for an image the server cannot use, ``OSError`` when the file cannot be read."""
@@ -379,14 +381,17 @@ class AsyncForkyard:
                     yield chunk
 
         path = "/templates/import"
+        params = {"name": name, **({"diskSizeMB": disk_mb} if disk_mb is not None else {})}
         # Probe first with an empty body (→ 400 "empty body" where supported, 409 when the
         # name is taken) so a server without the endpoint, or with the name taken, answers
         # before a large upload starts rather than closing the connection mid-body.
-        probe = await self._request("POST", path, params={"name": name}, ok_404=True, ok_400=True,
+        probe = await self._request("POST", path, params=params, ok_404=True, ok_400=True,
                                     what=f"import template {name!r}")
         if probe.status_code == 404:
             raise NotSupported(f"template import is not supported by this server (POST {path} → 404)")
-        r = await self._request("POST", path, params={"name": name}, content=body(), ok_404=True,
+        if probe.status_code == 400 and "diskSizeMB" in (msg := _error_message(probe)):
+            raise BadRequest(f"import template {name!r}: {msg}", status=400)
+        r = await self._request("POST", path, params=params, content=body(), ok_404=True,
                                 timeout=httpx.Timeout(60, read=1800), what=f"import template {name!r}",
                                 headers={"Content-Type": "application/x-tar"})
         if r.status_code == 404:

@@ -75,6 +75,11 @@ FS_IMAGE_BYTES = Histogram(
     "Size of each filesystem-only image (pause or snapshot with memory: false) as exported, "
     "before the repository's deduplication and compression.",
     buckets=(1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28, 1 << 30, 1 << 32), registry=REGISTRY)
+SANDBOX_DEATHS = Counter(
+    "forkyard_sandbox_deaths_total",
+    "Running sandboxes whose runtime stopped without being asked to (cause: oom = the host's OOM "
+    "killer ended it at its memory limit, exited = its runtime stopped otherwise).",
+    ["cause"], registry=REGISTRY)
 #: Pre-bound children (``labels()`` costs a locked lookup; bytes count once per body chunk).
 BYTES_IN, BYTES_OUT = PROXY_BYTES.labels("in"), PROXY_BYTES.labels("out")
 OPEN_HTTP, OPEN_WS = PROXY_OPEN.labels("http"), PROXY_OPEN.labels("websocket")

@@ -98,6 +98,7 @@ class LifecycleMixin:
             metadata=dict(rec.metadata), names=list(names or []),
             envd_access_token=rec.envd_access_token, parent_image_id=rec.metadata.get(SNAPSHOT_KEY),
             memory=memory, default_user=rec.default_user, default_workdir=rec.default_workdir,
+            disk_mb=rec.disk_mb,
         )
 
     async def _stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
@@ -665,7 +666,7 @@ class LifecycleMixin:
                 auto_pause=auto_pause,
                 metadata={**image.metadata, PARENT_KEY: image.source_sandbox_id, SNAPSHOT_KEY: image.snapshot_id},
                 env_vars=dict(image.env_vars), image_id=None, timeout_s=timeout_s,
-                disk_mb=self.settings.default_disk_mb,
+                disk_mb=image.disk_mb or self.settings.default_disk_mb,
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
                 egress=dict(egress or {}),
             )

@@ -32,6 +32,7 @@ from forkyard.orchestrator.hot import HotPaused, available_memory_pct
 from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin, guest_defaults, staged_memory
 from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
 from forkyard.orchestrator.store import SandboxRecord, Store
+from forkyard.orchestrator.tombstones import Tombstones
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
@@ -108,6 +109,8 @@ class Orchestrator(LifecycleMixin):
         self._garbage: set[str] = set()
         #: What this node may hand out (see :mod:`forkyard.orchestrator.admission`).
         self.capacity = Capacity.from_env()
+        #: Why sandboxes that died by themselves died (told to clients who ask later).
+        self.tombstones = Tombstones()
         #: Paused sandboxes whose frozen runtime is still kept (hot pause).
         self._hot = HotPaused(settings.hot_pause_s if not settings.cluster else 0, settings.hot_pause_max)
         #: Sandboxes started ahead per template (:mod:`forkyard.orchestrator.pool`); none in
@@ -335,11 +338,14 @@ class Orchestrator(LifecycleMixin):
         """The live (running or paused, possibly mid-operation) sandbox ``sandbox_id``.
 
         Raises:
-            NotFound: unknown id or killed sandbox.
+            NotFound: unknown id or killed sandbox; for one that died by itself within
+                the last hour the message adds why (``…: it was killed: out of memory
+                (limit 512 MiB), at …``, :mod:`forkyard.orchestrator.tombstones`).
         """
         rec = self.store.get(sandbox_id)
         if rec is None or rec.state in ("creating", "killing"):
-            raise NotFound(f"sandbox {sandbox_id!r} not found")
+            tomb = self.tombstones.get(sandbox_id)
+            raise NotFound(f"sandbox {sandbox_id!r} not found" + (f": {tomb.describe()}" if tomb else ""))
         return rec
 
     def list(self) -> list[SandboxRecord]:
@@ -351,7 +357,8 @@ class Orchestrator(LifecycleMixin):
 
         Raises:
             NotFound: unknown or not running sandbox; the message says "was not found"
-                (E2B's proxy wording) and whether it is paused.
+                (E2B's proxy wording) and whether it is paused, or why it died
+                (:mod:`forkyard.orchestrator.tombstones`).
         """
         slot = self._slots.get(sandbox_id)
         if slot is None or sandbox_id in self._stopping:
@@ -360,6 +367,9 @@ class Orchestrator(LifecycleMixin):
             if rec is not None and rec.state in ("paused", "pausing"):
                 raise NotFound(f"The sandbox {sandbox_id} was not found running: it is paused "
                                "(connect or resume it)")
+            tomb = self.tombstones.get(sandbox_id)
+            if tomb is not None:  # the SDK appends "The sandbox was killed or reached its timeout"
+                raise NotFound(f"The sandbox {sandbox_id} was not found: {tomb.describe()}")
             raise NotFound(f"The sandbox {sandbox_id} was not found")
         return slot.outer_ip, port
 
@@ -495,7 +505,7 @@ class Orchestrator(LifecycleMixin):
             spec = SandboxSpec(
                 sandbox_id=e.sandbox_id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
                 vcpus=e.vcpus, memory_mb=e.memory_mb, hostname="e2b.local", workdir=workdir,
-                disk_mb=self.settings.default_disk_mb,
+                disk_mb=tmpl.disk_mb or self.settings.default_disk_mb,  # as a cold create's
             )
             await self.driver.create(spec)
             await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
@@ -525,12 +535,14 @@ class Orchestrator(LifecycleMixin):
         self.capacity.check(self.store.all(), vcpus, memory_mb, count)
         self._pool_yield(vcpus, memory_mb, count)
 
-    def _poolable(self, tmpl, vcpus: int | None, memory_mb: int | None) -> bool:
+    def _poolable(self, tmpl, vcpus: int | None, memory_mb: int | None, disk_mb: int | None = None) -> bool:
         """True when a pooled sandbox of ``tmpl`` can honour the request: a rootfs
-        template with a pool and the node's default vCPUs and memory."""
+        template with a pool, the node's default vCPUs and memory, and the template's
+        disk size."""
         return (tmpl is not None and self.pool.pools(tmpl.template_id)
                 and vcpus in (None, self.settings.default_vcpu)
-                and memory_mb in (None, self.settings.default_memory_mb))
+                and memory_mb in (None, self.settings.default_memory_mb)
+                and disk_mb in (None, tmpl.disk_mb or self.settings.default_disk_mb))
 
     async def _handout(self, rec: SandboxRecord, e: Pooled) -> None:
         """Make pooled sandbox ``e`` the sandbox ``rec`` (whose id is ``e``'s): apply the
@@ -687,6 +699,7 @@ class Orchestrator(LifecycleMixin):
         public_traffic: bool = True,
         mask_host: str | None = None,
         auto_pause_memory: bool | None = None,
+        disk_mb: int | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -702,10 +715,14 @@ class Orchestrator(LifecycleMixin):
             mask_host: Host header for user-port requests (``${PORT}`` = the port).
             secure: generate an envd access token that clients must send (always
                 done for snapshots whose source had one).
+            disk_mb: disk size (MiB) instead of the template's or snapshot's (a template
+                build's own ``diskSizeMB``); at least the snapshot's, within the node's
+                bounds (:func:`forkyard.templates.registry.check_disk_mb`). Default: the
+                snapshot's, else the template's, else ``FORKYARD_DISK_MB``.
 
         Raises:
             NotFound: unknown template/snapshot.
-            BadRequest: out-of-range timeout.
+            BadRequest: out-of-range timeout or disk size.
             CreateFailed: runtime or envd failure; everything half-made is removed.
         """
         timeout_s = self._check_timeout(timeout_s)
@@ -713,6 +730,15 @@ class Orchestrator(LifecycleMixin):
         snap = await asyncio.to_thread(self.snapshots.find, template_id) if tmpl is None else None
         if snap is None and tmpl is None:
             raise NotFound(f"template {template_id!r} not found")
+        inherited = (snap.disk_mb if snap else tmpl.disk_mb) or self.settings.default_disk_mb
+        if disk_mb is not None:
+            try:
+                registry.check_disk_mb(self.settings, disk_mb)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            if snap is not None and inherited and disk_mb < inherited:
+                raise BadRequest(f"diskSizeMB {disk_mb} is smaller than the disk of {template_id!r} "
+                                 f"({inherited} MiB), whose files it restores")
         now = time.time()
         rec = SandboxRecord(
             id=new_sandbox_id(),
@@ -732,7 +758,7 @@ class Orchestrator(LifecycleMixin):
             egress=egress.to_json() if egress is not None and not egress.empty else {},
             traffic_token=None if public_traffic else secrets.token_urlsafe(24),
             mask_host=mask_host,
-            disk_mb=self.settings.default_disk_mb,
+            disk_mb=disk_mb if disk_mb is not None else inherited,
             auto_pause_memory=auto_pause_memory,
         )
         rec.default_user, rec.default_workdir = guest_defaults(snap)
@@ -741,7 +767,7 @@ class Orchestrator(LifecycleMixin):
             rec.envd_access_token = secrets.token_urlsafe(24)
         self.capacity.check(self.store.all(), rec.vcpus, rec.memory_mb)  # no await until put: atomic
         pooled = None
-        if snap is None and self._poolable(tmpl, vcpus, memory_mb):
+        if snap is None and self._poolable(tmpl, vcpus, memory_mb, disk_mb):
             pooled = self.pool.take(tmpl.template_id, self._template_stamp(tmpl.template_id))
             if pooled is not None:
                 rec.id, rec.slot = pooled.sandbox_id, pooled.slot.index
@@ -949,14 +975,21 @@ class Orchestrator(LifecycleMixin):
 
     def log_entries(self, sandbox_id: str) -> list[dict]:
         """The sandbox's log entries since it last started or resumed
-        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused.
+        (:func:`forkyard.orchestrator.logs.read_entries`); empty while paused. For a
+        sandbox that died by itself within the last hour: its last entries and an
+        ``error`` entry saying why (:mod:`forkyard.orchestrator.tombstones`).
 
         Raises:
             NotFound: unknown sandbox.
         """
         from forkyard.orchestrator.logs import read_entries
 
-        self.get(sandbox_id)
+        try:
+            self.get(sandbox_id)
+        except NotFound:
+            if (tomb := self.tombstones.get(sandbox_id)) is not None:  # (its row may still be "killing")
+                return list(tomb.logs)
+            raise
         return read_entries(self.settings.sandboxes_dir / sandbox_id / "console.log")
 
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
@@ -1084,11 +1117,27 @@ class Orchestrator(LifecycleMixin):
                     cur = self.store.get(rec.id)
                     if cur is None or cur.state != "running" or await self.driver.is_running(rec.id):
                         continue
-                    log.warning("sandbox %s died (its runtime stopped); removing it", rec.id)
-                    await self._teardown(cur.id, cur.slot)
-                    self.store.delete(cur.id)
+                    await self._bury(cur)
             except Exception as e:  # noqa: BLE001
                 log.error("liveness check of %s failed: %s", rec.id, e)
+
+    async def _bury(self, rec: SandboxRecord) -> None:
+        """Remove running sandbox ``rec`` whose runtime stopped by itself (call with its
+        lock held), recording why first (:attr:`tombstones`: its proxy streams, the
+        502s and 404s that follow and its logs then name the cause) and logging it."""
+        from forkyard.orchestrator.logs import read_entries
+
+        cause = await self.driver.death_cause(rec.id)
+        reason = cause or "its runtime stopped unexpectedly (envd, the sandbox's init, exited)"
+        logs = await asyncio.to_thread(read_entries, self.settings.sandboxes_dir / rec.id / "console.log")
+        self.tombstones.add(rec.id, reason, logs)
+        metrics.SANDBOX_DEATHS.labels("oom" if cause and "out of memory" in cause else "exited").inc()
+        log.warning("sandbox %s was killed: %s; removing it", rec.id, reason,
+                    extra={"sandbox_id": rec.id})
+        rec.state = "killing"  # gone for clients from now on (get() answers with the cause)
+        self.store.put(rec)
+        await self._teardown(rec.id, rec.slot)
+        self.store.delete(rec.id)
 
     # ---- metrics ------------------------------------------------------------------
     async def metrics(self, sandbox_id: str) -> dict:

@@ -87,6 +87,8 @@ class SnapshotMeta:
             the field are checkpoints.
         default_user, default_workdir: the source's envd defaults (set by a template
             build), for a cold boot's ``/init``; None: envd's own.
+        disk_mb: the source's disk size (MiB), which sandboxes restored from it get;
+            0 = the node's default (images made before disks were sized per template).
     """
 
     snapshot_id: str
@@ -105,6 +107,7 @@ class SnapshotMeta:
     memory: bool = True
     default_user: str | None = None
     default_workdir: str | None = None
+    disk_mb: int = 0
 
 
 #: The one file of a filesystem-only image (``SnapshotMeta.memory`` False): the

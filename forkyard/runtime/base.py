@@ -157,3 +157,9 @@ class RuntimeDriver(abc.ABC):
         """Host-side resource use of a running sandbox, or None when the runtime has
         no such figure (then callers report what the sandbox itself says)."""
         return None
+
+    async def death_cause(self, sandbox_id: str) -> str | None:
+        """Why a sandbox whose runtime stopped without being asked to stopped (e.g.
+        ``"out of memory (limit 512 MiB)"``), or None when the runtime cannot tell.
+        Call before :meth:`destroy` (which removes the evidence)."""
+        return None

@@ -116,6 +116,8 @@ class BuildRecord:
     cpu_count: int
     memory_mb: int
     finished_at: float | None = None
+    #: disk size (MiB) of the template's sandboxes; 0 = the node's FORKYARD_DISK_MB.
+    disk_mb: int = 0
     snapshot_id: str | None = None
     reason: dict | None = None
     logs: list[dict] = field(default_factory=list)
@@ -275,9 +277,12 @@ class TemplateBuilds:
 
     # ---- request / upload ---------------------------------------------------------------
     def request(self, name: str, cpu_count: int | None = None, memory_mb: int | None = None,
-                tags: list[str] | None = None) -> BuildRecord:
+                tags: list[str] | None = None, disk_mb: int | None = None) -> BuildRecord:
         """Register a new build of template ``name`` (``POST /v3/templates``); status
-        ``waiting`` until :meth:`trigger`.
+        ``waiting`` until :meth:`trigger`. ``disk_mb`` (MiB, the body's ``diskSizeMB``, a
+        forkyard extension: E2B sets disks per team) sizes the disk of the build
+        sandbox and so of every sandbox made from the template; None = the base's
+        (else ``FORKYARD_DISK_MB``); bounded by ``FORKYARD_MAX_DISK_MB``.
 
         Raises:
             BadRequest: bad name/tag/resources, or ``name`` is a rootfs template.
@@ -300,8 +305,13 @@ class TemplateBuilds:
             raise BadRequest("cpuCount must be between 1 and 8")
         if not isinstance(mem, int) or not 128 <= mem <= 8192:
             raise BadRequest("memoryMB must be between 128 and 8192")
+        if disk_mb is not None:
+            try:
+                registry.check_disk_mb(self.settings, disk_mb)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
         rec = BuildRecord(build_id=str(uuid.uuid4()), template_id=base, status="waiting",
-                          created_at=time.time(), cpu_count=cpu, memory_mb=mem)
+                          created_at=time.time(), cpu_count=cpu, memory_mb=mem, disk_mb=disk_mb or 0)
         self._builds[rec.build_id] = rec
         self._save(rec)
         return rec
@@ -636,7 +646,7 @@ class TemplateBuilds:
                     sbx = await self.orch.create(
                         base, timeout_s=BUILD_SANDBOX_TIMEOUT_S, auto_pause=False,
                         metadata={TEMPLATE_KEY: rec.template_id, BUILD_KEY: rec.build_id},
-                        vcpus=rec.cpu_count, memory_mb=rec.memory_mb,
+                        vcpus=rec.cpu_count, memory_mb=rec.memory_mb, disk_mb=rec.disk_mb or None,
                     )
                 except OrchestratorError as e:
                     raise StepFailed("base", f"could not start a sandbox from {base!r}: {e}") from e

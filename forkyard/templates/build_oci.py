@@ -268,7 +268,8 @@ def _runtime_files(root: Path) -> None:
         envd.touch(mode=0o755)
 
 
-def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None) -> registry.Template:
+def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None,
+                 disk_mb: int = 0) -> registry.Template:
     """Import the image at ``source`` as rootfs template ``name``.
 
     Args:
@@ -278,6 +279,9 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
             the index lists platforms).
         name: template name (``[a-z0-9][a-z0-9_-]{0,63}``).
         progress: called with one line per layer.
+        disk_mb: disk size (MiB) of the template's sandboxes, recorded in its
+            :data:`~forkyard.templates.registry.SETTINGS_FILE`; 0 = the node's default.
+            The caller checks it (:func:`~forkyard.templates.registry.check_disk_mb`).
 
     Returns:
         The new template (usable at once as ``templateID``).
@@ -310,6 +314,8 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         _runtime_files(partial)
         if (tdir / "rootfs").exists():
             raise TemplateExists(f"template {name!r} already exists")
+        if disk_mb:  # before the rootfs appears: a usable template has its settings
+            registry.write_settings(tdir, disk_mb)
         partial.rename(tdir / "rootfs")
         base_tmpl.protect_rootfs(tdir / "rootfs")
         env = (config.get("config") or config.get("Config") or {}).get("Env") or []
@@ -326,7 +332,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         raise
     finally:
         src.close()
-    return registry.Template(name, tdir / "rootfs")
+    return registry.Template(name, tdir / "rootfs", disk_mb)
 
 
 def is_imported(settings: Settings, name: str) -> bool:

@@ -7,6 +7,8 @@ digits, ``-`` and ``_``, at most 64 characters.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,14 +17,54 @@ from forkyard.config import Settings
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 MARKER = ".complete"
+#: A rootfs template's settings (``{"diskSizeMB": N}``), next to its ``rootfs``.
+SETTINGS_FILE = "template.json"
+#: Smallest disk a template may ask for (MiB): room for ext4's own metadata and a
+#: sandbox's first writes.
+MIN_DISK_MB = 32
 
 
 @dataclass(frozen=True)
 class Template:
-    """A built template: ``template_id`` and its read-only ``rootfs`` directory."""
+    """A built template: ``template_id``, its read-only ``rootfs`` directory and its
+    sandboxes' disk size ``disk_mb`` (MiB; 0 = the node's ``FORKYARD_DISK_MB``)."""
 
     template_id: str
     rootfs: Path
+    disk_mb: int = 0
+
+
+def check_disk_mb(settings: Settings, value) -> int:
+    """``value`` as a template's disk size in MiB, checked against this node's bounds
+    (:data:`MIN_DISK_MB` … ``settings.max_disk_mb``).
+
+    Raises:
+        ValueError: not an integer in those bounds; the message is meant for the client
+            (the API answers it as a 400).
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_DISK_MB <= value <= settings.max_disk_mb:
+        raise ValueError(f"diskSizeMB must be an integer between {MIN_DISK_MB} and {settings.max_disk_mb} MiB "
+                         f"(this node's maximum, FORKYARD_MAX_DISK_MB), got {value!r}")
+    return value
+
+
+def write_settings(tdir: Path, disk_mb: int) -> None:
+    """Record a rootfs template's disk size in ``tdir``/:data:`SETTINGS_FILE` (temp
+    name, fsync, rename)."""
+    tmp = tdir / f".{SETTINGS_FILE}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"diskSizeMB": disk_mb}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(tdir / SETTINGS_FILE)
+
+
+def _disk_mb(tdir: Path) -> int:
+    try:
+        value = json.loads((tdir / SETTINGS_FILE).read_text()).get("diskSizeMB", 0)
+    except (OSError, ValueError, AttributeError):
+        return 0
+    return value if isinstance(value, int) and value > 0 else 0
 
 
 def _marker_ok(tdir: Path) -> bool:
@@ -38,7 +80,7 @@ def resolve(settings: Settings, template_id: str) -> Template | None:
     tdir = settings.templates_dir / name
     if not (tdir / "rootfs").is_dir() or not _marker_ok(tdir):
         return None
-    return Template(name, tdir / "rootfs")
+    return Template(name, tdir / "rootfs", _disk_mb(tdir))
 
 
 def list_templates(settings: Settings) -> list[Template]:

@@ -116,6 +116,33 @@ def cgroup_usage(sandbox_id: str, root: Path = _CGROUP_ROOT) -> RuntimeUsage | N
     return RuntimeUsage(cpu_ns=ns, cpu_limit=limit)
 
 
+def cgroup_oom(sandbox_id: str, root: Path = _CGROUP_ROOT) -> tuple[int, int] | None:
+    """``(oom kills, memory limit in bytes)`` of the sandbox's cgroup, or None when it
+    has no memory cgroup (gone, or never made).
+
+    cgroup v1: ``memory/<path>/memory.oom_control`` line ``oom_kill N`` (kernel ≥ 4.13)
+    and ``memory.limit_in_bytes``; cgroup v2: ``<path>/memory.events`` ``oom_kill N``
+    and ``memory.max`` (kernel docs, cgroup-v1/memory and cgroup-v2 "Memory"). Under
+    gVisor the host's OOM killer acts on this cgroup and kills the sentry, i.e. the
+    whole sandbox (measured: tests/test_runtime.py), so a count above 0 on a sandbox
+    whose runtime stopped says why it stopped. A limit of ``max`` reads as 0.
+    """
+    rel = ocispec.cgroup_path(sandbox_id).lstrip("/")
+    try:
+        v1 = root / "memory" / rel
+        if (v1 / "memory.oom_control").exists():
+            events, limit_file = v1 / "memory.oom_control", v1 / "memory.limit_in_bytes"
+        elif (root / rel / "memory.events").exists():
+            events, limit_file = root / rel / "memory.events", root / rel / "memory.max"
+        else:
+            return None
+        fields = dict(line.split()[:2] for line in events.read_text().splitlines() if len(line.split()) >= 2)
+        raw = limit_file.read_text().strip()
+        return int(fields.get("oom_kill", 0)), (0 if raw == "max" else int(raw))
+    except (OSError, ValueError):
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     """True when ``pid`` exists and is not a zombie."""
     try:
@@ -583,6 +610,15 @@ class GVisorDriver(RuntimeDriver):
     async def usage(self, sandbox_id: str) -> RuntimeUsage | None:
         """The sandbox's cgroup CPU figures (see :func:`cgroup_usage`)."""
         return cgroup_usage(sandbox_id)
+
+    async def death_cause(self, sandbox_id: str) -> str | None:
+        """Why a sandbox whose runtime stopped by itself stopped, read from its memory
+        cgroup before :meth:`destroy` removes it (:func:`cgroup_oom`): ``"out of memory
+        (limit 512 MiB)"`` when the host's OOM killer acted on it, else None."""
+        oom = cgroup_oom(sandbox_id)
+        if oom is None or oom[0] == 0:
+            return None
+        return f"out of memory (limit {oom[1] >> 20} MiB)" if oom[1] else "out of memory"
 
     async def freeze(self, sandbox_id: str) -> None:
         """Stop every task of the sandbox in place (``runsc pause``); memory and

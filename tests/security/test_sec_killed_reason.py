@@ -1,0 +1,49 @@
+"""Issue 11 item 3 (the rest): a sandbox killed for its resources tells the client why.
+
+Under gVisor the host's OOM killer acts on the sandbox's cgroup and kills the sentry,
+i.e. the whole sandbox (measured: tests/test_runtime.py). The client then sees E2B's
+"sandbox not running" shapes with the cause named: the command's stream ends with a
+Connect ``unavailable`` error ("… was not found …: out of memory (limit 512 MiB)") that
+the SDK raises as ``SandboxNotRunningException``; later the proxy's 502, the REST 404
+of ``GET /sandboxes/{id}`` and the sandbox's logs say the same."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from e2b import Sandbox
+from e2b.exceptions import SandboxException
+
+OOM = "out of memory (limit 512 MiB)"
+
+
+def test_an_oom_killed_sandbox_tells_the_client_why(server):
+    sbx = Sandbox.create("base", timeout=120)
+    sid = sbx.sandbox_id
+    assert sbx.get_info().memory_mb == 512
+    t0 = time.monotonic()
+    with pytest.raises(SandboxException) as err:
+        # 900 MiB touched in a 512 MiB sandbox (/tmp is sized, so use process memory).
+        sbx.commands.run("python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\"",
+                         timeout=90)
+    took = time.monotonic() - t0
+    print(f"\nthe SDK raised {type(err.value).__name__} after {took:.1f} s: {err.value}")
+    assert OOM in str(err.value) and "was not found" in str(err.value)
+    assert not sbx.is_running()
+    with server.api() as c:
+        info = c.get(f"/sandboxes/{sid}")
+        assert info.status_code == 404 and OOM in info.json()["message"], info.text
+        proxied = httpx.get(f"{server.url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"})
+        assert proxied.status_code == 502 and OOM in proxied.json()["message"], proxied.text
+        logs = c.get(f"/v2/sandboxes/{sid}/logs", params={"limit": 1000})
+        assert logs.status_code == 200, logs.text
+        assert any(OOM in e["message"] and e["level"] == "error" for e in logs.json()["logs"]), logs.text
+        gone = c.delete(f"/sandboxes/{sid}")
+        assert gone.status_code == 404 and OOM in gone.json()["message"]
+    cli = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "logs", sid], capture_output=True, text=True,
+                         timeout=60, check=False)  # E2B_API_URL/E2B_API_KEY from the session
+    assert cli.returncode == 0 and OOM in cli.stdout and "Traceback" not in cli.stderr, (cli.stdout, cli.stderr)
