@@ -553,3 +553,42 @@ def test_a_reused_net_prefix_is_refused():
     ok = subprocess.run([sys.executable, "-c", "from forkyard.cli.main import _lock_net_prefix as l; l('zzq')"],
                         capture_output=True, text=True, timeout=30)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_paused_sandboxes_of_a_node_that_stays_down_move_and_expire(base_template):
+    """A node down past FORKYARD_ORPHAN_MOVE_S has its paused sandboxes moved to a live
+    node without any client call; there its retention deletes them on time (before, a
+    node that never came back kept them forever: retention runs on the owning node)."""
+    c = Cluster(TEST_ROOT / f"cluster-orphans-{os.getpid()}", nodes=2)
+    c.scheduler.env = dict(c.scheduler.env, FORKYARD_ORPHAN_MOVE_S="1")
+    for n in c.nodes:
+        n.env = dict(n.env, FORKYARD_PAUSED_RETENTION_S="20")
+    try:
+        c.start()
+        with only_on(c, "node0"):
+            sbx = Sandbox.create("base", timeout=300, **c.sdk)
+        sbx.files.write("/home/user/keep.txt", "kept")
+        sbx.pause()
+        paused_at = time.time()
+        with c.sched() as sc:
+            bound = sc.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+        assert bound["nodeID"] == "node0" and bound["state"] == "paused"
+        manifest = c.root / "repository" / "manifests" / f"{bound['record']['image_id']}.json"
+        assert manifest.exists()
+        c.nodes[0].stop(sig_kill=True)
+        node1 = httpx.Client(base_url=c.node_urls[1], headers={"X-API-Key": c.api_key}, timeout=30)
+        # moved and adopted by node1 with no call for it
+        wait_for(lambda: node1.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 200, HEARTBEAT_TIMEOUT_S + 8,
+                 "node1 to adopt the paused sandbox of the dead node")
+        assert c.owner(sbx.sandbox_id) == "node1"
+        assert time.time() - paused_at < 18, "moved too late for the retention check below to mean anything"
+        # retention (20 s from the pause) deletes it on node1, binding and image included
+        with c.api() as api:
+            wait_for(lambda: api.get(f"/sandboxes/{sbx.sandbox_id}").status_code == 404, 40,
+                     "retention to delete the moved paused sandbox")
+        assert time.time() - paused_at >= 19
+        assert c.owner(sbx.sandbox_id) is None
+        wait_for(lambda: not manifest.exists(), 30, "the pause image to be deleted from the repository")
+    finally:
+        c.close()
+        assert_clean(c)

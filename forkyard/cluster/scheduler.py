@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -83,20 +84,49 @@ class _Guard:
         return await self.app(scope, receive, send)
 
 
+#: A node silent this long (s, ``FORKYARD_ORPHAN_MOVE_S``) has its paused sandboxes moved
+#: to live nodes without waiting for a call, so their retention (which runs on the owning
+#: node) and GC go on; a node back sooner keeps them (a restart loses nothing).
+ORPHAN_MOVE_S = float(os.environ.get("FORKYARD_ORPHAN_MOVE_S", "300"))
+
+
+async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: float) -> list[str]:
+    """Rebind every paused sandbox of down node ``node_id`` to a live node (placement as
+    for a resume, with snapshot locality; the target adopts it at its next heartbeat).
+    Returns the moved ids; those with no node to go to stay (retried next sweep)."""
+    moved = []
+    for sid in sorted(await store.node_sandboxes(node_id)):
+        b = await store.binding(sid)
+        if b is None or b.state != "paused" or b.node_id != node_id:
+            continue
+        try:
+            target = place(all_nodes, {}, now, snapshot_id=b.record.get("image_id"), exclude={node_id})[0][0]
+        except NoCapacity:
+            break
+        if await store.rebind(sid, node_id, target.node_id):
+            moved.append(sid)
+            log.info("sandbox %s moves from down node %s to node %s", sid, node_id, target.node_id)
+    return moved
+
+
 def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: float = 1.0):
     """The scheduler's ASGI app over ``store``; ``secret`` guards every route but
-    ``/health``. A background sweep marks silent nodes down every ``sweep_interval_s``."""
+    ``/health``. A background sweep every ``sweep_interval_s`` marks silent nodes down
+    and moves the paused sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`."""
 
     async def sweep():
         while True:
             await asyncio.sleep(sweep_interval_s)
             try:
                 now = time.time()
-                for n in await store.nodes():
+                all_nodes = await store.nodes()
+                for n in all_nodes:
                     if not n.alive(now):
                         gone = await store.mark_down(n.node_id, now - HEARTBEAT_TIMEOUT_S)
                         if gone:
                             log.warning("node %s is down: %d running sandbox(es) reported gone", n.node_id, len(gone))
+                        if now - n.last_seen > ORPHAN_MOVE_S:
+                            await move_orphans(store, n.node_id, all_nodes, now)
             except ClusterStoreUnavailable as e:
                 log.error("%s", e)
             except Exception as e:  # noqa: BLE001 — the sweep must keep running
