@@ -555,18 +555,26 @@ def test_a_reused_net_prefix_is_refused():
     assert ok.returncode == 0, ok.stderr
 
 
-def test_paused_sandboxes_of_a_node_that_stays_down_move_and_expire(base_template):
+def test_what_a_dead_node_or_gateway_leaves_is_moved_expired_and_collected(base_template):
     """A node down past FORKYARD_ORPHAN_MOVE_S has its paused sandboxes moved to a live
     node without any client call; there its retention deletes them on time (before, a
-    node that never came back kept them forever: retention runs on the owning node)."""
+    node that never came back kept them forever: retention runs on the owning node).
+    A fork image a gateway never deleted (it died mid-fork) is deleted by a node's image
+    GC once older than FORKYARD_FORK_IMAGE_TTL_S."""
     c = Cluster(TEST_ROOT / f"cluster-orphans-{os.getpid()}", nodes=2)
     c.scheduler.env = dict(c.scheduler.env, FORKYARD_ORPHAN_MOVE_S="1")
     for n in c.nodes:
-        n.env = dict(n.env, FORKYARD_PAUSED_RETENTION_S="20")
+        n.env = dict(n.env, FORKYARD_PAUSED_RETENTION_S="20", FORKYARD_FORK_IMAGE_TTL_S="5")
     try:
         c.start()
         with only_on(c, "node0"):
             sbx = Sandbox.create("base", timeout=300, **c.sdk)
+        # the first half of a cross-node fork, as a gateway that then died left it
+        r = httpx.post(f"{c.node_urls[0]}/cluster/sandboxes/{sbx.sandbox_id}/fork", json={"count": 0, "timeout": 60},
+                       headers={"x-forkyard-cluster-secret": c.secret}, timeout=120)
+        assert r.status_code == 200, r.text
+        fork_manifest = c.root / "repository" / "manifests" / f"{r.json()['image']}.json"
+        assert fork_manifest.exists()
         sbx.files.write("/home/user/keep.txt", "kept")
         sbx.pause()
         paused_at = time.time()
@@ -589,6 +597,7 @@ def test_paused_sandboxes_of_a_node_that_stays_down_move_and_expire(base_templat
         assert time.time() - paused_at >= 19
         assert c.owner(sbx.sandbox_id) is None
         wait_for(lambda: not manifest.exists(), 30, "the pause image to be deleted from the repository")
+        wait_for(lambda: not fork_manifest.exists(), 70, "the stale fork image to be deleted")
     finally:
         c.close()
         assert_clean(c)

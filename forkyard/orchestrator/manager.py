@@ -54,6 +54,12 @@ ENVD_READY_TIMEOUT_S = 20.0
 SPARE_SLOTS = int(os.environ.get("FORKYARD_SPARE_SLOTS", "16"))
 #: How long paused sandboxes are kept before deletion (``FORKYARD_PAUSED_RETENTION_S``).
 PAUSED_RETENTION_S = int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600)))
+#: In a cluster, a ``fork`` image older than this (s, ``FORKYARD_FORK_IMAGE_TTL_S``) is
+#: deleted by any node's image GC: the gateway deletes each once the fork's children run,
+#: so an older one was left by a gateway that died mid-fork.
+FORK_IMAGE_TTL_S = float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600"))
+#: How often (ticks of the 0.5 s TTL loop) a cluster node runs its image GC on its own.
+_CLUSTER_GC_TICKS = 120
 
 
 def new_sandbox_id() -> str:
@@ -888,6 +894,12 @@ class Orchestrator(LifecycleMixin):
                 if meta is not None and meta.kind == "pause":  # never a user's snapshot or template
                     self.snapshots.delete(sid)
                 self._garbage.discard(sid)
+            stale = time.time() - FORK_IMAGE_TTL_S
+            for meta in self.snapshots.list("fork"):  # left by a gateway that died mid-fork
+                if meta.created_at and meta.created_at < stale:
+                    log.info("deleting fork image %s left over from %s", meta.snapshot_id,
+                             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created_at)))
+                    self.snapshots.delete(meta.snapshot_id)
             return
         for meta in self.snapshots.list():
             if meta.kind in ("pause", "fork") and meta.snapshot_id not in referenced:
@@ -1073,6 +1085,8 @@ class Orchestrator(LifecycleMixin):
                     self.pool.check_memory()
                     self.pool.refill()
                 await self._reap_dead()
+            if self.settings.cluster and tick % _CLUSTER_GC_TICKS == 0:
+                self._gc_images_later()  # stale fork images (FORK_IMAGE_TTL_S) even on an idle node
 
     def _due(self, sandbox_id: str) -> bool:
         """Still due for expiry now (call with the sandbox's lock held): a timeout set
