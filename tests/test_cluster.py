@@ -197,6 +197,26 @@ def test_fork_of_24_spills_to_other_nodes(cluster):
         src.kill()
 
 
+def test_a_sandbox_killed_for_its_memory_says_why_through_the_gateway(cluster):
+    """The OOM cause a node records (forkyard.orchestrator.tombstones) reaches the
+    gateway: its REST 404 and proxy 502 name it, as a single node's do."""
+    c = cluster
+    sbx = Sandbox.create("base", timeout=120, **c.sdk)
+    sid = sbx.sandbox_id
+    with pytest.raises(Exception) as err:
+        sbx.commands.run("python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\"",
+                         timeout=90)
+    assert "out of memory (limit 512 MiB)" in str(err.value)
+    with c.api() as api:
+        # once the node's deletion is published, the gateway answers from Redis
+        wait_for(lambda: c.owner(sid) is None, 10, "the dead sandbox's binding to be dropped")
+        info = api.get(f"/sandboxes/{sid}")
+        assert info.status_code == 404 and "it was killed: out of memory (limit 512 MiB)" in info.json()["message"], info.text
+    proxied = httpx.get(f"{c.gateway_url}/health", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "49983"},
+                        timeout=30)
+    assert proxied.status_code == 502 and "out of memory" in proxied.json()["message"], proxied.text
+
+
 def _holders(c: Cluster, ids: list[str]) -> dict[str, tuple[str | None, list[str]]]:
     """``{id: (bound node, [nodes whose own API has it])}`` for a failure message."""
     out = {}

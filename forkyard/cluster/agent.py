@@ -240,16 +240,19 @@ class NodeAgent:
         if not self._dirty:
             return []
         ids, self._dirty = self._dirty, set()
-        records, deleted = [], []
+        records, deleted, deaths = [], [], {}
         for sid in ids:
             rec = self.orch.store.get(sid)
             if rec is None or rec.state in _HIDDEN:
                 if rec is None or rec.state == "killing":
                     deleted.append(sid)
+                    if (tomb := self.orch.tombstones.get(sid)) is not None:  # died by itself: say why
+                        deaths[sid] = tomb.describe()
                 continue
             records.append(asdict(rec))
         try:
-            out = await self._post(f"/v1/nodes/{self.node_id}/publish", {"records": records, "deleted": deleted})
+            out = await self._post(f"/v1/nodes/{self.node_id}/publish",
+                                   {"records": records, "deleted": deleted, "deaths": deaths})
         except BaseException:
             self._dirty |= ids
             raise

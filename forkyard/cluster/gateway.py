@@ -173,7 +173,8 @@ class Gateway:
         """
         b = await self.store.binding(sandbox_id)
         if b is None:
-            raise _Fail(404, f"sandbox {sandbox_id!r} not found")
+            why = await self.store.death(sandbox_id)  # its node said why it died, if it did
+            raise _Fail(404, f"sandbox {sandbox_id!r} not found" + (f": {why}" if why else ""))
         nodes = await self.nodes()
         now = time.time()
         node = nodes.get(b.node_id)

@@ -9,7 +9,7 @@ shows their sandboxes (a placement made while a report was in flight is never lo
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
 * ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held, placements}`` → ``{status, foreign, missing, adopt}``
-* ``POST /v1/nodes/{id}/publish`` ``{records, deleted}`` → ``{foreign}``
+* ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
 * ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count, placementID}]}``
 * ``GET /v1/sandboxes/{id}`` → the binding
@@ -51,6 +51,8 @@ class Heartbeat(BaseModel):
 class Publish(BaseModel):
     records: list[dict] = Field(default_factory=list, max_length=10_000)
     deleted: list[str] = Field(default_factory=list, max_length=10_000)
+    #: why deleted sandboxes died by themselves (``{id: "it was killed: …"}``)
+    deaths: dict[str, str] = Field(default_factory=dict, max_length=10_000)
 
 
 class PlacementRequest(BaseModel):
@@ -168,7 +170,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         for rec in body.records:
             if not isinstance(rec.get("id"), str) or not isinstance(rec.get("state"), str):
                 raise HTTPException(400, "each record needs string 'id' and 'state'")
-        return {"foreign": await store.publish(node_id, body.records, body.deleted)}
+        return {"foreign": await store.publish(node_id, body.records, body.deleted, deaths=body.deaths)}
 
     @app.get("/v1/nodes")
     async def nodes():

@@ -12,6 +12,8 @@ gateways acting at once never see half a change):
 ``fy:nodesbx:<node>``          set of the sandbox ids bound to that node
 ``fy:gone:<id>``               tombstone (7 days) of a sandbox reported gone with its node;
                                the node is told to destroy it if it comes back
+``fy:dead:<id>``               why a sandbox died by itself (OOM kill, …) as its node words
+                               it (:data:`DEATH_KEEP_S`), for the gateway's 404/502
 ``fy:placing:<node>``          sorted set of placement ids by time, and
 ``fy:placingn:<node>``         hash placement id → sandbox count: counted against the node
                                until its heartbeat acknowledges them (the node acks a
@@ -42,6 +44,11 @@ from forkyard.cluster.types import NODE_DOWN, NODE_UP, Binding, NodeInfo, NodeRe
 
 P = "fy:"
 TOMBSTONE_S = 7 * 24 * 3600
+#: How long the cause of a sandbox's death is kept (s), as on the node
+#: (:data:`forkyard.orchestrator.tombstones.KEEP_S`).
+DEATH_KEEP_S = 3600
+#: Longest cause kept (characters).
+DEATH_MAX_CHARS = 300
 #: A placement no heartbeat acknowledged stops counting after this long (s): the
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
@@ -278,12 +285,18 @@ class ClusterStore:
         return {_s(x) for x in await self._call(self._r.smembers(f"{P}nodesbx:{node_id}"))}
 
     async def publish(self, node_id: str, records: list[dict], deleted: list[str],
-                      now: float | None = None) -> list[str]:
+                      now: float | None = None, deaths: dict[str, str] | None = None) -> list[str]:
         """Apply a node's changes: upsert the bindings of ``records`` (node records as
         dicts, ``id`` and ``state`` keys) and drop those of ``deleted`` — each only if
-        the sandbox is not bound to another node or tombstoned. Returns the ids the node
-        must drop (bound elsewhere, or reported gone)."""
+        the sandbox is not bound to another node or tombstoned — keeping the causes in
+        ``deaths`` (``{id: "it was killed: …"}``, see :meth:`death`). Returns the ids the
+        node must drop (bound elsewhere, or reported gone)."""
         now = time.time() if now is None else now
+        if deaths:
+            async with self._r.pipeline(transaction=False) as p:
+                for sid, why in deaths.items():
+                    p.set(f"{P}dead:{sid}", why[:DEATH_MAX_CHARS], ex=DEATH_KEEP_S)
+                await self._call(p.execute())
         foreign = []
         for rec in records:
             sid = rec["id"]
@@ -334,6 +347,12 @@ class ClusterStore:
         return bool(await self._call(self._rebind(
             keys=[f"{P}sbx:{sandbox_id}", f"{P}nodesbx:{from_node}", f"{P}nodesbx:{to_node}"],
             args=[from_node, to_node, sandbox_id, repr(now)])))
+
+    async def death(self, sandbox_id: str) -> str | None:
+        """Why ``sandbox_id`` died by itself (``"it was killed: out of memory (limit 512
+        MiB), at …"``), if its node said so within :data:`DEATH_KEEP_S`; else None."""
+        got = await self._call(self._r.get(f"{P}dead:{sandbox_id}"))
+        return _s(got) if got is not None else None
 
     async def is_gone(self, sandbox_id: str) -> bool:
         """True when the sandbox was reported gone with its node (tombstone)."""
