@@ -148,6 +148,14 @@ class ServerProc:
         found["mounts"] = [m for m in found["mounts"] if not any(d.rstrip("/") in m for d in pooled)]
         return found
 
+    def wait_clean(self, timeout_s: float = 20) -> None:
+        """Wait (≤ ``timeout_s``) until :meth:`leftovers` is clean — an interrupted runsc
+        may still be exiting — then assert it is."""
+        deadline = time.time() + timeout_s
+        while self.leftovers() != CLEAN and time.time() < deadline:
+            time.sleep(0.2)
+        assert self.leftovers() == CLEAN
+
     def settle(self, timeout_s: float = 30) -> None:
         """Wait until no pause is still committing and no image GC runs in the background."""
         deadline = time.time() + timeout_s

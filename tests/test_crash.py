@@ -6,11 +6,10 @@ fork children never appear, and nothing is left behind once the source is killed
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
-from conftest import CLEAN, SERVER_DIR
+from conftest import SERVER_DIR
 from e2b import Sandbox
 from test_lifecycle import state_of, value, with_counter
 
@@ -71,10 +70,7 @@ def test_kill9_mid_operation(server, op, phase, after):
     finally:
         hold.disarm()
         server.kill_all()
-    deadline = time.time() + 20  # an interrupted runsc checkpoint may still be exiting
-    while server.leftovers() != CLEAN and time.time() < deadline:
-        time.sleep(0.5)
-    assert server.leftovers() == CLEAN
+    server.wait_clean(20)  # an interrupted runsc checkpoint may still be exiting
 
 
 def test_kill9_after_pause_reply(server):
@@ -104,7 +100,4 @@ def test_kill9_after_pause_reply(server):
     finally:
         hold.disarm()
         server.kill_all()
-    deadline = time.time() + 20
-    while server.leftovers() != CLEAN and time.time() < deadline:
-        time.sleep(0.5)
-    assert server.leftovers() == CLEAN
+    server.wait_clean(20)

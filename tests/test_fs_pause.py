@@ -283,7 +283,4 @@ def test_kill9_mid_fs_pause(server, phase, after):
     finally:
         hold.disarm()
         server.kill_all()
-    deadline = time.time() + 20
-    while server.leftovers() != CLEAN and time.time() < deadline:
-        time.sleep(0.5)
-    assert server.leftovers() == CLEAN
+    server.wait_clean(20)

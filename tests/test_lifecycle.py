@@ -7,7 +7,7 @@ import time
 
 import httpx
 import pytest
-from conftest import CLEAN, SERVER_DIR
+from conftest import SERVER_DIR
 from e2b import Sandbox
 
 # A value held only in a running process's memory: GET /set/V stores V, any other
@@ -253,10 +253,7 @@ def test_resume_and_kill_right_after_pause_reply(server):
             hold.release()
             assert killed.result() == 204
         assert state_of(server, sid) is None
-        deadline = time.time() + 10
-        while server.leftovers() != CLEAN and time.time() < deadline:
-            time.sleep(0.2)
-        assert server.leftovers() == CLEAN
+        server.wait_clean(10)
         server.settle()
         assert not manifest.exists()  # committed, then removed with the killed sandbox
         assert not [p for p in (SERVER_DIR / "snapshots").iterdir() if p.name.startswith(".staging")]

@@ -505,9 +505,7 @@ class Orchestrator(LifecycleMixin):
         try:
             slot = await self._reserve_slot(note)
             e.slot = slot
-            workdir = self.settings.sandboxes_dir / e.sandbox_id
-            shutil.rmtree(workdir, ignore_errors=True)
-            workdir.mkdir(parents=True)
+            workdir = self._fresh_workdir(e.sandbox_id)
             spec = SandboxSpec(
                 sandbox_id=e.sandbox_id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
                 vcpus=e.vcpus, memory_mb=e.memory_mb, hostname="e2b.local", workdir=workdir,
@@ -519,6 +517,13 @@ class Orchestrator(LifecycleMixin):
         except BaseException:
             await asyncio.shield(self._pool_destroy(e))
             raise
+
+    def _fresh_workdir(self, sandbox_id: str) -> Path:
+        """An empty runtime work directory for ``sandbox_id`` (a stale one is removed)."""
+        workdir = self.settings.sandboxes_dir / sandbox_id
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        return workdir
 
     async def _pool_destroy(self, e: Pooled) -> None:
         """Remove pooled sandbox ``e``: runtime, slot, workdir. Never raises."""
@@ -604,9 +609,7 @@ class Orchestrator(LifecycleMixin):
                 await asyncio.to_thread(self.network.set_egress, slot.index, EgressPolicy.from_json(rec.egress))
             t1 = time.perf_counter()
             phases["slot"] = (t1 - t0) * 1000
-            workdir = self.settings.sandboxes_dir / rec.id
-            shutil.rmtree(workdir, ignore_errors=True)
-            workdir.mkdir(parents=True)
+            workdir = self._fresh_workdir(rec.id)
             spec = SandboxSpec(
                 sandbox_id=rec.id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname="e2b.local", workdir=workdir,
