@@ -76,17 +76,30 @@ func TestStartWaitSignalAndOrphans(t *testing.T) {
 
 	// The shell exits at once, orphaning its background children; as
 	// subreaper we inherit and must reap them.
-	_, ch, err = r.Start(exec.Command("/bin/sh", "-c", "sleep 0.2 & sleep 0.2 & exit 0"))
+	// The orphans live 2 s, long enough to be seen on a loaded machine; then
+	// each must be reaped (no zombie) within 5 s of its exit.
+	_, ch, err = r.Start(exec.Command("/bin/sh", "-c", "sleep 2 & sleep 2 & exit 0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	<-ch
-	time.Sleep(50 * time.Millisecond)
-	if kids := childrenOf(os.Getpid(), ""); len(kids) < 2 {
+	deadline := time.Now().Add(1500 * time.Millisecond)
+	kids := childrenOf(os.Getpid(), "")
+	for len(kids) < 2 && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+		kids = childrenOf(os.Getpid(), "")
+	}
+	if len(kids) < 2 {
 		t.Fatalf("orphans were not re-parented to the subreaper: %v", kids)
 	}
-	time.Sleep(700 * time.Millisecond)
+	deadline = time.Now().Add(7 * time.Second)
+	for time.Now().Before(deadline) && len(childrenOf(os.Getpid(), "")) > 0 {
+		time.Sleep(50 * time.Millisecond)
+	}
 	if z := zombiesOf(os.Getpid()); len(z) > 0 {
 		t.Fatalf("zombies left: %v", z)
+	}
+	if left := childrenOf(os.Getpid(), ""); len(left) > 0 {
+		t.Fatalf("orphans neither exited nor were reaped: %v", left)
 	}
 }
