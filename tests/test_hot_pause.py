@@ -30,7 +30,10 @@ def test_resume_of_a_kept_sandbox_unfreezes_it(server):
             assert r.status_code == 204 and "freeze;" in _timing(r), r.headers
             server.settle()  # the image is committed meanwhile: the pause is durable
             assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "paused"
-            assert _node(server)["hotPaused"] >= 1
+            kept = _node(server)["hotPaused"]
+            assert kept >= 1
+            scraped = c.get("/metrics").text  # the Prometheus gauge says the same
+            assert f"forkyard_hot_paused {float(kept)}" in scraped, [l for l in scraped.splitlines() if "hot" in l]
             assert not sbx.is_running()
             r = c.post(f"/sandboxes/{sbx.sandbox_id}/connect", json={"timeout": 300})
             assert r.status_code == 201, r.text

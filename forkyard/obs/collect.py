@@ -62,6 +62,8 @@ def node_families(orch) -> list:
         gauge("forkyard_spare_slots", "Network slots built ahead and ready for new sandboxes.", len(nm["spareSlots"])),
         gauge("forkyard_pauses_in_flight", "Pauses that answered and are still committing their image.",
               nm["pausesInFlight"]),
+        gauge("forkyard_hot_paused", "Paused sandboxes whose frozen runtime this node still keeps, so a resume "
+              "is an unfreeze (hot pause, FORKYARD_HOT_PAUSE_S).", nm["hotPaused"]),
     ]
     pool = nm.get("pool") or {}
     if pool:  # templates are the configured ones (FORKYARD_POOL): a bounded label set
