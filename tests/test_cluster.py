@@ -470,6 +470,20 @@ def test_cluster_auth(cluster):
         assert h.post(f"{c.node_urls[0]}/cluster/adopt", json={"id": "x"},
                       headers={"X-API-Key": c.api_key}).status_code == 401
         assert h.get(f"{c.scheduler_url}/health").status_code == 200
+        # The gateway never relays node-internal calls (it would add the secret to them)
+        key = {"X-API-Key": c.api_key}
+        for method, path in [("POST", "/cluster/adopt"), ("DELETE", "/cluster/images/x"), ("POST", "/cluster/fork-children"),
+                             ("POST", "/cluster/sandboxes/x/fork"), ("GET", "/cluster")]:
+            r = h.request(method, f"{c.gateway_url}{path}", json={"id": "x"}, headers=key)
+            assert r.status_code == 404 and "not part of the API" in r.text, (path, r.status_code, r.text)
+        # and a node takes only records shaped as forkyard writes them (ids name host paths)
+        secret = {"x-forkyard-cluster-secret": c.secret}
+        record = {"template_id": "base", "state": "paused", "slot": None, "vcpus": 2, "memory_mb": 512,
+                  "started_at": 0, "end_at": 0, "auto_pause": True, "image_id": "snapx"}
+        for bad in [{"id": "."}, {"id": "../../tmp/x"}, {"id": "ok1", "disk_mb": -1}, {"id": "ok1", "vcpus": 10**6},
+                    {"id": "ok1", "image_id": "../x"}]:
+            r = h.post(f"{c.node_urls[0]}/cluster/adopt", json={**record, **bad}, headers=secret)
+            assert r.status_code == 400, (bad, r.status_code, r.text)
 
 
 def test_gateway_routes_websocket_host_form_cli_and_client(cluster):

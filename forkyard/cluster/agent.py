@@ -355,13 +355,31 @@ class NodeAgent:
         return router
 
 
+_SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
+_IMAGE_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+
 def _record(body: dict) -> SandboxRecord:
-    """A :class:`SandboxRecord` from its published dict (unknown keys ignored).
+    """A :class:`SandboxRecord` from its published dict (unknown keys ignored), checked
+    before anything uses it: its id names host paths (work dir, runsc state) and its
+    sizes become limits, so only the shapes forkyard itself writes pass.
 
     Raises:
-        TypeError: required fields missing or malformed.
+        TypeError: required fields missing or malformed (the routes answer 400).
     """
-    return SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
+    rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
+    ints = {"vcpus": (1, 64), "memory_mb": (64, 1 << 20), "disk_mb": (0, 1 << 24)}
+    if not isinstance(rec.id, str) or not _SANDBOX_ID.fullmatch(rec.id):
+        raise TypeError(f"id must be 1-64 lower-case letters and digits, got {str(rec.id)[:80]!r}")
+    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not _IMAGE_ID.fullmatch(rec.image_id)):
+        raise TypeError("image_id is not a snapshot id")
+    if not isinstance(rec.template_id, str) or len(rec.template_id) > 128:
+        raise TypeError("template_id must be a string of at most 128 characters")
+    for name, (lo, hi) in ints.items():
+        v = getattr(rec, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise TypeError(f"{name} must be an integer between {lo} and {hi}")
+    return rec
 
 
 _PLACEMENT_ID = re.compile(r"[0-9a-f]{16}")

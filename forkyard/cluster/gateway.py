@@ -245,6 +245,8 @@ class Gateway:
         got = headers.get("x-api-key", "")
         if not got or not hmac.compare_digest(got.encode(), self.api_key.encode()):
             raise _Fail(401, "Invalid API key, set X-API-Key header")
+        if path == "/cluster" or path.startswith("/cluster/"):  # node-to-gateway calls only (the secret)
+            raise _Fail(404, f"{path} is not part of the API")
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/metrics/node", "/metrics/cluster"):
             return await self.api(scope, receive, send)
         if method == "POST" and path in ("/sandboxes", "/v2/sandboxes"):
@@ -277,12 +279,12 @@ class Gateway:
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
             headers = [(k, v) for k, v in scope["headers"]
-                       if k.decode("latin-1").lower() not in _HOP | {"e2b-sandbox-id", "e2b-sandbox-port"}
-                       or k.lower() == b"host"]  # the public Host reaches the sandbox
+                       if k.decode("latin-1").lower() not in _HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
+                       or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
             return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
                                     self.max_body_bytes, f"sandbox {sandbox_id} on node {node.node_id}")
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                if k.decode("latin-1").lower() not in _WS_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+                if k.decode("latin-1").lower() not in _WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
         hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 

@@ -15,8 +15,9 @@ Slot ``N`` (0 ≤ N < 16384) uses the /30 ``OUTER_NET + 4·N`` of the outer rang
   ``FORKYARD-INPUT`` (drop everything from ``fyv+`` except replies: sandboxes cannot reach
   host services, the API port or a slot's host address), ``FORKYARD-FORWARD`` (no
   slot-to-slot traffic, no link-local/metadata addresses, no new connections from outside
-  into slots, egress allowed) and nat ``FORKYARD-POSTROUTING`` (masquerade the outer range
-  leaving the host).
+  into slots, egress allowed), ``FORKYARD-OUTPUT`` (only root on the host connects to a
+  slot: other local users are refused) and nat ``FORKYARD-POSTROUTING`` (masquerade the
+  outer range leaving the host).
 * IPv6 is disabled on every slot interface.
 
 All netns work runs in short-lived threads that ``setns``/``unshare`` themselves; no
@@ -321,6 +322,13 @@ class NetworkManager:
                 ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
                 ["-o", hif, "-j", "DROP"],
             ],
+            # Only root on the host (the server) opens connections to sandboxes: other
+            # local users must not reach envd or user ports directly at a slot's outer
+            # address, around the proxy's tokens (a pooled sandbox has none yet).
+            ("filter", "OUTPUT"): [
+                ["-o", hif, "-m", "owner", "!", "--uid-owner", "0", "-j", "REJECT",
+                 "--reject-with", "icmp-admin-prohibited"],
+            ],
             ("nat", "POSTROUTING"): [
                 ["-s", outer, "!", "-o", hif, "-j", "MASQUERADE"],
             ],
@@ -336,7 +344,7 @@ class NetworkManager:
                 _iptables("-t", table, "-I", parent, "1", "-j", chain)
 
     #: Built-in chains forkyard jumps from, with the table.
-    HOST_JUMPS = (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING"))
+    HOST_JUMPS = (("filter", "INPUT"), ("filter", "FORWARD"), ("filter", "OUTPUT"), ("nat", "POSTROUTING"))
 
     @_off_loop
     def ensure_jumps_first(self) -> list[str]:
@@ -379,7 +387,7 @@ class NetworkManager:
         """Remove the ``FORKYARD-*`` chains and their jumps (tests; a server that stops with
         no sandbox running). Leaves ip_forward on.
         Idempotent; never raises for missing chains."""
-        for table, parent in (("filter", "INPUT"), ("filter", "FORWARD"), ("nat", "POSTROUTING")):
+        for table, parent in self.HOST_JUMPS:
             chain = self.chain_prefix + parent
             while _iptables("-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
                 pass

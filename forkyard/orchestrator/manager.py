@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import shutil
 import string
@@ -60,6 +61,11 @@ PAUSED_RETENTION_S = int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 
 FORK_IMAGE_TTL_S = float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600"))
 #: How often (ticks of the 0.5 s TTL loop) a cluster node runs its image GC on its own.
 _CLUSTER_GC_TICKS = 120
+
+
+#: What a sandbox id may look like wherever it names a host path (ids forkyard makes are
+#: 20 of :data:`_ID_ALPHABET`; pooled and older ones stay within this).
+_SAFE_ID = re.compile(r"[a-z0-9]{1,64}")
 
 
 def new_sandbox_id() -> str:
@@ -519,7 +525,13 @@ class Orchestrator(LifecycleMixin):
             raise
 
     def _fresh_workdir(self, sandbox_id: str) -> Path:
-        """An empty runtime work directory for ``sandbox_id`` (a stale one is removed)."""
+        """An empty runtime work directory for ``sandbox_id`` (a stale one is removed).
+
+        Raises:
+            CreateFailed: ``sandbox_id`` is not a sandbox id (it would name another path).
+        """
+        if not _SAFE_ID.fullmatch(sandbox_id):
+            raise CreateFailed(f"{sandbox_id!r} is not a sandbox id")
         workdir = self.settings.sandboxes_dir / sandbox_id
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
@@ -830,7 +842,10 @@ class Orchestrator(LifecycleMixin):
                 await asyncio.to_thread(self.network.release, slot_index)
             except Exception as e:  # noqa: BLE001
                 log.error("release of slot %s failed: %s", slot_index, e)
-        shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
+        if _SAFE_ID.fullmatch(sandbox_id):  # never a path outside sandboxes_dir
+            shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
+        else:
+            log.error("not removing the work dir of sandbox %r: not a sandbox id", sandbox_id)
         self._hot.take(sandbox_id)  # last: the hot-paused count covers a copy until it is gone
 
     @metrics.timed("kill")
@@ -927,8 +942,13 @@ class Orchestrator(LifecycleMixin):
                 if cur.state != "paused":
                     raise Conflict(f"sandbox {rec.id} is {cur.state} on this node")
                 return cur
-            if await asyncio.to_thread(self.snapshots.get, rec.image_id) is None:
+            meta = await asyncio.to_thread(self.snapshots.get, rec.image_id)
+            if meta is None:
                 raise NotFound(f"paused state {rec.image_id} of sandbox {rec.id} is not in the repository")
+            if meta.kind != "pause":
+                raise BadRequest(f"{rec.image_id} is a {meta.kind} image, not a pause image")
+            if not 0 < rec.disk_mb <= self.settings.max_disk_mb:  # a record never lifts the disk bound
+                rec.disk_mb = meta.disk_mb or self.settings.default_disk_mb
             rec.slot = None
             self.store.put(rec)
             log.info("adopted paused sandbox %s (image %s)", rec.id, rec.image_id)

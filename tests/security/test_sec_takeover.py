@@ -65,3 +65,30 @@ def test_explicit_secure_false_is_open(server):
                               headers=_envd(server, sid)).status_code == 403
         finally:
             c.delete(f"/sandboxes/{sid}")
+
+
+def test_other_local_users_cannot_reach_sandboxes_directly(server):
+    """A local user other than root cannot open connections to a sandbox's outer address
+    (envd, user ports) around the proxy's tokens — a pooled sandbox, whose envd has no
+    token yet, included. Root (the server) still can."""
+    import sqlite3
+    import subprocess
+
+    from conftest import NET_PREFIX, OUTER_NET
+    from forkyard.network.slots import NetworkManager
+
+    sbx = Sandbox.create("base", timeout=120)
+    try:
+        with sqlite3.connect(server.data_dir / "state.db") as db:
+            slot = db.execute("SELECT slot FROM sandboxes WHERE id = ?", (sbx.sandbox_id,)).fetchone()[0]
+        _, outer_ip = NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)
+        url = f"http://{outer_ip}:49983/health"
+        as_root = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", url],
+                                 capture_output=True, text=True)
+        assert as_root.stdout == "204", as_root  # envd answers root: the address is right
+        as_nobody = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                                    "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", url],
+                                   capture_output=True, text=True)
+        assert as_nobody.stdout == "000" and as_nobody.returncode != 0, as_nobody
+    finally:
+        sbx.kill()
