@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from forkyard.orchestrator.tombstones import MAX_LOG_ENTRIES, Tombstones
+from forkyard.orchestrator.tombstones import MAX_LOG_ENTRIES, MAX_MESSAGE_CHARS, Tombstones
 
 
 def test_a_death_is_told_with_its_cause_and_time():
@@ -26,3 +26,11 @@ def test_the_record_is_bounded_and_expires():
     assert len(t) == 3 and t.get("s0") is None and t.get("s4") is not None
     time.sleep(0.3)
     assert len(t) == 0 and t.get("s4") is None
+
+
+def test_log_lines_a_sandbox_wrote_are_capped():
+    """A sandbox writes its own console: 200 lines of 20 KB must not pin 4 MB per death."""
+    t = Tombstones()
+    tomb = t.add("sbx1", "x", [{"message": "A" * 20_000} for _ in range(300)])
+    assert all(len(e["message"]) <= MAX_MESSAGE_CHARS + 10 for e in tomb.logs)
+    assert tomb.logs[0]["message"].endswith("…[cut]")

@@ -58,6 +58,10 @@ IDS_ARG = typer.Argument(..., help="Sandbox ids (see `forkyard ls`).", autocompl
 
 snapshot_app = typer.Typer(help="Create, list and delete snapshots (usable as templates).", no_args_is_help=True)
 
+#: Terminal control characters (ESC, BEL, …) in text a sandbox wrote become "?" when
+#: printed, so a sandbox cannot drive the operator's terminal.
+_NO_CONTROL = {c: "?" for c in [*range(0x00, 0x09), *range(0x0a, 0x20), 0x7f]}
+
 
 def _not_found(sandbox_id: str, error: Exception | None = None) -> None:
     """Fail with "sandbox … not found", plus why it died when the server says (a sandbox
@@ -511,8 +515,9 @@ def register(app: typer.Typer) -> None:
             if as_json:
                 print_json(lines)
             else:
-                for entry in lines:
-                    out.print(f"{entry.get('timestamp', '')} {entry.get('line', entry)}", highlight=False)
+                for entry in lines:  # sandbox-written text: no markup, no terminal control codes
+                    text = f"{entry.get('timestamp', '')} {entry.get('line', entry)}".translate(_NO_CONTROL)
+                    out.print(text, highlight=False, markup=False)
             return 0
 
         raise typer.Exit(run(go))

@@ -54,6 +54,18 @@ class Tombstone:
         return f"it was killed: {self.reason}, at {self.iso}"
 
 
+#: Longest log message kept per entry (characters): a sandbox writes its own console.
+MAX_MESSAGE_CHARS = 2048
+
+
+def _capped(entry: dict) -> dict:
+    """``entry`` with its message cut to :data:`MAX_MESSAGE_CHARS` (the rest marked)."""
+    msg = entry.get("message")
+    if isinstance(msg, str) and len(msg) > MAX_MESSAGE_CHARS:
+        return {**entry, "message": msg[:MAX_MESSAGE_CHARS] + " …[cut]"}
+    return entry
+
+
 class Tombstones:
     """A bounded, expiring record of dead sandboxes (see the module docstring)."""
 
@@ -73,7 +85,8 @@ class Tombstones:
                  .replace("+00:00", "Z"),
                  "level": "error", "message": f"sandbox {sandbox_id} was killed: {reason}",
                  "fields": {"source": "forkyard", "event": "killed", "reason": reason}}
-        tomb = Tombstone(sandbox_id, reason, now, [*(logs or [])[-(MAX_LOG_ENTRIES - 1):], entry])
+        kept = [_capped(e) for e in (logs or [])[-(MAX_LOG_ENTRIES - 1):]]
+        tomb = Tombstone(sandbox_id, reason, now, [*kept, entry])
         self._dead.pop(sandbox_id, None)
         self._dead[sandbox_id] = tomb
         while len(self._dead) > self.max_entries:
