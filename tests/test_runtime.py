@@ -63,6 +63,9 @@ async def sandboxes(settings, nm, base_rootfs):
     cleaner = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
 
     def make(index: int, sandbox_id: str, **overrides) -> tuple[SandboxSpec, object]:
+        # the session's slot letter in the id: cgroups (forkyard/<id>) are host-wide, and
+        # parallel sessions must not share them
+        sandbox_id = f"{sandbox_id}-{hu.LETTER}"
         slot = nm.allocate(index)
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
@@ -198,13 +201,13 @@ async def test_cpu_and_memory_limits_apply(settings, driver, sandboxes):
     spec, _ = sandboxes(6, "rt-limits", vcpus=1, memory_mb=256)
     await driver.create(spec)
     cg = Path("/sys/fs/cgroup")
-    assert int((cg / "memory/forkyard/rt-limits/memory.limit_in_bytes").read_text()) == 256 * 2**20
-    assert int((cg / "cpu/forkyard/rt-limits/cpu.cfs_quota_us").read_text()) == 100_000
-    assert int((cg / "cpu/forkyard/rt-limits/cpu.cfs_period_us").read_text()) == 100_000
+    assert int((cg / f"memory/forkyard/{spec.sandbox_id}/memory.limit_in_bytes").read_text()) == 256 * 2**20
+    assert int((cg / f"cpu/forkyard/{spec.sandbox_id}/cpu.cfs_quota_us").read_text()) == 100_000
+    assert int((cg / f"cpu/forkyard/{spec.sandbox_id}/cpu.cfs_period_us").read_text()) == 100_000
     meminfo = sh(settings, spec.sandbox_id, "head -1 /proc/meminfo")
     assert meminfo.split()[1] == str(256 * 1024)  # MemTotal in kB follows the limit
 
-    usage = cg / "cpuacct/forkyard/rt-limits/cpuacct.usage"
+    usage = cg / f"cpuacct/forkyard/{spec.sandbox_id}/cpuacct.usage"
     u0, t0 = int(usage.read_text()), time.monotonic()
     py(settings, spec.sandbox_id,
        "import multiprocessing as m, time\n"
@@ -220,7 +223,7 @@ async def test_memory_limit_is_enforced(settings, driver, sandboxes):
     await driver.create(spec)
     r = hu.runsc_exec(settings, spec.sandbox_id,
                       ["python3", "-c", "x = bytearray(400 * 2**20); print('allocated', len(x))"])
-    mem = Path("/sys/fs/cgroup/memory/forkyard/rt-oom")
+    mem = Path(f"/sys/fs/cgroup/memory/forkyard/{spec.sandbox_id}")
     oom = dict(line.split() for line in (mem / "memory.oom_control").read_text().splitlines())
     peak = int((mem / "memory.max_usage_in_bytes").read_text())
     deadline = time.time() + 15  # the sentry is gone; runsc's state follows within moments
@@ -258,7 +261,7 @@ async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_pat
     not_a_netns.write_text("")
     with pytest.raises(RuntimeError_) as err:
         await driver.create(replace(spec, netns_path=str(not_a_netns)))
-    assert "runsc run rt-badinit failed" in str(err.value)
+    assert f"runsc run {spec.sandbox_id} failed" in str(err.value)
     assert str(not_a_netns) in str(err.value)  # runsc's own words name the bad netns
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
 
