@@ -13,7 +13,13 @@ from pathlib import Path
 
 import httpx
 
-DATA = Path("/var/lib/forkyard-bench")
+#: Where benchmark servers keep their state, their network prefix and outer range. A
+#: second benchmark on the same machine must set all three to other values
+#: (``FORKYARD_BENCH_DATA``, ``FORKYARD_BENCH_NET_PREFIX``, ``FORKYARD_BENCH_OUTER_NET``):
+#: a server start clears its data directory and the sandboxes left under it.
+DATA = Path(os.environ.get("FORKYARD_BENCH_DATA", "/var/lib/forkyard-bench"))
+NET_PREFIX = os.environ.get("FORKYARD_BENCH_NET_PREFIX", "fbn")
+OUTER_NET = os.environ.get("FORKYARD_BENCH_OUTER_NET", "10.120.0.0/16")
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -62,7 +68,7 @@ def stop_server(proc: subprocess.Popen) -> None:
         _kill_sandboxes(*proc.forkyard)
     proc.terminate()
     proc.wait(30)
-    NetworkManager(None, outer_net="10.120.0.0/16", prefix="fbn").teardown_host()
+    NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
 
 
 def _clean_previous(data: Path) -> None:
@@ -87,7 +93,7 @@ def _clean_previous(data: Path) -> None:
 
 def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     """Start ``forkyard serve`` on a free loopback port with state under
-    ``DATA/server`` (net prefix ``fbn``; no warm pool unless ``FORKYARD_POOL`` is set in
+    ``DATA/server`` (net prefix ``NET_PREFIX``; no warm pool unless ``FORKYARD_POOL`` is set in
     the environment); returns ``(process, url, api key)`` and
     exports the E2B variables so the SDK talks to it."""
     with socket.socket() as s:
@@ -97,8 +103,8 @@ def start_server(templates: Path) -> tuple[subprocess.Popen, str, str]:
     _clean_previous(DATA / "server")
     shutil.rmtree(DATA / "server", ignore_errors=True)
     env = dict(os.environ, FORKYARD_DATA_DIR=str(DATA / "server"), FORKYARD_TEMPLATES_DIR=str(templates),
-               FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX="fbn",
-               FORKYARD_OUTER_NET="10.120.0.0/16")
+               FORKYARD_API_KEY=key, FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX=NET_PREFIX,
+               FORKYARD_OUTER_NET=OUTER_NET)
     # No warm pool unless the caller sets FORKYARD_POOL (bench_pool.py does): the other
     # benchmarks measure cold starts, and a pool refilling in the background would add
     # boots to every timing on these 2-core machines.

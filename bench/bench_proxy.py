@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DATA, start_server, stop_server, templates_dir  # noqa: E402
+from _common import DATA, NET_PREFIX, OUTER_NET, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
@@ -34,7 +34,7 @@ def outer_address(sandbox_id: str) -> str:
     db = Settings(data_dir=DATA / "server").db_path
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         (slot,) = c.execute("SELECT slot FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-    return NetworkManager(None, outer_net="10.120.0.0/16", prefix="fbn").addresses(slot)[1]
+    return NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)[1]
 
 
 def measure(url: str, headers: dict, n: int) -> float:
@@ -77,10 +77,14 @@ def main() -> None:
         for _ in range(args.rounds):
             d.append(measure(direct, {}, args.per_round))
             p.append(measure(*via, args.per_round))
-        d.sort(), p.sort()
+        ratios = sorted(b / a for a, b in zip(d, p))
+        d, p = sorted(d), sorted(p)
         md, mp = d[len(d) // 2], p[len(p) // 2]
+        # The paired ratio compares rounds run back to back, so it moves less with the
+        # load of a shared machine than the ratio of the two medians.
         print(f"1 MiB GET, {args.rounds} rounds x {args.per_round} (median MiB/s): "
-              f"direct {md:.1f}  proxy {mp:.1f}  proxy/direct {mp / md:.0%}")
+              f"direct {md:.1f}  proxy {mp:.1f}  proxy/direct {mp / md:.0%}  "
+              f"(median of per-round ratios {ratios[len(ratios) // 2]:.0%})")
         sbx.kill()
     finally:
         stop_server(proc)

@@ -33,6 +33,7 @@ import httpcore
 import httpx
 import websockets
 
+from forkyard.api.upstream import AsyncioBackend
 from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
 
@@ -143,10 +144,13 @@ class SandboxConnections(httpcore.AsyncNetworkBackend):
     sandbox that is gone, for the server's lifetime (found by bench/soak.py: 3 sockets
     after 200 cycles with sandboxes killed mid-request). After :meth:`aclose` every new
     connection is closed at once and raises ``httpcore.ConnectError`` (httpx: 502).
+    ``backend`` makes the connections; by default
+    :class:`~forkyard.api.upstream.AsyncioBackend` (plain asyncio sockets: the relay's
+    CPU cost, see that module).
     """
 
     def __init__(self, backend: httpcore.AsyncNetworkBackend | None = None):
-        self._backend = backend or httpcore.AnyIOBackend()
+        self._backend = backend or AsyncioBackend()
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
 
@@ -501,7 +505,6 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         if length is not None:  # raw bytes are relayed, so it stays exact
             out_headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
-        relayed = 0
         async for chunk in resp.aiter_raw():
             if frames is not None:
                 frames.feed(chunk)
