@@ -63,6 +63,17 @@ def test_sdk_build_then_create(server, tmp_path):
             assert name in [t["templateID"] for t in c.get("/templates").json()]
             st = c.get(f"/templates/{name}/builds/{info.build_id}/status").json()
             assert st["status"] == "ready"
+            # the template's own snapshot is not a user snapshot: not listed, not deletable
+            # as one (deleting it used to delete the template)
+            assert name not in [n for s in c.get("/snapshots").json() for n in s.get("names", [])]
+            manifests = [json.loads(m.read_text())["meta"]
+                         for m in (server.data_dir / "snapshots" / "repository" / "manifests").glob("*.json")]
+            own = [m["snapshot_id"] for m in manifests
+                   if m.get("metadata", {}).get("forkyard.template") == name and name in m.get("names", [])]
+            assert len(own) == 1, own
+            r = c.delete(f"/templates/{own[0]}")  # E2B's snapshot delete path, by snapshot id
+            assert r.status_code == 409 and "template" in r.json()["message"], r.text
+            assert Template.exists(name)
         assert _build_sandboxes(server) == []  # the build sandbox is gone
 
         sbx = Sandbox.create(name, timeout=120)

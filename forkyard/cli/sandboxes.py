@@ -18,6 +18,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from forkyard.cli._common import (
     JSON_OPT,
@@ -391,10 +392,14 @@ def register(app: typer.Typer) -> None:
                 t.add_column("RESULT")
                 for i, r in enumerate(res):
                     if isinstance(r, ForkError):
-                        t.add_row(str(i), "-", f"[red]{r}[/red]")
+                        t.add_row(str(i), "-", Text(str(r), style="red"))  # server text: no markup
                     else:
                         t.add_row(str(i), r.sandbox_id, "[green]running[/green]")
                 print_table(t, [r.sandbox_id for r in res if not isinstance(r, ForkError)])
+                if not sys.stdout.isatty():  # piped: the ids went out, the failures go to stderr
+                    for i, r in enumerate(res):
+                        if isinstance(r, ForkError):
+                            err.print(Text(f"error: child {i}: {r}"), highlight=False)
             return 1 if any(isinstance(r, ForkError) for r in res) else 0
 
         raise typer.Exit(run(go))

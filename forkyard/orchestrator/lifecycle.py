@@ -57,6 +57,16 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 #: Metadata keys a template build leaves on its snapshot (forkyard.templates.build).
 DEFAULT_USER_KEY = "forkyard.defaultUser"
 DEFAULT_WORKDIR_KEY = "forkyard.defaultWorkdir"
+#: Metadata key a template build puts on its sandbox and so on the snapshot it commits
+#: (named after the template): such a snapshot *is* the template, not a user snapshot.
+TEMPLATE_KEY = "forkyard.template"
+
+
+def is_template_build(meta: SnapshotMeta) -> bool:
+    """True when ``meta`` is a built template's own snapshot (kept out of the snapshot
+    API: deleting it would delete the template)."""
+    name = meta.metadata.get(TEMPLATE_KEY)
+    return bool(name) and name in meta.names
 
 
 def guest_defaults(image: SnapshotMeta | None) -> tuple[str | None, str | None]:
@@ -539,7 +549,7 @@ class LifecycleMixin:
 
     def list_snapshots(self, sandbox_id: str | None = None, name: str | None = None) -> list[SnapshotMeta]:
         """User-visible snapshots, oldest first, filtered by source sandbox / name."""
-        out = self.snapshots.list("snapshot")
+        out = [m for m in self.snapshots.list("snapshot") if not is_template_build(m)]
         if sandbox_id:
             out = [m for m in out if m.source_sandbox_id == sandbox_id]
         if name:
@@ -551,8 +561,12 @@ class LifecycleMixin:
 
         Raises:
             NotFound: no such snapshot.
+            Conflict: it is a built template's own snapshot (delete the template).
         """
         meta = self.snapshots.find(ref)
+        if meta is not None and is_template_build(meta):
+            raise Conflict(f"{ref!r} is the build of template {meta.metadata[TEMPLATE_KEY]!r}, not a snapshot; "
+                           "delete the template instead (`forkyard template rm`, E2B `Template.delete`)")
         if meta is None or not self.snapshots.delete(meta.snapshot_id):
             raise NotFound(f"snapshot {ref!r} not found")
 

@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 
 from forkyard.config import ENVD_PORT, Settings
-from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY
+from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
 from forkyard.orchestrator.errors import (
     BadRequest,
     Conflict,
@@ -62,7 +62,6 @@ log = logging.getLogger("forkyard.templates.build")
 
 #: Metadata keys on build sandboxes (and so on the committed template snapshots); the
 #: default user/workdir keys are the orchestrator's (it hands them to cold-booted envds).
-TEMPLATE_KEY = "forkyard.template"
 BUILD_KEY = "forkyard.templateBuild"
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
