@@ -5,13 +5,17 @@ Times are UNIX seconds (float); sizes bytes; memory MiB.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 #: Node heartbeat period (s); the issue asks for ≤ 2 s.
 HEARTBEAT_INTERVAL_S = 1.0
-#: A node whose last heartbeat is older than this (s) is down: its running sandboxes are
-#: reported gone, its paused ones resume elsewhere. 3 missed heartbeats and some slack.
-HEARTBEAT_TIMEOUT_S = 5.0
+#: A node whose last heartbeat is older than this (s, ``FORKYARD_HEARTBEAT_TIMEOUT_S``,
+#: read by the scheduler and gateways) is down: its running sandboxes are reported gone,
+#: its paused ones resume elsewhere. Default 5: 3 missed heartbeats and some slack;
+#: raise it where nodes can stall longer (an overloaded host) — a node silent past it
+#: loses its running sandboxes.
+HEARTBEAT_TIMEOUT_S = float(os.environ.get("FORKYARD_HEARTBEAT_TIMEOUT_S", "5"))
 
 NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
 
