@@ -16,6 +16,7 @@ import os
 import sqlite3
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -75,10 +76,12 @@ def test_admission_vcpu_and_count_limits():
     with pytest.raises(AtCapacity, match=r"2 of 4 vCPUs in use, no room for 1 sandbox\(es\) of 3 vCPU"):
         cap.check(live, 3, 1)
     assert not cap.fits(live, 1, 1, held=[(2, 0)])
+    assert cap.fits([], 1, 1) and cap.fits([], 4, 1) and not cap.fits([], 5, 1)  # under the cap fits too
     cap = Capacity(memory_mb=10**6, vcpus=None, max_sandboxes=3)
     live = [_rec("a"), _rec("b"), _rec("p", "paused")]
     assert cap.fits(live, 1, 1) and not cap.fits(live, 1, 1, count=2)
     assert not cap.fits(live, 1, 1, held=[(1, 1)])
+    assert cap.fits([], 1, 1) and cap.fits([], 1, 1, count=3)  # under the cap fits too
     with pytest.raises(AtCapacity, match=r"2 of 3 sandboxes in use, no room for 2 sandbox"):
         cap.check(live, 1, 1, count=2)
 
@@ -87,6 +90,7 @@ def test_admission_vcpu_and_count_limits():
 def test_hot_paused_books():
     h = HotPaused(grace_s=60, max_kept=2)
     assert h.enabled and not HotPaused(0, 2).enabled and not HotPaused(60, 0).enabled
+    assert HotPaused(60, 1).enabled and HotPaused(0.5, 1).enabled  # FORKYARD_HOT_PAUSE_MAX=1 keeps one
     slots = {sid: object() for sid in "abc"}
     for sid in "abc":
         h.keep(sid, slots[sid])
@@ -98,20 +102,24 @@ def test_hot_paused_books():
     assert h.slot("b") is slots["b"] and "b" in h  # slot() keeps it
     assert h.take("b") is slots["b"] and "b" not in h and h.take("b") is None and h.slot("b") is None
     assert h.due(available_pct=10.0) == []  # at the threshold: nothing
+    few = HotPaused(grace_s=60, max_kept=5)
+    few.keep("x", object())
+    few.keep("y", object())
+    assert few.due() == []  # fewer kept than max_kept: none is dropped
 
 
 def test_hot_paused_grace_period():
-    h = HotPaused(grace_s=0.2, max_kept=10)
+    h = HotPaused(grace_s=1.0, max_kept=10)
     h.keep("old", object())
-    time.sleep(0.25)
+    time.sleep(1.05)
     h.keep("new", object())
     assert h.due() == ["old"]
     assert h.due(available_pct=1.0) == ["old", "new"]
-    time.sleep(0.25)
+    time.sleep(1.05)
     assert h.due() == ["old", "new"]
 
 
-def test_available_memory_pct_is_meminfos():
+def test_hot_available_memory_pct_is_meminfos():
     pct = hot.available_memory_pct()
     info = {}
     with open("/proc/meminfo") as f:
@@ -139,12 +147,29 @@ async def test_server_timing_is_per_request():
     assert timing.header(a) == {"Server-Timing": "checkpoint;dur=54.1, extra;dur=2.2"}
 
 
+async def test_server_timing_phases_are_observed_in_seconds():
+    """``record`` also feeds ``forkyard_lifecycle_phase_seconds`` (seconds, under the
+    running operation); ``add`` does not (its phase is observed elsewhere)."""
+    from forkyard.obs import metrics
+
+    hist = metrics.PHASE.labels("snapshot", "unit-phase")  # (this test process's registry)
+    sum_before = hist._sum.get()
+
+    @metrics.timed("snapshot")
+    async def op(self, _sid):
+        timing.record("unit-phase", 250.0)
+        timing.add("unit-phase", 1000.0)
+
+    await op(None, "sbx")
+    assert hist._sum.get() - sum_before == pytest.approx(0.25)
+
+
 # ---- store (real SQLite) ------------------------------------------------------------------
 def test_store_round_trips_every_field_and_notifies(tmp_path):
-    s = Store(tmp_path / "db" / "state.db")
+    s = Store(tmp_path / "data" / "db" / "state.db")  # the data dir is made as needed
     seen: list[str] = []
     s.listeners.append(seen.append)
-    assert stat.S_IMODE((tmp_path / "db" / "state.db").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "data" / "db" / "state.db").stat().st_mode) == 0o600
     full = _rec("full", "paused", vcpus=2, memory_mb=1024, started_at=5.0, metadata={"k": "v"},
                 env_vars={"A": "1"}, envd_access_token="tok", client_id="c", image_id="img", timeout_s=60,
                 paused_at=9.5, auto_resume=True, egress={"allowOut": ["1.2.3.4/32"], "denyOut": []},
@@ -167,8 +192,13 @@ def test_store_round_trips_every_field_and_notifies(tmp_path):
     assert s.get("full") is None and [r.id for r in s.all()] == ["bare"]
     assert seen == ["full", "bare", "full", "full", "never"]
     s.close()
-    again = Store(tmp_path / "db" / "state.db")  # persisted
+    again = Store(tmp_path / "data" / "db" / "state.db")  # persisted
     assert again.get("bare") == bare
+    # The orchestrator calls it from worker threads (asyncio.to_thread) too.
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: again.put(_rec(f"t{i}", started_at=10.0 + i)), range(8)))
+        assert pool.submit(again.get, "t3").result().started_at == 13.0
+    assert len(again.all()) == 9
     again.close()
 
 
@@ -306,7 +336,7 @@ async def test_pool_failed_and_unpoolable_boots_are_retried_later():
     b.fail.add("bad")
     b.not_poolable.add("snap")
     p = b.pool({"bad": 1, "snap": 1, "base": 1})
-    p.retry_s = 0.3
+    p.retry_s = 1.0
     await _filled(p)
     assert [e.template_id for e in p.ready()] == ["base"]
     assert p.stats["bad"].failures == 1 and "snap" not in p.stats and sorted(p.slot_indexes()) == []
@@ -314,7 +344,7 @@ async def test_pool_failed_and_unpoolable_boots_are_retried_later():
     b.not_poolable.clear()
     await _filled(p)
     assert len(p.ready()) == 1  # within retry_s: not tried again
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(1.05)
     await _filled(p)
     assert sorted(e.template_id for e in p.ready()) == ["bad", "base", "snap"]
     await p.stop()

@@ -26,3 +26,11 @@ def test_the_record_is_bounded_and_expires():
     assert len(t) == 3 and t.get("s0") is None and t.get("s4") is not None
     time.sleep(0.3)
     assert len(t) == 0 and t.get("s4") is None
+
+
+def test_expiry_forgets_the_oldest_first():
+    t = Tombstones(max_entries=10, keep_s=1.0)
+    t.add("old", "x")
+    time.sleep(1.05)
+    t.add("new", "y")  # old is past keep_s, new is not
+    assert t.get("old") is None and t.get("new") is not None and len(t) == 1
