@@ -277,8 +277,9 @@ async def test_pool_fills_to_target_within_room_and_hands_out_oldest_first():
     got = p.take("base", 0)
     assert got is first and got.state == "taken" and got.sandbox_id not in p.ids()
     p.record("base", True)
+    p.record("base", True)
     p.record("base", False)
-    assert (p.stats["base"].hits, p.stats["base"].misses) == (1, 1)
+    assert (p.stats["base"].hits, p.stats["base"].misses) == (2, 1)
     await p.stop()
     assert sorted(b.destroyed) == sorted(set(b.booted) - {got.sandbox_id}) and p.ids() == []
 
@@ -327,7 +328,8 @@ async def test_pool_make_room_drops_starting_before_ready():
     p._entries["s1"] = starting
     assert p.make_room(lambda held: len(held) <= 1) == 1
     assert starting.state == "doomed" and len(p.ready()) == 1 and len(p.held()) == 1
-    assert "s1" not in b.destroyed  # a starting one is destroyed when its boot returns
+    await asyncio.sleep(0.05)
+    assert "s1" not in b.destroyed  # a starting one is destroyed when its boot returns, not now
     await p.stop()
 
 
@@ -349,3 +351,70 @@ async def test_pool_failed_and_unpoolable_boots_are_retried_later():
     assert sorted(e.template_id for e in p.ready()) == ["bad", "base", "snap"]
     await p.stop()
     assert len(b.destroyed) == 3
+
+
+async def test_pool_hands_out_only_its_template_and_refills_the_neediest():
+    b = Books()
+    p = b.pool({"other": 1})
+    await _filled(p)  # an "other" sandbox, older than any "base" one
+    assert p.take("base", 0) is None and len(p.ready()) == 1  # never another template's
+    p.targets = {"other": 1, "base": 1}
+    await _filled(p)
+    got = p.take("base", 0)
+    assert got is not None and got.template_id == "base"
+    # Refill: a starting sandbox counts toward its target; the template furthest below
+    # its target goes first.
+    await p.stop()
+    b2 = Books()
+    q = b2.pool({"a": 3, "b": 2})
+    for i in range(2):
+        q._entries[f"a{i}"] = Pooled(f"a{i}", "a", 1, 256, state="ready")
+    assert q._next() == "b"  # a is 1 short, b 2
+    q._entries["b0"] = Pooled("b0", "b", 1, 256)  # starting
+    q._entries["b1"] = Pooled("b1", "b", 1, 256)
+    assert q._next() == "a"
+    q._entries["a2"] = Pooled("a2", "a", 1, 256)
+    assert q._next() is None
+    q._entries.clear()
+
+
+async def test_pool_low_memory_drops_the_newest_ready_and_only_when_low():
+    b = Books()
+    p = b.pool({"base": 2})
+    await _filled(p)
+    newest = max(p.ready(), key=lambda e: e.ready_at)
+    b.room_left = 0
+    b.pct = 50.0
+    p.check_memory()
+    await asyncio.sleep(0.05)
+    assert b.destroyed == [] and len(p.ready()) == 2  # enough memory: nothing dropped
+    b.pct = 5.0
+    p.check_memory()
+    await asyncio.sleep(0.05)
+    assert b.destroyed == [newest.sandbox_id]
+    await p.stop()
+
+
+async def test_pool_stop_waits_for_a_boot_in_flight_and_refills_no_more():
+    b = Books()
+    gate = asyncio.Event()
+    booting = asyncio.Event()
+
+    async def slow_boot(e: Pooled) -> None:
+        booting.set()
+        await gate.wait()
+        b.booted.append(e.sandbox_id)
+
+    p = b.pool({"base": 2})
+    p.boot = slow_boot
+    p.refill()
+    await asyncio.wait_for(booting.wait(), 5)
+    stopping = asyncio.create_task(p.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # waits for the boot in flight
+    gate.set()
+    await asyncio.wait_for(stopping, 5)
+    assert b.booted == ["p1"] and b.destroyed == ["p1"] and p.ids() == []  # booted, then destroyed
+    p.refill()
+    await asyncio.sleep(0.05)
+    assert b.booted == ["p1"] and p.ids() == []  # a stopped pool starts nothing

@@ -9,6 +9,7 @@ each test shows the setting took effect, not only that the server started.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import time
@@ -227,3 +228,32 @@ def test_fork_parallelism_bounds_concurrent_child_restores(claims):
         for kid in kids:
             c.delete(f"/sandboxes/{kid}")
         assert c.delete(f"/sandboxes/{sid}").status_code == 204
+
+
+def _anchors(md: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but ``-``/``_`` dropped, spaces → ``-``."""
+    out = set()
+    for line in md.splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of README.md and docs/*.md (the cluster, deploy, runtime and
+    security docs it points to) names a file that exists, and an anchor that one of its
+    headings makes."""
+    root = Path(__file__).resolve().parent.parent
+    checked = 0
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s), mailto: not checked offline
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            assert dest.exists(), f"{doc.name}: link to missing {target}"
+            if anchor:
+                assert anchor in _anchors(dest.read_text()), f"{doc.name}: no heading for #{anchor} in {dest.name}"
+            checked += 1
+    assert checked >= 15
