@@ -418,3 +418,26 @@ async def test_pool_stop_waits_for_a_boot_in_flight_and_refills_no_more():
     p.refill()
     await asyncio.sleep(0.05)
     assert b.booted == ["p1"] and p.ids() == []  # a stopped pool starts nothing
+
+
+# ---- pure parts of lifecycle / manager -----------------------------------------------------
+def test_lifecycle_guest_defaults_staged_memory_and_ids(tmp_path):
+    from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, guest_defaults, staged_memory
+    from forkyard.orchestrator.manager import new_sandbox_id
+    from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta
+
+    meta = SnapshotMeta("s", "snapshot", "base", "src", 1, 512,
+                        metadata={DEFAULT_USER_KEY: "builder", DEFAULT_WORKDIR_KEY: "/app"})
+    assert guest_defaults(None) == (None, None)
+    assert guest_defaults(meta) == ("builder", "/app")  # a template build's metadata
+    meta.default_user, meta.default_workdir = "root", "/srv"
+    assert guest_defaults(meta) == ("root", "/srv")  # the source's own defaults win
+    assert guest_defaults(SnapshotMeta("s", "pause", "base", "src", 1, 512)) == (None, None)
+    (tmp_path / "image").mkdir()
+    assert staged_memory(tmp_path) is True  # a checkpoint
+    (tmp_path / "image" / f"{ROOTFS_TAR}.tmp").touch()
+    assert staged_memory(tmp_path) is False  # a filesystem-only export, still being written
+    (tmp_path / "image" / f"{ROOTFS_TAR}.tmp").rename(tmp_path / "image" / ROOTFS_TAR)
+    assert staged_memory(tmp_path) is False
+    ids = {new_sandbox_id() for _ in range(200)}
+    assert len(ids) == 200 and all(len(i) == 20 and i.isalnum() and i == i.lower() for i in ids)
