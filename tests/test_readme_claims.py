@@ -2,8 +2,12 @@
 
 One server of this module runs with every setting changed from its default
 (``FORKYARD_HOST``, ``FORKYARD_RUNSC``, ``FORKYARD_ENVD``, ``FORKYARD_SPARE_SLOTS``,
-``FORKYARD_CACHE_BYTES``, ``FORKYARD_PAUSED_RETENTION_S``, no ``FORKYARD_API_KEY``), so
-each test shows the setting took effect, not only that the server started.
+``FORKYARD_CACHE_BYTES``, ``FORKYARD_PAUSED_RETENTION_S``, ``FORKYARD_FORK_PARALLELISM``,
+``FORKYARD_HOT_PAUSE_MAX``, no ``FORKYARD_API_KEY``), so each test shows the setting took
+effect, not only that the server started.
+
+The claims tested elsewhere, claim by claim: the table in docs/testing.md ("Every README
+claim, and the test that checks it"); a README claim with no row there is untested.
 """
 
 from __future__ import annotations
