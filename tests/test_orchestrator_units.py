@@ -441,3 +441,27 @@ def test_lifecycle_guest_defaults_staged_memory_and_ids(tmp_path):
     assert staged_memory(tmp_path) is False
     ids = {new_sandbox_id() for _ in range(200)}
     assert len(ids) == 200 and all(len(i) == 20 and i.isalnum() and i == i.lower() for i in ids)
+
+
+async def test_pool_sandbox_dropped_while_booting_is_destroyed_and_replaced():
+    b = Books()
+    gate = asyncio.Event()
+    booting = asyncio.Event()
+    fast_boot = b.boot
+
+    async def first_slow(e: Pooled) -> None:
+        if e.sandbox_id == "p1":
+            booting.set()
+            await gate.wait()
+        await fast_boot(e)
+
+    p = b.pool({"base": 1})
+    p.boot = first_slow
+    p.refill()
+    await asyncio.wait_for(booting.wait(), 5)
+    assert p.make_room(lambda held: not held) == 1  # a user start needs the room: p1 is doomed
+    gate.set()
+    await asyncio.wait_for(p._task, 5)
+    assert "p1" in b.destroyed and "p1" not in p.ids()  # destroyed when its boot returned, never ready
+    assert [e.sandbox_id for e in p.ready()] == ["p2"]  # and the pool went on to refill
+    await p.stop()
