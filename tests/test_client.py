@@ -7,6 +7,7 @@ import os
 import pytest
 
 from forkyard.client import (
+    ApiError,
     AsyncForkyard,
     ChildResult,
     ForkError,
@@ -74,6 +75,50 @@ async def test_fork_children_run_independently(fy):
         await child.files.write("/home/user/seed.txt", f"child {i}")
     assert [await c.files.read("/home/user/seed.txt") for c in children] == ["child 0", "child 1"]
     assert await src.files.read("/home/user/seed.txt") == "from parent"
+
+
+async def test_fork_over_100_is_split_into_calls_of_at_most_100(fy):
+    """README / ``fork_info``: the server takes at most 100 children per fork call, so the
+    client splits larger counts. A real server cannot start 250 children on a CI host, so
+    the splitting is checked against a recording HTTP transport (the client is under
+    test, not the server), and against the real server that its first call asks for
+    exactly 100 (its admission names the count it refused)."""
+    import json as _json
+
+    import httpx
+
+    counts: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.method == "POST" and request.url.path == "/sandboxes/src1/fork"
+        body = _json.loads(request.content)
+        assert body["timeout"] == 77
+        counts.append(body["count"])
+        base = sum(counts[:-1])
+        return httpx.Response(201, json=[{"sandbox": {"sandboxID": f"kid{base + i}", "templateID": "base",
+                                                      "clientID": "x", "envdVersion": "0.6.4"}}
+                                         for i in range(body["count"])])
+
+    async with AsyncForkyard(url="http://stub.invalid", api_key="k") as stub:
+        await stub._http.aclose()
+        stub._http = httpx.AsyncClient(base_url="http://stub.invalid", transport=httpx.MockTransport(handler))
+        kids = await stub.fork_info("src1", 250, timeout=77)
+        assert counts == [100, 100, 50]
+        assert [k.sandbox_id for k in kids] == [f"kid{i}" for i in range(250)]
+        counts.clear()
+        assert len(await stub.fork_info("src1", 100, timeout=77)) == 100 and counts == [100]
+        counts.clear()
+        assert len(await stub.fork_info("src1", 101, timeout=77)) == 101 and counts == [100, 1]
+
+    node = (await fy._http.get("/metrics/node")).json()
+    src = await fy.create("base", timeout=60)
+    fy.made.append(src.sandbox_id)
+    info = await fy.get_sandbox(src.sandbox_id)
+    if 100 * info.memory_mb <= node["capacity"]["memoryMB"]:
+        pytest.skip("this host could admit 100 children: not asking it to start them")
+    with pytest.raises(ApiError, match=r"no room for 100 sandbox\(es\)"):
+        await fy.fork_info(src.sandbox_id, 101, timeout=60)
+    assert await _leftover_children(fy, src.sandbox_id) == []
 
 
 async def test_rollout_command_with_one_failing_child(fy):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -193,6 +194,44 @@ def test_ttl_auto_pause_and_auto_delete(server):
         assert again.commands.run("echo back").stdout.strip() == "back"
     finally:
         paused.kill()
+
+
+def test_default_timeout_and_fork_children_do_what_their_source_does(server):
+    """README: a create without ``timeout`` runs 300 s; fork children at their timeout do
+    what their source does — paused with the default, killed when the source was
+    created ``autoPause: false``."""
+    def ts(iso: str) -> float:
+        return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+    made: list[str] = []
+    with server.api() as c:
+        try:
+            r = c.post("/sandboxes", json={"templateID": "base"})
+            assert r.status_code == 201, r.text
+            pausing = r.json()["sandboxID"]
+            made.append(pausing)
+            info = c.get(f"/sandboxes/{pausing}").json()
+            assert ts(info["endAt"]) - ts(info["startedAt"]) == pytest.approx(300, abs=1)
+            r = c.post("/sandboxes", json={"templateID": "base", "timeout": 120, "autoPause": False})
+            assert r.status_code == 201, r.text
+            killing = r.json()["sandboxID"]
+            made.append(killing)
+            kids = {}
+            for src in (pausing, killing):
+                r = c.post(f"/sandboxes/{src}/fork", json={"count": 1, "timeout": 2})
+                assert r.status_code in (200, 201), r.text
+                kids[src] = r.json()[0]["sandbox"]["sandboxID"]
+                made.append(kids[src])
+            deadline = time.time() + 60
+            while time.time() < deadline and (state_of(server, kids[pausing]) != "paused"
+                                              or state_of(server, kids[killing]) is not None):
+                time.sleep(0.3)
+            assert state_of(server, kids[pausing]) == "paused"
+            assert state_of(server, kids[killing]) is None
+            assert state_of(server, pausing) == "running" and state_of(server, killing) == "running"
+        finally:
+            for sid in made:
+                c.delete(f"/sandboxes/{sid}")
 
 
 def sqlite_image_id(sandbox_id: str) -> str | None:

@@ -84,3 +84,30 @@ def test_pty_create_resize_input(sandbox):
     assert "40 120" in text
     assert "/dev/pts/" in text
     assert r.exit_code == 0
+
+
+def test_background_command_ends_at_the_sdks_timeout(sandbox):
+    """README: ``commands.run(..., background=True)`` ends after the SDK's default command
+    ``timeout`` (60 s) — ``timeout=0`` for a long-lived process. The SDK sends the timeout
+    as the Connect deadline of the Start stream; through the proxy, envd kills the process
+    at that deadline even with no client connected (2 s here instead of waiting 60)."""
+    import inspect
+
+    assert inspect.signature(sandbox.commands.run).parameters["timeout"].default == 60  # the SDK's default
+    t0 = time.time()
+    short = sandbox.commands.run("sleep 300", background=True, timeout=2)
+    forever = sandbox.commands.run("sleep 300", background=True, timeout=0)
+    default = sandbox.commands.run("sleep 300", background=True)
+    short.disconnect()
+    forever.disconnect()
+    default.disconnect()
+    try:
+        deadline = t0 + 30
+        while short.pid in (pids := [p.pid for p in sandbox.commands.list()]) and time.time() < deadline:
+            time.sleep(0.1)
+        assert short.pid not in pids, "the command outlived its 2 s timeout"
+        assert time.time() - t0 >= 1.9  # ended by its deadline, not at once
+        assert forever.pid in pids and default.pid in pids  # timeout=0: unlimited; default: 60 s, not yet
+    finally:
+        for h in (short, forever, default):
+            sandbox.commands.kill(h.pid)

@@ -34,3 +34,11 @@ def test_log_lines_a_sandbox_wrote_are_capped():
     tomb = t.add("sbx1", "x", [{"message": "A" * 20_000} for _ in range(300)])
     assert all(len(e["message"]) <= MAX_MESSAGE_CHARS + 10 for e in tomb.logs)
     assert tomb.logs[0]["message"].endswith("…[cut]")
+
+
+def test_expiry_forgets_the_oldest_first():
+    t = Tombstones(max_entries=10, keep_s=1.0)
+    t.add("old", "x")
+    time.sleep(1.05)
+    t.add("new", "y")  # old is past keep_s, new is not
+    assert t.get("old") is None and t.get("new") is not None and len(t) == 1

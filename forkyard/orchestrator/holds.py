@@ -17,7 +17,9 @@ Phases (see where :func:`hold` is called in :mod:`forkyard.orchestrator.lifecycl
 ``pause.before-commit`` (reply sent; background commit not started),
 ``snapshot.staged`` (``snapshotting``, image staged, not committed),
 ``fork.staged`` (source checkpointed and running again, no child exists),
-``fork.children-recorded`` (children persisted as ``creating``, none started).
+``fork.children-recorded`` (children persisted as ``creating``, none started),
+``fork.child-start`` (one child holds a place among the ``FORKYARD_FORK_PARALLELISM``
+restores, its restore not started; the hold names the child).
 """
 
 from __future__ import annotations

@@ -696,6 +696,7 @@ class LifecycleMixin:
                 phases: dict[str, float] = {}
                 child_phases.append(phases)
                 try:
+                    await hold("fork.child-start", kid.id)
                     await self._start(kid, image, image.envd_access_token, image_dir=image_dir, phases=phases)
                 except Exception as e:  # noqa: BLE001 — reported per child
                     self.store.delete(kid.id)

@@ -69,7 +69,6 @@ class Pooled:
     ready_at: float = 0.0
 
 
-@dataclass
 class NotPoolable(Exception):
     """Raised by a ``boot`` callback when the template cannot be pooled now (not built
     here, or a built snapshot template): the pool skips it for ``retry_s``."""

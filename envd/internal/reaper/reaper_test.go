@@ -76,30 +76,21 @@ func TestStartWaitSignalAndOrphans(t *testing.T) {
 
 	// The shell exits at once, orphaning its background children; as
 	// subreaper we inherit and must reap them.
-	// The orphans live 2 s, long enough to be seen on a loaded machine; then
-	// each must be reaped (no zombie) within 5 s of its exit.
+	// The orphans live 2 s, so a loaded host still sees them re-parented (with
+	// 0.2 s they were sometimes gone, and reaped, before the check).
 	_, ch, err = r.Start(exec.Command("/bin/sh", "-c", "sleep 2 & sleep 2 & exit 0"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	<-ch
-	deadline := time.Now().Add(1500 * time.Millisecond)
-	kids := childrenOf(os.Getpid(), "")
-	for len(kids) < 2 && time.Now().Before(deadline) {
-		time.Sleep(20 * time.Millisecond)
-		kids = childrenOf(os.Getpid(), "")
-	}
-	if len(kids) < 2 {
+	if kids := childrenOf(os.Getpid(), ""); len(kids) < 2 {
 		t.Fatalf("orphans were not re-parented to the subreaper: %v", kids)
 	}
-	deadline = time.Now().Add(7 * time.Second)
-	for time.Now().Before(deadline) && len(childrenOf(os.Getpid(), "")) > 0 {
+	deadline := time.Now().Add(10 * time.Second)
+	for len(childrenOf(os.Getpid(), "")) > 0 && time.Now().Before(deadline) {
 		time.Sleep(50 * time.Millisecond)
 	}
-	if z := zombiesOf(os.Getpid()); len(z) > 0 {
-		t.Fatalf("zombies left: %v", z)
-	}
-	if left := childrenOf(os.Getpid(), ""); len(left) > 0 {
-		t.Fatalf("orphans neither exited nor were reaped: %v", left)
+	if kids := childrenOf(os.Getpid(), ""); len(kids) > 0 {
+		t.Fatalf("orphans not reaped (zombies or still running): %v", kids)
 	}
 }

@@ -112,6 +112,9 @@ func TestListDirDepth(t *testing.T) {
 	if got := names(1); len(got) != 3 || got[0] != "top.txt" || got[1] != "x" || got[2] != "z" {
 		t.Fatalf("depth 1: %v", got)
 	}
+	if got := names(0); len(got) != 3 || got[0] != "top.txt" { // unset depth lists one level, as E2B's
+		t.Fatalf("depth 0: %v", got)
+	}
 	if got := names(2); len(got) != 4 {
 		t.Fatalf("depth 2: %v", got)
 	}
@@ -131,7 +134,8 @@ func TestWatchDirStream(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	dir := filepath.Join(e.home, "w")
-	if err := os.MkdirAll(dir, 0o755); err != nil {
+	// "old" exists before the watch: a recursive watch covers it too.
+	if err := os.MkdirAll(filepath.Join(dir, "old"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	stream, err := e.fs.WatchDir(ctx, connect.NewRequest(&rpc.WatchDirRequest{Path: dir, Recursive: true, IncludeEntry: true}))
@@ -146,11 +150,12 @@ func TestWatchDirStream(t *testing.T) {
 		_ = os.Mkdir(filepath.Join(dir, "sub"), 0o755)
 		time.Sleep(100 * time.Millisecond)
 		_ = os.WriteFile(filepath.Join(dir, "sub", "f"), []byte("x"), 0o644)
+		_ = os.WriteFile(filepath.Join(dir, "old", "g"), []byte("x"), 0o644)
 	}()
 	seen := map[string]bool{}
 	timeout := time.AfterFunc(5*time.Second, cancel)
 	defer timeout.Stop()
-	for !seen["sub/f WRITE"] && stream.Receive() {
+	for !(seen["sub/f WRITE"] && seen["old/g WRITE"]) && stream.Receive() {
 		ev := stream.Msg().GetFilesystem()
 		if ev == nil {
 			continue
@@ -160,7 +165,7 @@ func TestWatchDirStream(t *testing.T) {
 			t.Fatalf("create event without entry: %+v", ev)
 		}
 	}
-	if !seen["sub CREATE"] || !seen["sub/f CREATE"] || !seen["sub/f WRITE"] {
+	if !seen["sub CREATE"] || !seen["sub/f CREATE"] || !seen["sub/f WRITE"] || !seen["old/g CREATE"] {
 		t.Fatalf("events: %v (err %v)", seen, stream.Err())
 	}
 }

@@ -356,3 +356,25 @@ func TestPermissionDeniedAndBadRequests(t *testing.T) {
 		t.Fatalf("envd not serving after bad requests: %v", err)
 	}
 }
+
+// Defaults a request may leave out: stdin stays open unless Stdin is false (E2B's
+// behaviour), and a PTY without a size is 80x24.
+func TestStdinOpenByDefaultAndPTYDefaultSize(t *testing.T) {
+	e := newEnv(t, false)
+	ctx := context.Background()
+	r := e.run(ctx, sh("timeout 1 cat; echo $?"), "")
+	if r.stdout.String() != "124\n" { // cat waited on the open stdin until timeout killed it
+		t.Fatalf("stdin unset: stdout %q err %v", r.stdout.String(), r.err)
+	}
+	closed := false
+	req := sh("timeout 1 cat; echo $?")
+	req.Stdin = &closed
+	if r := e.run(ctx, req, ""); r.stdout.String() != "0\n" { // EOF at once
+		t.Fatalf("stdin false: stdout %q err %v", r.stdout.String(), r.err)
+	}
+	req = sh("stty size")
+	req.Pty = &rpc.PTY{}
+	if r := e.run(ctx, req, ""); !strings.Contains(r.pty.String(), "24 80") {
+		t.Fatalf("pty without size: %q err %v", r.pty.String(), r.err)
+	}
+}
