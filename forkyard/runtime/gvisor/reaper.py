@@ -247,6 +247,8 @@ def socket_path(runsc_root: Path) -> Path:
 
 
 _daemons: dict[str, _subprocess.Popen] = {}
+_DAEMON_MAIN = ("import logging, sys; from forkyard.runtime.gvisor.reaper import serve_daemon; "
+                "serve_daemon(sys.argv[1])")
 
 
 def _connect(path: Path) -> _socket.socket:
@@ -265,7 +267,7 @@ def _start_daemon(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     log_path = path.parent / "reaper.log"
     with open(log_path, "ab") as logf:
-        proc = _subprocess.Popen([_sys.executable, "-m", "forkyard.runtime.gvisor.reaper", str(path)],
+        proc = _subprocess.Popen([_sys.executable, "-c", _DAEMON_MAIN, str(path)],
                                  stdin=_subprocess.DEVNULL, stdout=logf, stderr=logf, start_new_session=True,
                                  close_fds=True)
     _daemons[str(path)] = proc
@@ -373,6 +375,9 @@ async def _spawn_once(path: Path, argv: list[str], stdin: int, stdout: int, stde
         raise
 
 
-if __name__ == "__main__":  # python -m forkyard.runtime.gvisor.reaper SOCKET
+def serve_daemon(path: str) -> None:
+    """Run the reaper daemon on the Unix socket ``path`` until it has been idle (no
+    child, no client) for :data:`IDLE_EXIT_S`. Runs in its own process
+    (:func:`spawn` starts it)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s reaper %(message)s")
-    _Daemon(_sys.argv[1]).serve()
+    _Daemon(path).serve()
