@@ -162,6 +162,8 @@ def main() -> None:
     ap.add_argument("--forks", type=int, default=5, help="iterations per fork size")
     ap.add_argument("--fan", default="1,4,16", help="fork sizes, comma-separated (E2B's maximum is 100)")
     ap.add_argument("--only-fork", action="store_true", help="skip pause/resume/snapshot")
+    ap.add_argument("--only-pause", action="store_true",
+                    help="pause/resume only (set FORKYARD_HOT_PAUSE_S=0 for cold resumes)")
     args = ap.parse_args()
     global FAN
     FAN = [int(x) for x in args.fan.split(",")]
@@ -212,12 +214,12 @@ def main() -> None:
             res["resume"].append((time.perf_counter() - t) * 1000)
             assert r.status_code == 201, r.text
         sbx = Sandbox.connect(sid)
-        for i in range(0 if args.only_fork else args.n):
+        for i in range(0 if args.only_fork or args.only_pause else args.n):
             snapshot(sid, "snap_idle")
             sbx.commands.run("head -c 100M /dev/urandom > /tmp/blob")
             snapshot(sid, "snap_100mb")
             sbx.commands.run("rm -f /tmp/blob*")
-        for k in FAN:
+        for k in ([] if args.only_pause else FAN):
             for _ in range(args.forks):
                 settle(api)
                 ck = loop.run_until_complete(raw.checkpoint(sid))
