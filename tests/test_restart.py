@@ -65,3 +65,27 @@ def test_pause_image_of_another_runtime_build_is_refused_with_409(server, tmp_pa
     same = Sandbox.connect(sbx.sandbox_id)
     assert same.files.read("/home/user/keep") == "kept"
     same.kill()
+
+
+def _kill_ms(server, sandbox_id: str) -> float:
+    import time
+
+    with server.api() as c:
+        t = time.perf_counter()
+        assert c.delete(f"/sandboxes/{sandbox_id}").status_code == 204
+        return (time.perf_counter() - t) * 1000
+
+
+def test_readopted_sandbox_dies_as_fast_as_a_fresh_one(server):
+    """Issue 10: sandboxes are started under the node's reaper daemon, which outlives
+    server restarts, so a sandbox re-adopted after a restart is reaped at once when
+    killed (it was reaped by PID 1 about once a second: ~1.5-2 s per kill)."""
+    old = [Sandbox.create("base", timeout=300) for _ in range(2)]
+    server.stop()
+    server.start()
+    fresh = [Sandbox.create("base", timeout=300) for _ in range(2)]
+    readopted_ms = [_kill_ms(server, s.sandbox_id) for s in old]
+    fresh_ms = [_kill_ms(server, s.sandbox_id) for s in fresh]
+    print(f"kill: re-adopted {readopted_ms} ms, fresh {fresh_ms} ms")
+    assert max(readopted_ms) < 2 * max(fresh_ms) + 300, (readopted_ms, fresh_ms)
+    assert server.leftovers() == CLEAN

@@ -14,6 +14,11 @@ Capacity (environment):
 * vCPUs: host cores × ``FORKYARD_CPU_OVERCOMMIT`` — off unless set (CPU is time-shared
   and each sandbox is capped by its own quota; E2B overcommits CPU too);
 * count: ``FORKYARD_MAX_SANDBOXES`` (unset: no count limit).
+* the host itself: a start is refused while the host's ``MemAvailable`` would fall under
+  ``FORKYARD_MIN_AVAILABLE_MEMORY_PCT`` (10) % of ``MemTotal`` once the new sandboxes
+  took ``FORKYARD_SANDBOX_HOST_MB`` (64) MiB each — what an idle sandbox costs the host
+  (bench/bench_density.py, docs/runtime.md). This holds also when memory limits are
+  overcommitted, so an overcommitted node answers 503 before the host degrades.
 
 The warm pool's sandboxes hold capacity too but never take it from users: user starts are
 admitted against user sandboxes, then pooled sandboxes that no longer fit are dropped
@@ -39,6 +44,14 @@ class AtCapacity(OrchestratorError):
     status = 503
 
 
+def _host_available_mb() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    raise OSError("no MemAvailable in /proc/meminfo")
+
+
 def _host_memory_mb() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -50,11 +63,15 @@ def _host_memory_mb() -> int:
 @dataclass
 class Capacity:
     """What a node may hand out: ``memory_mb`` (MiB), ``vcpus`` (None: unlimited),
-    ``max_sandboxes`` (None: unlimited)."""
+    ``max_sandboxes`` (None: unlimited); ``min_available_pct`` (% of host memory that
+    must stay available, 0: off) and ``sandbox_host_mb`` (host MiB a new sandbox is
+    counted to take from it)."""
 
     memory_mb: int
     vcpus: float | None
     max_sandboxes: int | None
+    min_available_pct: float = 0.0
+    sandbox_host_mb: int = 64
 
     @classmethod
     def from_env(cls) -> "Capacity":
@@ -64,7 +81,9 @@ class Capacity:
         cpu = os.environ.get("FORKYARD_CPU_OVERCOMMIT")
         count = os.environ.get("FORKYARD_MAX_SANDBOXES")
         return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
-                   max_sandboxes=int(count) if count else None)
+                   max_sandboxes=int(count) if count else None,
+                   min_available_pct=float(os.environ.get("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")),
+                   sandbox_host_mb=int(os.environ.get("FORKYARD_SANDBOX_HOST_MB", "64")))
 
     def check(self, live, vcpus: int, memory_mb: int, count: int = 1,
               held: list[tuple[int, int]] = ()) -> None:
@@ -84,10 +103,18 @@ class Capacity:
         if self.vcpus is not None and used_cpu + count * vcpus > self.vcpus:
             raise AtCapacity(f"node at capacity: {used_cpu} of {self.vcpus:g} vCPUs in use, "
                              f"no room for {what}; retry later")
+        if self.min_available_pct > 0:
+            avail, total = _host_available_mb(), _host_memory_mb()
+            floor = total * self.min_available_pct / 100
+            if avail - count * self.sandbox_host_mb < floor:
+                raise AtCapacity(f"node at capacity: host memory low ({avail} MiB available, "
+                                 f"{self.min_available_pct:g}% of {total} MiB must stay free), "
+                                 f"no room for {what}; retry later")
 
     def as_dict(self) -> dict:
         """For ``GET /metrics/node``."""
-        return {"memoryMB": self.memory_mb, "vcpus": self.vcpus, "maxSandboxes": self.max_sandboxes}
+        return {"memoryMB": self.memory_mb, "vcpus": self.vcpus, "maxSandboxes": self.max_sandboxes,
+                "minAvailableMemoryPct": self.min_available_pct, "sandboxHostMB": self.sandbox_host_mb}
 
     def fits(self, live, vcpus: int, memory_mb: int, count: int = 1, held: list[tuple[int, int]] = ()) -> bool:
         """True when :meth:`check` with the same arguments would not raise."""

@@ -33,7 +33,7 @@ from forkyard.templates import sudo as sudo_broker
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 6
+BUILD_VERSION = 7
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [
@@ -281,6 +281,14 @@ def _configure(root: Path, mirror: str, security: str | None, progress: Progress
         progress,
     )
     _write(root / f"etc/sudoers.d/{USER_NAME}", f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL\n", 0o440)
+    # Every commands.run is `bash -l -c CMD` (envd, as E2B's); Debian's /etc/profile asks
+    # `$(id -u)` twice, a process start that costs ~15-25 ms under gVisor (measured: bash -l
+    # -c true 43.7 ms p50 vs 17.6 ms without the profile). bash knows its EUID; other
+    # shells still run `id -u`.
+    profile = root / "etc/profile"
+    if profile.is_file():
+        text = profile.read_text()
+        profile.write_text(text.replace('"$(id -u)"', '"${EUID:-$(id -u)}"'))
     # Debian marks the system Python as externally managed (PEP 668); E2B users expect a
     # plain `pip install` to work, as in E2B's own base image.
     for marker in (root / "usr/lib").glob("python3*/EXTERNALLY-MANAGED"):

@@ -89,3 +89,25 @@ def test_cpu_quota_is_the_sandbox_vcpus(sandbox):
     sandbox.commands.run("for i in 1 2 3 4; do timeout 3 sh -c 'while :; do :; done' & done; wait", timeout=30)
     cores = (int(acct.read_text()) - u0) / 1e9 / (time.time() - t0)
     assert 0 < cores <= 2.2, cores
+
+
+def test_host_memory_floor_refuses_before_the_host_degrades(server):
+    """Issue 10 (density): however far memory limits are overcommitted, a start that
+    would leave the host under FORKYARD_MIN_AVAILABLE_MEMORY_PCT of its memory available
+    is a 503 naming the cause, and nothing is created."""
+    from forkyard.orchestrator.admission import AtCapacity, Capacity, _host_available_mb, _host_memory_mb
+
+    cap = Capacity(memory_mb=1 << 30, vcpus=None, max_sandboxes=None, min_available_pct=10, sandbox_host_mb=64)
+    cap.check([], 2, 512)  # this host has more than 10 % free for one more
+    room = int((_host_available_mb() - _host_memory_mb() * 0.10) // 64)
+    with pytest.raises(AtCapacity, match="host memory low"):
+        cap.check([], 2, 512, count=room + 1)
+    assert Capacity(memory_mb=1 << 30, vcpus=None, max_sandboxes=None, min_available_pct=0,
+                    sandbox_host_mb=64).fits([], 2, 512, count=room + 1)  # 0: off
+    server.kill_all()
+    with server.restarted_with(FORKYARD_MIN_AVAILABLE_MEMORY_PCT="99.9", FORKYARD_MEMORY_OVERCOMMIT="10"), \
+            server.api() as c:
+        assert c.get("/metrics/node").json()["capacity"]["minAvailableMemoryPct"] == 99.9
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert r.status_code == 503 and "host memory low" in r.json()["message"], r.text
+        assert c.get("/v2/sandboxes").json() == []
