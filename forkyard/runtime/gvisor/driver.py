@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -43,6 +44,11 @@ log = logging.getLogger(__name__)
 
 #: Shell snippet run in a private mount namespace before exec'ing runsc (netns bug).
 _SYSNET_WORKAROUND = 'mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/sys/net && exec "$0" "$@"'
+#: Same, also bind-mounting the real filesystem image (``{tar}``) over
+#: :data:`~.spec.ROOTFS_TAR_PLACEHOLDER` (the annotation's constant value) for this runsc
+#: only: the mount namespace is private, so the host and other starts see the empty tar.
+_SYSNET_WITH_TAR = ('mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/sys/net'
+                    ' && mount --bind {tar} {placeholder} && exec "$0" "$@"')
 _NOT_FOUND = ("does not exist", "not found", "no such file")
 #: Started next to init when present (see forkyard.templates.sudo): gVisor ignores
 #: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
@@ -170,6 +176,38 @@ def write_image_build(image_dir: Path, build: str) -> None:
     path = image_dir / BUILD_FILE
     path.write_text(json.dumps({"runtime": "gvisor", "build": build}))
     os.chmod(path, 0o600)
+
+
+def image_rootfs_tar(image_dir: Path) -> str | None:
+    """The :data:`~.spec.ROOTFS_TAR_ANNOTATION` value the checkpointed sandbox of
+    ``image_dir`` was booted with (restore must pass the same), or None.
+
+    Read from :data:`~.spec.ROOTFS_TAR_MARKER` (written by :meth:`GVisorDriver.checkpoint`),
+    else — images from before the marker — from the metadata header of
+    ``checkpoint.img``: ``gVisorSF``, 8 bytes of length, then JSON whose
+    ``container_specs`` (a JSON string) maps container names to the OCI specs runsc
+    compares at restore (runsc 0.0~20240729, read here, not documented).
+    """
+    try:
+        return (image_dir / ocispec.ROOTFS_TAR_MARKER).read_text().strip() or None
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        with open(image_dir / "checkpoint.img", "rb") as f:
+            head = f.read(1 << 20)
+        if not head.startswith(b"gVisorSF"):
+            return None
+        text = head[head.index(b"{"):].decode("utf-8", "replace")
+        meta, _ = json.JSONDecoder().raw_decode(text)
+        for spec in json.loads(meta.get("container_specs") or "{}").values():
+            value = (spec.get("annotations") or {}).get(ocispec.ROOTFS_TAR_ANNOTATION)
+            if value:
+                return str(value)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return None
 
 
 def read_image_build(image_dir: Path) -> str | None:
@@ -338,6 +376,15 @@ class GVisorDriver(RuntimeDriver):
         if image_build is not None and image_build != self.build:
             raise RuntimeMismatch(image_build, self.build)
         bundle = ocispec.bundle_dir(spec.workdir)
+        # A sandbox cold-booted from a filesystem-only image carries the rootfs-tar
+        # annotation in its checkpoint, and runsc refuses a restore whose annotations
+        # differ. Restore does not lay the tar again (the overlay comes from the image),
+        # so the value only has to name a readable tar: the constant placeholder (an
+        # empty tar), or — images from before it — the old per-image path, recreated as
+        # an empty tar when it is gone and lies under our data directory.
+        rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
+        if rootfs_tar is not None:
+            await asyncio.to_thread(self._provide_tar, rootfs_tar)
         # Images made before /tmp and /dev/shm were sized restore with the mounts they
         # were made with (a new /tmp mount over a restored one loses its files).
         await self._start(
@@ -345,9 +392,35 @@ class GVisorDriver(RuntimeDriver):
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
             sized_tmp=(image_dir / ocispec.SIZED_TMP_MARKER).exists(),
+            rootfs_tar=rootfs_tar,
         )
         if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
             await self._rearm_envd(spec.sandbox_id)
+
+    def _provide_tar(self, value: str) -> None:
+        """Make sure the rootfs-tar annotation ``value`` of an image names a readable
+        tar (see :meth:`restore`).
+
+        Raises:
+            RuntimeError_: it names a missing file outside the data directory (never
+                created there), or it could not be created.
+        """
+        path = Path(value)
+        try:
+            if path == ocispec.ROOTFS_TAR_PLACEHOLDER:
+                ocispec.ensure_empty_tar(path)
+                return
+            if path.is_file():
+                return
+            data = Path(os.path.realpath(self.settings.data_dir))
+            real = Path(os.path.realpath(path))
+            if not path.is_absolute() or ".." in path.parts or data not in real.parents:
+                raise RuntimeError_(
+                    f"this checkpoint was made from a sandbox booted over filesystem image {value}, which "
+                    "is gone and lies outside the data directory; it cannot be restored")
+            ocispec.ensure_empty_tar(path)
+        except OSError as e:
+            raise RuntimeError_(f"cannot provide the rootfs tar {value} a restore needs: {e}") from e
 
     async def _rearm_envd(self, sandbox_id: str) -> None:
         """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
@@ -379,7 +452,12 @@ class GVisorDriver(RuntimeDriver):
         except FileNotFoundError:
             return False
 
-    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True) -> None:
+    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True,
+                     rootfs_tar: str | None = None) -> None:
+        """Write the bundle and run ``runsc <args>`` (``run`` or ``restore``) in a private
+        mount namespace. A cold boot over ``spec.rootfs_upper_tar`` annotates the spec
+        with :data:`~.spec.ROOTFS_TAR_PLACEHOLDER` and bind-mounts the real tar over it
+        in that namespace; a restore passes ``rootfs_tar`` (the image's annotation)."""
         sid = spec.sandbox_id
         if not Path(spec.rootfs).is_dir():
             raise RuntimeError_(f"rootfs {spec.rootfs} is not a directory")
@@ -409,14 +487,24 @@ class GVisorDriver(RuntimeDriver):
                     await asyncio.to_thread(disk.attach, spec.workdir, self._overlay_dir(spec.workdir), spec.disk_mb)
                 except disk.DiskError as e:
                     raise RuntimeError_(f"sandbox {sid}: disk of {spec.disk_mb} MiB: {e}") from e
-        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp)
+        snippet = _SYSNET_WORKAROUND
+        if spec.rootfs_upper_tar is not None:
+            placeholder = ocispec.ROOTFS_TAR_PLACEHOLDER
+            try:
+                await asyncio.to_thread(ocispec.ensure_empty_tar, placeholder)
+            except OSError as e:
+                raise RuntimeError_(f"cannot create {placeholder}: {e}") from e
+            rootfs_tar = str(placeholder)
+            snippet = _SYSNET_WITH_TAR.format(tar=shlex.quote(str(Path(spec.rootfs_upper_tar).resolve())),
+                                              placeholder=shlex.quote(str(placeholder)))
+        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
         argv = [
             "unshare", "--mount", "--propagation", "private",
-            "sh", "-c", _SYSNET_WORKAROUND,
+            "sh", "-c", snippet,
             self._runsc(), *self._global_flags(), *self._sandbox_flags(spec.workdir),
-            *(["--allow-rootfs-tar-annotation"] if spec.rootfs_upper_tar is not None else []), *args,
+            *(["--allow-rootfs-tar-annotation"] if rootfs_tar is not None else []), *args,
         ]  # fmt: skip
         ok = False
         try:
@@ -748,6 +836,9 @@ class GVisorDriver(RuntimeDriver):
             bundle = Path(st["bundle"]) if st and st.get("bundle") else bundle
         if ocispec.has_sized_tmp(bundle):  # see restore
             (image_dir / ocispec.SIZED_TMP_MARKER).write_text("1\n")
+        rootfs_tar = ocispec.rootfs_tar_annotation(bundle)
+        if rootfs_tar is not None:  # see restore: the same annotation must be passed again
+            (image_dir / ocispec.ROOTFS_TAR_MARKER).write_text(rootfs_tar + "\n")
         if not leave_running and not keep_stopped:
             st = st or await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None
