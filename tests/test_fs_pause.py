@@ -363,3 +363,69 @@ def test_image_rootfs_tar_reads_the_marker_or_the_checkpoint_header(tmp_path):
     assert image_rootfs_tar(tmp_path) == "/old/x.tar"
     (tmp_path / ROOTFS_TAR_MARKER).write_text("/run/forkyard/rootfs-upper.tar\n")
     assert image_rootfs_tar(tmp_path) == "/run/forkyard/rootfs-upper.tar"
+
+
+def _refused(server, sid: str, what: str) -> None:
+    """A filesystem-only pause and snapshot of ``sid`` are refused (409) and it runs on."""
+    with server.api() as c:
+        for url, body in ((f"/sandboxes/{sid}/pause", {"memory": False}),
+                          (f"/sandboxes/{sid}/snapshots", {"memory": False})):
+            r = c.post(url, json=body, timeout=120)
+            assert r.status_code == 409, (what, r.text)
+            msg = r.json()["message"]
+            assert "pause with memory instead" in msg and "MiB" in msg and len(msg) < 400, msg
+    assert _state(server, sid) == "running"
+
+
+@pytest.mark.parametrize("what, cmd", [
+    ("a 150 MiB file", "head -c 150M /dev/urandom > /root/big"),  # resumed OOM-killed before the bound
+    ("a 1 GiB sparse file", "truncate -s 1G /root/sparse"),  # the export itself was OOM-killed
+    ("3 × 50 MiB files", "for i in 1 2 3; do head -c 50M /dev/urandom > /root/part$i; done"),  # the stream bound
+], ids=["file", "sparse", "many"])
+def test_fs_pause_of_too_many_changed_files_is_refused_and_a_memory_pause_works(server, what, cmd):
+    """runsc lays a filesystem-only image back inside the sandbox's memory limit (and a
+    sparse file at its full size): one that would not fit is refused before anything is
+    lost; the sandbox runs on and a memory pause keeps everything."""
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    try:
+        h = sbx.commands.run("sleep 1000", background=True)
+        sbx.commands.run(cmd, user="root", timeout=120)
+        _refused(server, sid, what)
+        assert h.pid in _pids(sbx)
+        sbx.pause()
+        same = Sandbox.connect(sid, timeout=300)
+        assert h.pid in _pids(same)
+        assert same.commands.run("ls /root", user="root").stdout.split() in (
+            ["big"], ["sparse"], ["part1", "part2", "part3"])
+    finally:
+        sbx.kill()
+
+
+def test_fs_pause_within_the_bound_resumes(server):
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sbx.commands.run("head -c 60M /dev/urandom > /root/f && md5sum /root/f > /root/f.md5", user="root")
+        sbx.pause(keep_memory=False)
+        same = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert same.commands.run("md5sum -c /root/f.md5", user="root").exit_code == 0
+    finally:
+        sbx.kill()
+
+
+def test_too_large_fs_auto_pause_falls_back_to_a_memory_pause(server):
+    sbx = Sandbox.create("base", timeout=6, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    sid = sbx.sandbox_id
+    try:
+        h = sbx.commands.run("sleep 1000", background=True)
+        sbx.commands.run("head -c 150M /dev/urandom > /root/big", user="root", timeout=60)
+        deadline = time.time() + 90
+        while _state(server, sid) != "paused" and time.time() < deadline:
+            time.sleep(0.25)
+        assert _state(server, sid) == "paused"
+        server.settle()
+        assert _manifest(_image_id(server, sid))["meta"].get("memory", True) is True
+        same = Sandbox.connect(sid, timeout=300)
+        assert h.pid in _pids(same)
+    finally:
+        sbx.kill()
