@@ -191,7 +191,7 @@ def image_rootfs_tar(image_dir: Path) -> str | None:
     else — images from before the marker — from the metadata header of
     ``checkpoint.img``: ``gVisorSF``, 8 bytes of length, then JSON whose
     ``container_specs`` (a JSON string) maps container names to the OCI specs runsc
-    compares at restore (runsc 0.0~20240729, read here, not documented).
+    compares at restore (the pinned runsc's format, not documented).
     """
     try:
         return (image_dir / ocispec.ROOTFS_TAR_MARKER).read_text().strip() or None
@@ -385,8 +385,7 @@ class GVisorDriver(RuntimeDriver):
         # annotation in its checkpoint, and runsc refuses a restore whose annotations
         # differ. Restore does not lay the tar again (the overlay comes from the image),
         # so the value only has to name a readable tar: the constant placeholder (an
-        # empty tar), or — images from before it — the old per-image path, recreated as
-        # an empty tar when it is gone and lies under our data directory.
+        # empty tar), or — images from before it — the old per-image path, if present.
         rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
         if rootfs_tar is not None:
             await asyncio.to_thread(self._provide_tar, rootfs_tar)
@@ -402,30 +401,29 @@ class GVisorDriver(RuntimeDriver):
         if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
             await self._rearm_envd(spec.sandbox_id)
 
-    def _provide_tar(self, value: str) -> None:
+    @staticmethod
+    def _provide_tar(value: str) -> None:
         """Make sure the rootfs-tar annotation ``value`` of an image names a readable
-        tar (see :meth:`restore`).
+        tar (see :meth:`restore`): the placeholder is (re)created; an older image's
+        per-image path must still exist. It is never recreated: it lies in the image
+        cache or a staging directory, where an empty tar would pass for the real
+        filesystem image of that snapshot (the cache adopts any directory there).
 
         Raises:
-            RuntimeError_: it names a missing file outside the data directory (never
-                created there), or it could not be created.
+            RuntimeError_: an older image's path is gone, or the placeholder could not
+                be created.
         """
         path = Path(value)
         try:
             if path == ocispec.ROOTFS_TAR_PLACEHOLDER:
                 ocispec.ensure_empty_tar(path)
                 return
-            if path.is_file():
-                return
-            data = Path(os.path.realpath(self.settings.data_dir))
-            real = Path(os.path.realpath(path))
-            if not path.is_absolute() or ".." in path.parts or data not in real.parents:
-                raise RuntimeError_(
-                    f"this checkpoint was made from a sandbox booted over filesystem image {value}, which "
-                    "is gone and lies outside the data directory; it cannot be restored")
-            ocispec.ensure_empty_tar(path)
         except OSError as e:
-            raise RuntimeError_(f"cannot provide the rootfs tar {value} a restore needs: {e}") from e
+            raise RuntimeError_(f"cannot create {path}: {e}") from e
+        if not path.is_file():
+            raise RuntimeError_(
+                f"this checkpoint was made (before forkyard recorded it otherwise) from a sandbox booted over "
+                f"filesystem image {value}, which is gone; runsc restores it only with that file present")
 
     async def _rearm_envd(self, sandbox_id: str) -> None:
         """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
