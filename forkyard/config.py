@@ -120,6 +120,13 @@ class Settings:
             writes beyond it fail with ENOSPC inside.
         max_disk_mb: the largest disk a template may ask for (``FORKYARD_MAX_DISK_MB``,
             20480 — forkyard's choice; a larger ``diskSizeMB`` is a 400).
+        fs_image_memory_fraction: a filesystem-only pause or snapshot is refused (409)
+            when its image (the changed files, sparse files at their full size) exceeds
+            this fraction of the sandbox's memory (``FORKYARD_FS_IMAGE_MEMORY_FRACTION``,
+            0.2; or 90 % of its disk, whichever is less): runsc lays the image back inside
+            the sandbox's memory limit at resume. Measured (512 MiB, runsc 20260905):
+            a 100 MiB file resumed, 150 MiB got the boot OOM-killed. No E2B equivalent
+            (E2B keeps a VM disk).
         net_prefix: 2-4 letters naming this server's netns/veths/iptables chains
             (``FORKYARD_NET_PREFIX``, ``fy``); two servers on one host need different ones.
         outer_net: IPv4 range for per-sandbox outer addresses, one /30 each
@@ -172,6 +179,8 @@ class Settings:
     default_memory_mb: int = 512
     default_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_DISK_MB", "4096")))
     max_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_DISK_MB", "20480")))
+    fs_image_memory_fraction: float = field(
+        default_factory=lambda: float(os.environ.get("FORKYARD_FS_IMAGE_MEMORY_FRACTION", "0.2")))
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))

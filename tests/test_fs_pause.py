@@ -284,3 +284,148 @@ def test_kill9_mid_fs_pause(server, phase, after):
         hold.disarm()
         server.kill_all()
     server.wait_clean(20)
+
+
+def _cold_booted_sandbox(server) -> Sandbox:
+    """A sandbox that ran, was paused filesystem-only and resumed (cold-booted over its
+    files), with ``/home/user/kept.txt`` written before the pause."""
+    sbx = Sandbox.create("base", timeout=300)
+    sbx.files.write("/home/user/kept.txt", "kept")
+    sbx.pause(keep_memory=False)
+    return Sandbox.connect(sbx.sandbox_id, timeout=300)
+
+
+def test_a_cold_booted_sandbox_forks_and_snapshots_with_memory(server):
+    """runsc records the boot spec's rootfs-tar annotation in every checkpoint and
+    refuses a restore whose annotations differ: a sandbox once cold-booted over an
+    fs-only image must still fork and snapshot with memory (its annotation is a
+    constant placeholder path, the real tar bind-mounted over it only for the boot)."""
+    from forkyard.runtime.gvisor.spec import EMPTY_TAR, ROOTFS_TAR_PLACEHOLDER
+
+    sbx = _cold_booted_sandbox(server)
+    children, snap = [], None
+    try:
+        assert ROOTFS_TAR_PLACEHOLDER.read_bytes() == EMPTY_TAR  # the bind mount stayed private
+        h = sbx.commands.run("sleep 1000", background=True)
+        results = sbx.fork(count=2, timeout=120)
+        children = [r for r in results if not isinstance(r, Exception)]
+        assert len(children) == 2, results
+        for child in children:
+            assert child.files.read("/home/user/kept.txt") == "kept"
+            assert h.pid in _pids(child)  # a memory restore: the process is there
+        snap = sbx.create_snapshot()
+        kid = Sandbox.create(snap.snapshot_id, timeout=120)
+        try:
+            assert kid.files.read("/home/user/kept.txt") == "kept"
+            assert h.pid in _pids(kid)
+        finally:
+            kid.kill()
+    finally:
+        for c in children:
+            c.kill()
+        sbx.kill()
+        if snap is not None:
+            with server.api() as c:
+                c.delete(f"/templates/{snap.snapshot_id}")
+
+
+def test_a_cold_booted_sandbox_memory_pauses_without_hot_pause_and_across_restart(server):
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"):
+        sbx = _cold_booted_sandbox(server)
+        sid = sbx.sandbox_id
+        try:
+            h = sbx.commands.run("sleep 1000", background=True)
+            sbx.pause()  # with memory, nothing kept frozen: connect restores the checkpoint
+            same = Sandbox.connect(sid, timeout=300)
+            assert h.pid in _pids(same)
+            assert same.files.read("/home/user/kept.txt") == "kept"
+            same.pause()
+            server.settle()
+            server.stop()
+            server.start()
+            again = Sandbox.connect(sid, timeout=300)
+            assert h.pid in _pids(again)
+            assert again.files.read("/home/user/kept.txt") == "kept"
+        finally:
+            sbx.kill()
+
+
+def test_image_rootfs_tar_reads_the_marker_or_the_checkpoint_header(tmp_path):
+    """Images written before the marker: the annotation is read from the JSON metadata
+    runsc writes at the head of ``checkpoint.img``."""
+    from forkyard.runtime.gvisor.driver import image_rootfs_tar
+    from forkyard.runtime.gvisor.spec import ROOTFS_TAR_ANNOTATION, ROOTFS_TAR_MARKER
+
+    assert image_rootfs_tar(tmp_path) is None
+    spec = {"__no_name_0": {"ociVersion": "1.0.2", "annotations": {ROOTFS_TAR_ANNOTATION: "/old/x.tar"}}}
+    meta = json.dumps({"compression": "none", "container_specs": json.dumps(spec)}).encode()
+    (tmp_path / "checkpoint.img").write_bytes(b"gVisorSF" + len(meta).to_bytes(8, "big") + meta + b"\0" * 64)
+    assert image_rootfs_tar(tmp_path) == "/old/x.tar"
+    (tmp_path / ROOTFS_TAR_MARKER).write_text("/run/forkyard/rootfs-upper.tar\n")
+    assert image_rootfs_tar(tmp_path) == "/run/forkyard/rootfs-upper.tar"
+
+
+def _refused(server, sid: str, what: str) -> None:
+    """A filesystem-only pause and snapshot of ``sid`` are refused (409) and it runs on."""
+    with server.api() as c:
+        for url, body in ((f"/sandboxes/{sid}/pause", {"memory": False}),
+                          (f"/sandboxes/{sid}/snapshots", {"memory": False})):
+            r = c.post(url, json=body, timeout=120)
+            assert r.status_code == 409, (what, r.text)
+            msg = r.json()["message"]
+            assert "pause with memory instead" in msg and "MiB" in msg and len(msg) < 400, msg
+    assert _state(server, sid) == "running"
+
+
+@pytest.mark.parametrize("what, cmd", [
+    ("a 150 MiB file", "head -c 150M /dev/urandom > /root/big"),  # resumed OOM-killed before the bound
+    ("a 1 GiB sparse file", "truncate -s 1G /root/sparse"),  # the export itself was OOM-killed
+    ("3 × 50 MiB files", "for i in 1 2 3; do head -c 50M /dev/urandom > /root/part$i; done"),  # the stream bound
+], ids=["file", "sparse", "many"])
+def test_fs_pause_of_too_many_changed_files_is_refused_and_a_memory_pause_works(server, what, cmd):
+    """runsc lays a filesystem-only image back inside the sandbox's memory limit (and a
+    sparse file at its full size): one that would not fit is refused before anything is
+    lost; the sandbox runs on and a memory pause keeps everything."""
+    sbx = Sandbox.create("base", timeout=300)
+    sid = sbx.sandbox_id
+    try:
+        h = sbx.commands.run("sleep 1000", background=True)
+        sbx.commands.run(cmd, user="root", timeout=120)
+        _refused(server, sid, what)
+        assert h.pid in _pids(sbx)
+        sbx.pause()
+        same = Sandbox.connect(sid, timeout=300)
+        assert h.pid in _pids(same)
+        assert same.commands.run("ls /root", user="root").stdout.split() in (
+            ["big"], ["sparse"], ["part1", "part2", "part3"])
+    finally:
+        sbx.kill()
+
+
+def test_fs_pause_within_the_bound_resumes(server):
+    sbx = Sandbox.create("base", timeout=300)
+    try:
+        sbx.commands.run("head -c 60M /dev/urandom > /root/f && md5sum /root/f > /root/f.md5", user="root")
+        sbx.pause(keep_memory=False)
+        same = Sandbox.connect(sbx.sandbox_id, timeout=300)
+        assert same.commands.run("md5sum -c /root/f.md5", user="root").exit_code == 0
+    finally:
+        sbx.kill()
+
+
+def test_too_large_fs_auto_pause_falls_back_to_a_memory_pause(server):
+    sbx = Sandbox.create("base", timeout=6, lifecycle={"on_timeout": {"action": "pause", "keep_memory": False}})
+    sid = sbx.sandbox_id
+    try:
+        h = sbx.commands.run("sleep 1000", background=True)
+        sbx.commands.run("head -c 150M /dev/urandom > /root/big", user="root", timeout=60)
+        deadline = time.time() + 90
+        while _state(server, sid) != "paused" and time.time() < deadline:
+            time.sleep(0.25)
+        assert _state(server, sid) == "paused"
+        server.settle()
+        assert _manifest(_image_id(server, sid))["meta"].get("memory", True) is True
+        same = Sandbox.connect(sid, timeout=300)
+        assert h.pid in _pids(same)
+    finally:
+        sbx.kill()

@@ -23,9 +23,10 @@ def _orch(request: Request) -> Orchestrator:
 async def pause(request: Request, sandbox_id: str, body: schemas.PauseBody | None = None):
     """Pause (checkpoint + stop): 204; 404 unknown; 409 already paused; 503 when
     ``requireHealthyGuest`` and envd does not answer. ``memory: false``: a
-    filesystem-only pause (resume cold-boots over the saved files).
+    filesystem-only pause (resume cold-boots over the saved files); 409 when the
+    changed files are too large to lay back at resume (the sandbox keeps running).
     ``Server-Timing``: ``freeze`` (hot or filesystem-only pause), ``checkpoint``
-    (memory) or ``export`` (filesystem-only), and ``commit`` in a cluster (ms)."""
+    (memory) or ``scan`` + ``export`` (filesystem-only), and ``commit`` in a cluster (ms)."""
     phases = timing.start()
     await _orch(request).pause(sandbox_id, require_healthy=bool(body and body.require_healthy_guest),
                                memory=not (body is not None and body.memory is False))
@@ -88,9 +89,10 @@ def fork_results(results: list, domain: str | None = None) -> list[dict]:
 @router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
 async def create_snapshot(request: Request, sandbox_id: str, body: schemas.SnapshotBody | None = None):
     """Snapshot a running sandbox (it keeps running): 201 ``SnapshotInfo``.
-    ``memory: false``: its filesystem only (sandboxes created from it cold-boot).
+    ``memory: false``: its filesystem only (sandboxes created from it cold-boot); 409
+    when the changed files are too large to lay back (see the pause).
     ``Server-Timing``: ``checkpoint`` (how long the source was stopped; filesystem-only:
-    ``freeze`` + ``export``) and ``commit`` (ms)."""
+    ``scan`` before, then ``freeze`` + ``export``) and ``commit`` (ms)."""
     phases = timing.start()
     meta = await _orch(request).snapshot(sandbox_id, body.name if body else None,
                                          memory=not (body is not None and body.memory is False))

@@ -34,6 +34,7 @@ from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.holds import hold
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.runtime.base import ExportTooLarge
 from forkyard.repository.errors import RepositoryError
 from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, new_snapshot_id
 from forkyard.templates import registry
@@ -85,6 +86,11 @@ def staged_memory(staging: Path) -> bool:
     return not ((image / ROOTFS_TAR).exists() or (image / f"{ROOTFS_TAR}.tmp").exists())
 
 
+class FsImageTooLarge(Conflict):
+    """A filesystem-only pause/snapshot was refused: its image would be too large to
+    resume (409); the sandbox keeps running."""
+
+
 class LifecycleMixin:
     """Pause/resume/snapshot/fork; relies on the Orchestrator's store, driver,
     snapshots, locks and ``_start``/``_teardown``/``_gc_images``."""
@@ -133,17 +139,46 @@ class LifecycleMixin:
         timing.record("checkpoint", (time.perf_counter() - t0) * 1000)
         return staging
 
+    def fs_image_limit(self, rec: SandboxRecord) -> int:
+        """Largest filesystem-only image of ``rec`` (bytes) that a cold boot can lay back:
+        ``settings.fs_image_memory_fraction`` of its memory (runsc lays the tar back
+        inside the sandbox's memory limit; measured at 512 MiB: 100 MiB resumed, 150 MiB
+        was OOM-killed at boot), and at most 90 % of its disk (sparse files come back
+        fully allocated)."""
+        limit = int(rec.memory_mb * self.settings.fs_image_memory_fraction) << 20
+        if rec.disk_mb:
+            limit = min(limit, (rec.disk_mb * 9 // 10) << 20)
+        return max(limit, 1 << 20)
+
+    @staticmethod
+    def _too_large(rec: SandboxRecord, limit: int, size: int, detail: str) -> str:
+        return (f"filesystem-only pause needs the changed files ({detail}; sparse files count at their full "
+                f"size) to fit in {limit >> 20} MiB (part of the sandbox's {rec.memory_mb} MiB memory: resume "
+                "lays them back inside it); pause with memory instead (the sandbox keeps running)")
+
     async def _stage_fs(self, rec: SandboxRecord, snapshot_id: str, thaw: bool) -> Path:
         """Filesystem-only image of ``rec`` into a fresh staging directory
         (``<it>/image/`` :data:`ROOTFS_TAR`): the sandbox is frozen, its writable layer
         exported, and — when ``thaw`` (snapshot) — continued; a pause leaves it frozen
-        for :meth:`_teardown`. Records ``freeze`` and ``export`` (ms) for
+        for :meth:`_teardown`. Records ``scan`` (the look for files too large, see
+        :meth:`fs_image_limit`), ``freeze`` and ``export`` (ms) for
         ``Server-Timing``.
 
         Raises:
+            FsImageTooLarge: the image would exceed :meth:`fs_image_limit` (409); the
+                sandbox runs on (thawed), nothing is kept.
             CreateFailed: the runtime failed; the staging directory is removed and the
                 sandbox runs on (thawed).
         """
+        limit = self.fs_image_limit(rec)
+        # One file above the bound: the export itself reads it whole into the sandbox's
+        # memory (a 1 GiB sparse file got the sandbox OOM-killed), so refuse first.
+        t_scan = time.perf_counter()
+        big = await self.driver.large_changed_files(rec.id, limit)
+        timing.record("scan", (time.perf_counter() - t_scan) * 1000)
+        if big:
+            name, size = max(big, key=lambda b: b[1])
+            raise FsImageTooLarge(self._too_large(rec, limit, size, f"{name} alone is {size >> 20} MiB"))
         t0 = time.perf_counter()
         frozen = False
         try:
@@ -152,13 +187,15 @@ class LifecycleMixin:
             frozen = True
             t1 = time.perf_counter()
             timing.record("freeze", (t1 - t0) * 1000)
-            size = await self.driver.export_rootfs(rec.id, staging / "image" / ROOTFS_TAR)
+            size = await self.driver.export_rootfs(rec.id, staging / "image" / ROOTFS_TAR, max_bytes=limit)
             timing.record("export", (time.perf_counter() - t1) * 1000)
             metrics.FS_IMAGE_BYTES.observe(size)
         except BaseException as e:
             self.snapshots.discard(self.snapshots.staging_path(snapshot_id))
             if frozen:
                 await self._thaw_quietly(rec.id)
+            if isinstance(e, ExportTooLarge):
+                raise FsImageTooLarge(self._too_large(rec, limit, e.size, f"over {e.size >> 20} MiB")) from e
             if isinstance(e, Exception):
                 raise CreateFailed(f"filesystem export of sandbox {rec.id} failed: {e}") from e
             raise
@@ -243,6 +280,8 @@ class LifecycleMixin:
         Raises:
             NotFound: unknown sandbox (or it had died; it is removed).
             Conflict: already paused (409, as E2B) or busy.
+            FsImageTooLarge: ``memory`` False and the changed files exceed
+                :meth:`fs_image_limit` (409); the sandbox keeps running.
             Unavailable: ``require_healthy`` and envd did not answer.
             CreateFailed: runsc failed; the sandbox keeps running.
         """
@@ -267,6 +306,10 @@ class LifecycleMixin:
                         staging = await self._stage(rec, sid, stop=not hot)
                     else:
                         staging = await self._stage_fs(rec, sid, thaw=False)
+                except FsImageTooLarge:
+                    rec.state, rec.image_id = "running", None  # thawed; nothing was kept
+                    self.store.put(rec)
+                    raise
                 except CreateFailed as e:
                     if hot:
                         await self._thaw_quietly(rec.id)
@@ -527,6 +570,8 @@ class LifecycleMixin:
 
         Raises:
             NotFound, Conflict (paused/busy), BadRequest (bad name),
+            FsImageTooLarge (``memory`` False and the files exceed :meth:`fs_image_limit`;
+            409, the sandbox keeps running),
             CreateFailed (runsc failed; the sandbox keeps running).
         """
         if name is not None and not _NAME.fullmatch(name):

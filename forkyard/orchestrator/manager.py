@@ -30,7 +30,8 @@ from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
-from forkyard.orchestrator.lifecycle import PAUSE_MARKER, LifecycleMixin, guest_defaults, staged_memory
+from forkyard.orchestrator.lifecycle import (PAUSE_MARKER, FsImageTooLarge, LifecycleMixin, guest_defaults,
+                                             staged_memory)
 from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
 from forkyard.orchestrator.store import SandboxRecord, Store
 from forkyard.orchestrator.tombstones import Tombstones
@@ -1126,7 +1127,14 @@ class Orchestrator(LifecycleMixin):
         rec = self.store.get(sandbox_id)
         # E2B autoPauseMemory: false = a filesystem-only auto-pause; unset = full memory.
         memory = rec is None or rec.auto_pause_memory is not False
-        await self.pause(sandbox_id, only_if=self._due, memory=memory)
+        if not memory:
+            try:
+                await self.pause(sandbox_id, only_if=self._due, memory=False)
+                return
+            except FsImageTooLarge as e:
+                # Nothing is lost: a memory pause keeps the files (and the processes).
+                log.warning("sandbox %s: filesystem-only auto-pause refused (%s); pausing with memory", sandbox_id, e)
+        await self.pause(sandbox_id, only_if=self._due, memory=True)
 
     async def _expire_kill(self, sandbox_id: str) -> None:
         await self.kill(sandbox_id, only_if=self._due)

@@ -18,6 +18,20 @@ class RuntimeError_(Exception):
     """A runtime operation failed; ``str(exc)`` carries the runtime's own message."""
 
 
+class ExportTooLarge(RuntimeError_):
+    """A filesystem-only image would exceed its bound (:meth:`RuntimeDriver.export_rootfs`
+    ``max_bytes``); nothing was kept and the sandbox is unchanged.
+
+    Attributes:
+        size: bytes exported when the export was stopped (a lower bound of the image).
+        limit: the bound in bytes.
+    """
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"filesystem image larger than {limit >> 20} MiB (stopped at {size >> 20} MiB)")
+        self.size, self.limit = size, limit
+
+
 class RuntimeMismatch(RuntimeError_):
     """A checkpoint image was written by another runtime build than this driver's, so
     it is not restored (gVisor's checkpoint format is not stable across builds: an
@@ -140,13 +154,19 @@ class RuntimeDriver(abc.ABC):
         process is still running; returns the ids still checkpointing at the deadline."""
         return []
 
-    async def export_rootfs(self, sandbox_id: str, path: Path) -> int:
+    async def large_changed_files(self, sandbox_id: str, min_bytes: int) -> list[tuple[str, int]] | None:
+        """``[(path, apparent bytes)]`` of the sandbox's changed files larger than
+        ``min_bytes``, or None when the runtime cannot tell (then nothing is checked)."""
+        return None
+
+    async def export_rootfs(self, sandbox_id: str, path: Path, max_bytes: int | None = None) -> int:
         """Write the sandbox's writable filesystem layer (its changes to the template
         rootfs: new and changed files, directories, deletions) to ``path`` as a
         filesystem-only image that :attr:`SandboxSpec.rootfs_upper_tar` takes back.
         The sandbox keeps its state (the caller freezes it for a consistent cut).
         Written under a temporary name, fsynced and renamed, so ``path`` is either
-        complete or absent. Returns its size in bytes."""
+        complete or absent. Returns its size in bytes. With ``max_bytes`` an image
+        larger than that raises :class:`ExportTooLarge` (nothing is left at ``path``)."""
         raise NotImplementedError(f"{self.name} runtime cannot export its filesystem")
 
     async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:

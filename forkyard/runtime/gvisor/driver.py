@@ -29,12 +29,15 @@ import asyncio
 import json
 import logging
 import os
+import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 from forkyard.config import Settings
-from forkyard.runtime.base import RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage, SandboxSpec
+from forkyard.runtime.base import (ExportTooLarge, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
+                                   SandboxSpec)
 from forkyard.runtime.gvisor import disk
 from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.runtime.gvisor import reaper
@@ -44,6 +47,14 @@ log = logging.getLogger(__name__)
 
 #: Shell snippet run in a private mount namespace before exec'ing runsc (netns bug).
 _SYSNET_WORKAROUND = 'mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/sys/net && exec "$0" "$@"'
+#: Same, also bind-mounting the real filesystem image (``{tar}``) over
+#: :data:`~.spec.ROOTFS_TAR_PLACEHOLDER` (the annotation's constant value) for this runsc
+#: only: the mount namespace is private, so the host and other starts see the empty tar.
+_SYSNET_WITH_TAR = ('mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/sys/net'
+                    ' && mount --bind {tar} {placeholder} && exec "$0" "$@"')
+#: Hexadecimal addresses in runsc's messages (e.g. ``&{0xc000a1b2c0 …}``): internals
+#: that mean nothing to a client.
+_POINTER = re.compile(r"0x[0-9a-f]{6,}")
 _NOT_FOUND = ("does not exist", "not found", "no such file")
 #: Started next to init when present (see forkyard.templates.sudo): gVisor ignores
 #: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
@@ -171,6 +182,38 @@ def write_image_build(image_dir: Path, build: str) -> None:
     path = image_dir / BUILD_FILE
     path.write_text(json.dumps({"runtime": "gvisor", "build": build}))
     os.chmod(path, 0o600)
+
+
+def image_rootfs_tar(image_dir: Path) -> str | None:
+    """The :data:`~.spec.ROOTFS_TAR_ANNOTATION` value the checkpointed sandbox of
+    ``image_dir`` was booted with (restore must pass the same), or None.
+
+    Read from :data:`~.spec.ROOTFS_TAR_MARKER` (written by :meth:`GVisorDriver.checkpoint`),
+    else — images from before the marker — from the metadata header of
+    ``checkpoint.img``: ``gVisorSF``, 8 bytes of length, then JSON whose
+    ``container_specs`` (a JSON string) maps container names to the OCI specs runsc
+    compares at restore (the pinned runsc's format, not documented).
+    """
+    try:
+        return (image_dir / ocispec.ROOTFS_TAR_MARKER).read_text().strip() or None
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return None
+    try:
+        with open(image_dir / "checkpoint.img", "rb") as f:
+            head = f.read(1 << 20)
+        if not head.startswith(b"gVisorSF"):
+            return None
+        text = head[head.index(b"{"):].decode("utf-8", "replace")
+        meta, _ = json.JSONDecoder().raw_decode(text)
+        for spec in json.loads(meta.get("container_specs") or "{}").values():
+            value = (spec.get("annotations") or {}).get(ocispec.ROOTFS_TAR_ANNOTATION)
+            if value:
+                return str(value)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+    return None
 
 
 def read_image_build(image_dir: Path) -> str | None:
@@ -342,6 +385,14 @@ class GVisorDriver(RuntimeDriver):
         if image_build is not None and image_build != self.build:
             raise RuntimeMismatch(image_build, self.build)
         bundle = ocispec.bundle_dir(spec.workdir)
+        # A sandbox cold-booted from a filesystem-only image carries the rootfs-tar
+        # annotation in its checkpoint, and runsc refuses a restore whose annotations
+        # differ. Restore does not lay the tar again (the overlay comes from the image),
+        # so the value only has to name a readable tar: the constant placeholder (an
+        # empty tar), or — images from before it — the old per-image path, if present.
+        rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
+        if rootfs_tar is not None:
+            await asyncio.to_thread(self._provide_tar, rootfs_tar)
         # Images made before /tmp and /dev/shm were sized restore with the mounts they
         # were made with (a new /tmp mount over a restored one loses its files).
         await self._start(
@@ -349,9 +400,34 @@ class GVisorDriver(RuntimeDriver):
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
             sized_tmp=(image_dir / ocispec.SIZED_TMP_MARKER).exists(),
+            rootfs_tar=rootfs_tar,
         )
         if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
             await self._rearm_envd(spec.sandbox_id)
+
+    @staticmethod
+    def _provide_tar(value: str) -> None:
+        """Make sure the rootfs-tar annotation ``value`` of an image names a readable
+        tar (see :meth:`restore`): the placeholder is (re)created; an older image's
+        per-image path must still exist. It is never recreated: it lies in the image
+        cache or a staging directory, where an empty tar would pass for the real
+        filesystem image of that snapshot (the cache adopts any directory there).
+
+        Raises:
+            RuntimeError_: an older image's path is gone, or the placeholder could not
+                be created.
+        """
+        path = Path(value)
+        try:
+            if path == ocispec.ROOTFS_TAR_PLACEHOLDER:
+                ocispec.ensure_empty_tar(path)
+                return
+        except OSError as e:
+            raise RuntimeError_(f"cannot create {path}: {e}") from e
+        if not path.is_file():
+            raise RuntimeError_(
+                f"this checkpoint was made (before forkyard recorded it otherwise) from a sandbox booted over "
+                f"filesystem image {value}, which is gone; runsc restores it only with that file present")
 
     async def _rearm_envd(self, sandbox_id: str) -> None:
         """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
@@ -383,7 +459,12 @@ class GVisorDriver(RuntimeDriver):
         except FileNotFoundError:
             return False
 
-    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True) -> None:
+    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True,
+                     rootfs_tar: str | None = None) -> None:
+        """Write the bundle and run ``runsc <args>`` (``run`` or ``restore``) in a private
+        mount namespace. A cold boot over ``spec.rootfs_upper_tar`` annotates the spec
+        with :data:`~.spec.ROOTFS_TAR_PLACEHOLDER` and bind-mounts the real tar over it
+        in that namespace; a restore passes ``rootfs_tar`` (the image's annotation)."""
         sid = spec.sandbox_id
         if not Path(spec.rootfs).is_dir():
             raise RuntimeError_(f"rootfs {spec.rootfs} is not a directory")
@@ -413,14 +494,24 @@ class GVisorDriver(RuntimeDriver):
                     await asyncio.to_thread(disk.attach, spec.workdir, self._overlay_dir(spec.workdir), spec.disk_mb)
                 except disk.DiskError as e:
                     raise RuntimeError_(f"sandbox {sid}: disk of {spec.disk_mb} MiB: {e}") from e
-        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp)
+        snippet = _SYSNET_WORKAROUND
+        if spec.rootfs_upper_tar is not None:
+            placeholder = ocispec.ROOTFS_TAR_PLACEHOLDER
+            try:
+                await asyncio.to_thread(ocispec.ensure_empty_tar, placeholder)
+            except OSError as e:
+                raise RuntimeError_(f"cannot create {placeholder}: {e}") from e
+            rootfs_tar = str(placeholder)
+            snippet = _SYSNET_WITH_TAR.format(tar=shlex.quote(str(Path(spec.rootfs_upper_tar).resolve())),
+                                              placeholder=shlex.quote(str(placeholder)))
+        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
         argv = [
             "unshare", "--mount", "--propagation", "private",
-            "sh", "-c", _SYSNET_WORKAROUND,
+            "sh", "-c", snippet,
             self._runsc(), *self._global_flags(), *self._sandbox_flags(spec.workdir),
-            *(["--allow-rootfs-tar-annotation"] if spec.rootfs_upper_tar is not None else []), *args,
+            *(["--allow-rootfs-tar-annotation"] if rootfs_tar is not None else []), *args,
         ]  # fmt: skip
         ok = False
         try:
@@ -436,7 +527,11 @@ class GVisorDriver(RuntimeDriver):
             if rc != 0:
                 with open(console, "rb") as f:
                     f.seek(offset)
-                    said = _summarize(f.read()[-20000:].decode(errors="replace"))
+                    full = f.read()[-20000:].decode(errors="replace")
+                # The whole of it (gVisor internals, heap addresses) stays in the log and
+                # console.log; the error, which reaches API clients, carries a short form.
+                log.warning("runsc %s %s failed (exit %s): %s", op, sid, rc, _summarize(full))
+                said = _POINTER.sub("0x…", _summarize(full, limit=400))
                 raise RuntimeError_(f"runsc {op} {sid} failed (exit {rc}): {said or 'no output'}")
             ok = True
         finally:
@@ -665,7 +760,57 @@ class GVisorDriver(RuntimeDriver):
         st = await self.state(sandbox_id)
         return bool(st) and st.get("status") == "paused"
 
-    async def export_rootfs(self, sandbox_id: str, path: Path) -> int:
+    async def large_changed_files(self, sandbox_id: str, min_bytes: int) -> list[tuple[str, int]] | None:
+        """``[(path, apparent size in bytes)]`` of the running sandbox's rootfs files
+        larger than ``min_bytes`` that are not unchanged template files, or None when
+        they cannot be listed (no ``find`` with ``-printf`` in the template, or runsc
+        failed). Sparse files count at their apparent size.
+
+        ``runsc tar rootfs-upper`` reads each file whole into the sentry's memory
+        (measured: a 1 GiB sparse file got a 512 MiB sandbox OOM-killed during the
+        export, while 150 MiB of files in total exported fine), so one file too large
+        must be found before the export starts; a byte count of the tar stream cannot
+        stop it. Runs ``find / -xdev -type f -size +N`` inside (``runsc exec``, as
+        root; ~0.5-3 s, the rootfs is walked); a file whose template copy (host side)
+        has the same size and mtime is the unchanged lower layer and is left out.
+        """
+        try:
+            rc, out, err = await self._run(
+                ["exec", "--user=0:0", sandbox_id, "find", "/", "-xdev", "-type", "f",
+                 "-size", f"+{max(0, min_bytes)}c", "-printf", r"%s %T@ %p\n"],
+                timeout=CHECKPOINT_TIMEOUT_S)
+        except RuntimeError_ as e:
+            log.warning("listing large files of %s failed: %s", sandbox_id, e)
+            return None
+        if rc not in (0, 1) or (rc == 1 and not out):  # 1: some paths unreadable (e.g. /proc races)
+            log.warning("listing large files of %s failed (exit %s): %s", sandbox_id, rc, err)
+            return None
+        root = None
+        st = self._state_file(sandbox_id)
+        try:
+            rootfs = Path((st or {}).get("spec", {}).get("root", {}).get("path") or "")
+            root = rootfs if str(rootfs) not in ("", ".") else None
+        except AttributeError:
+            root = None
+        found = []
+        for line in out.splitlines():
+            size_s, _, rest = line.partition(" ")
+            mtime_s, _, name = rest.partition(" ")
+            try:
+                size, mtime = int(size_s), float(mtime_s)
+            except ValueError:
+                continue
+            if root is not None:
+                try:
+                    lower = os.lstat(root / name.lstrip("/"))
+                    if lower.st_size == size and abs(lower.st_mtime - mtime) < 1e-3:
+                        continue  # the template's own file, unchanged
+                except (OSError, ValueError):
+                    pass
+            found.append((name, size))
+        return found
+
+    async def export_rootfs(self, sandbox_id: str, path: Path, max_bytes: int | None = None) -> int:
         """Write the sandbox's rootfs overlay upper layer to ``path`` as a tar
         (``runsc tar rootfs-upper``): new and changed files with their modes, owners and
         xattrs, deletions of template files as whiteouts (character devices 0/0) and
@@ -676,34 +821,74 @@ class GVisorDriver(RuntimeDriver):
         in 0.17 s). Separate mounts (``/tmp``, ``/dev/shm``) are not part of it.
         Written to ``<path>.tmp``, fsynced and renamed. Returns the tar's bytes.
 
+        runsc writes the tar into a FIFO that this process copies to ``<path>.tmp``,
+        counting: with ``max_bytes``, once the tar passes it the FIFO is closed (the
+        sentry's next write fails with EPIPE and it stops) — a sparse file is written
+        at its full apparent size, so only the stream itself shows how large the image
+        is, and an unbounded export of a large layer got the sandbox OOM-killed.
+
         Raises:
+            ExportTooLarge: the tar exceeded ``max_bytes``; nothing is left at ``path``.
             RuntimeError_: runsc failed (message = its stderr); nothing is left at ``path``.
         """
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        rc, _, err = await self._run(["tar", "rootfs-upper", f"--file={tmp}", sandbox_id],
-                                     timeout=CHECKPOINT_TIMEOUT_S)
-        if rc != 0 or not tmp.is_file():
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError_(f"runsc tar rootfs-upper {sandbox_id} failed: {err or 'no archive written'}")
+        fifo = path.with_name(path.name + ".fifo")
+        fifo.unlink(missing_ok=True)
+        os.mkfifo(fifo, 0o600)
+        state = {"size": 0, "over": False}
 
-        def _durable() -> int:
-            fd = os.open(tmp, os.O_RDONLY)
+        def _copy() -> None:
+            rfd = os.open(fifo, os.O_RDONLY)  # blocks until runsc opens it (or _unblock)
             try:
-                os.fsync(fd)
-                size = os.fstat(fd).st_size
+                with open(tmp, "wb") as out:
+                    os.chmod(tmp, 0o600)
+                    while chunk := os.read(rfd, 1 << 20):
+                        state["size"] += len(chunk)
+                        if max_bytes is not None and state["size"] > max_bytes:
+                            state["over"] = True
+                            return
+                        out.write(chunk)
+                    out.flush()
+                    os.fsync(out.fileno())
             finally:
+                os.close(rfd)
+
+        def _unblock() -> None:
+            # runsc exited without opening the FIFO: open it ourselves so _copy's open
+            # returns (and reads EOF once we close it).
+            try:
+                fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
                 os.close(fd)
+            except OSError:
+                pass
+
+        copier = asyncio.ensure_future(asyncio.to_thread(_copy))
+        try:
+            try:
+                rc, _, err = await self._run(["tar", "rootfs-upper", f"--file={fifo}", sandbox_id],
+                                             timeout=CHECKPOINT_TIMEOUT_S)
+            finally:
+                if not copier.done():
+                    await asyncio.to_thread(_unblock)
+                await asyncio.shield(copier)
+            if state["over"]:
+                raise ExportTooLarge(state["size"], max_bytes or 0)
+            if rc != 0 or not tmp.is_file():
+                raise RuntimeError_(f"runsc tar rootfs-upper {sandbox_id} failed: {err or 'no archive written'}")
             os.replace(tmp, path)
             dfd = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-            return size
-
-        return await asyncio.to_thread(_durable)
+            return state["size"]
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            fifo.unlink(missing_ok=True)
 
     # ---- checkpoint / restore ------------------------------------------------------------
     def _checkpointing(self) -> list[str]:
@@ -767,6 +952,9 @@ class GVisorDriver(RuntimeDriver):
             bundle = Path(st["bundle"]) if st and st.get("bundle") else bundle
         if ocispec.has_sized_tmp(bundle):  # see restore
             (image_dir / ocispec.SIZED_TMP_MARKER).write_text("1\n")
+        rootfs_tar = ocispec.rootfs_tar_annotation(bundle)
+        if rootfs_tar is not None:  # see restore: the same annotation must be passed again
+            (image_dir / ocispec.ROOTFS_TAR_MARKER).write_text(rootfs_tar + "\n")
         if not leave_running and not keep_stopped:
             st = st or await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None

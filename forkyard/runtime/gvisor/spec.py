@@ -39,6 +39,18 @@ CPU_PERIOD_US = 100_000
 #: OCI annotation naming a ``runsc tar rootfs-upper`` archive that runsc lays into a new
 #: container's rootfs upper layer (gVisor docs, user_guide/rootfs_snapshot).
 ROOTFS_TAR_ANNOTATION = "dev.gvisor.tar.rootfs.upper"
+#: The one value forkyard gives :data:`ROOTFS_TAR_ANNOTATION`: an empty tar (10,240
+#: zero bytes, two end-of-archive blocks) over which the driver bind-mounts the real
+#: archive in runsc's private mount namespace at a cold boot. runsc records the boot
+#: spec's annotations in every checkpoint and refuses a restore whose annotations differ
+#: ("Annotations does not match across checkpoint restore"), so a per-image path would
+#: make a sandbox once cold-booted from a filesystem-only image unrestorable once that
+#: path is gone or differs; a constant path that always exists (as the empty tar) is
+#: restorable anywhere.
+ROOTFS_TAR_PLACEHOLDER = Path("/run/forkyard/rootfs-upper.tar")
+#: Bytes of an empty tar archive (POSIX: two 512-byte zero blocks; GNU tar pads a record
+#: to 20 blocks, 10,240 bytes, which is what we write).
+EMPTY_TAR = b"\0" * 10240
 NOFILE = 65536
 def nproc_limit(memory_mb: int) -> int:
     """Processes (threads included) one non-root user may run in a sandbox
@@ -72,6 +84,44 @@ def cgroup_path(sandbox_id: str) -> str:
 SIZED_TMP_MARKER = "forkyard-sized-tmp"
 
 
+#: File in a checkpoint image naming the :data:`ROOTFS_TAR_ANNOTATION` value its
+#: sandbox was booted with (restore must pass the same annotations).
+ROOTFS_TAR_MARKER = "forkyard-rootfs-tar-annotation"
+
+
+def ensure_empty_tar(path: Path) -> None:
+    """Create ``path`` as an empty tar (:data:`EMPTY_TAR`, mode 0600; parents 0700) when
+    it is missing or not that. Atomic (temporary name + rename), so concurrent callers
+    and readers only ever see a complete archive.
+
+    Raises:
+        OSError: the file could not be written.
+    """
+    try:
+        if path.stat().st_size == len(EMPTY_TAR) and path.read_bytes() == EMPTY_TAR:
+            return
+    except OSError:
+        pass
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, EMPTY_TAR)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def rootfs_tar_annotation(bundle: Path) -> str | None:
+    """The :data:`ROOTFS_TAR_ANNOTATION` value in the bundle's ``config.json``, or None."""
+    try:
+        value = (json.loads((bundle / "config.json").read_text()).get("annotations") or {}).get(ROOTFS_TAR_ANNOTATION)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(value) if value else None
+
+
 def has_sized_tmp(bundle: Path) -> bool:
     """Whether the bundle's ``config.json`` mounts a sized tmpfs at ``/tmp``."""
     try:
@@ -87,6 +137,7 @@ def build_spec(
     envd_binary: Path | None,
     etc_dir: Path,
     sized_tmp: bool = True,
+    rootfs_tar: str | None = None,
 ) -> dict:
     """Return the OCI spec dict for ``spec``.
 
@@ -97,6 +148,9 @@ def build_spec(
             to mount nothing there.
         etc_dir: per-sandbox host directory holding the generated ``hosts`` and
             ``hostname`` files (bind-mounted over the template's).
+        sized_tmp: mount sized ``/tmp`` and ``/dev/shm`` tmpfs (see :func:`tmpfs_size_mb`).
+        rootfs_tar: value of :data:`ROOTFS_TAR_ANNOTATION` (normally
+            :data:`ROOTFS_TAR_PLACEHOLDER`), or None for no annotation.
     """
     env = dict(DEFAULT_ENV)
     env.update(spec.env)
@@ -152,15 +206,16 @@ def build_spec(
             },
         },
     }
-    if spec.rootfs_upper_tar is not None:
+    if rootfs_tar is not None:
         # runsc fills the rootfs overlay's upper layer from this tar before init starts
         # (honoured only with ``--allow-rootfs-tar-annotation``; gVisor "Rootfs Snapshot").
-        out["annotations"] = {ROOTFS_TAR_ANNOTATION: str(spec.rootfs_upper_tar)}
+        out["annotations"] = {ROOTFS_TAR_ANNOTATION: rootfs_tar}
     return out
 
 
 def write_bundle(
-    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None, sized_tmp: bool = True
+    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None, sized_tmp: bool = True,
+    rootfs_tar: str | None = None,
 ) -> Path:
     """Write ``<workdir>/bundle/config.json`` and the per-sandbox ``/etc`` files.
 
@@ -174,7 +229,7 @@ def write_bundle(
     (etc_dir / "hostname").write_text(spec.hostname + "\n")
     for name in ("hosts", "hostname"):  # bind-mounted: every user inside reads them
         (etc_dir / name).chmod(0o644)
-    data = build_spec(spec, init_argv, envd_binary, etc_dir, sized_tmp=sized_tmp)
+    data = build_spec(spec, init_argv, envd_binary, etc_dir, sized_tmp=sized_tmp, rootfs_tar=rootfs_tar)
     tmp = bdir / "config.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, bdir / "config.json")
