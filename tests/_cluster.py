@@ -207,6 +207,9 @@ def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:
             os.kill(int(pid), signal.SIGKILL)
         except (ProcessLookupError, ValueError):
             pass
+    from conftest import stop_reaper
+
+    stop_reaper(runsc_root)  # the node's reaper daemon outlives the node by design
     nm = NetworkManager(Settings(data_dir=data_dir), outer_net=outer_net, prefix=prefix)
     for idx in nm.existing_indexes():
         nm.release(idx)

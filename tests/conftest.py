@@ -58,6 +58,34 @@ def host_leftovers(runsc_root: Path | None = None) -> dict[str, list[str]]:
 CLEAN = {"netns": [], "runsc": [], "veth": [], "mounts": []}
 
 
+def stop_reaper(runsc_root: Path) -> None:
+    """Stop the reaper daemon of ``runsc_root`` (forkyard.runtime.gvisor.reaper: it
+    outlives its server by design and leaves by itself only after 30 s idle); for test
+    teardown, once no sandbox of that root runs."""
+    from forkyard.runtime.gvisor.reaper import socket_path
+
+    sock = str(socket_path(runsc_root))
+    pids = []
+    for line in subprocess.run(["pgrep", "-af", "serve_daemon"], capture_output=True, text=True).stdout.splitlines():
+        pid, _, cmd = line.partition(" ")
+        if cmd.split()[-1:] == [sock]:
+            pids.append(int(pid))
+            try:
+                os.kill(int(pid), 15)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + 10
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+        except (OSError, IndexError):
+            return False
+
+    while pids and time.time() < deadline:
+        pids = [p for p in pids if alive(p)]
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
 def base_template() -> Path:
     """Build (once, cached) the ``base`` template under the test data root."""
@@ -219,6 +247,7 @@ def server(base_template) -> ServerProc:
             srv.kill_all()
     finally:
         srv.stop()
+        stop_reaper(data / "runsc")
     # The server leaves nothing behind once its sandboxes are killed.
     assert host_leftovers() == CLEAN
     from forkyard.network.slots import NetworkManager

@@ -146,6 +146,11 @@ def test_sdk_through_gateway_spreads_over_nodes(cluster):
         boxes[2].pause()
         states = {s.sandbox_id: s.state for s in Sandbox.list(query=SandboxQuery(metadata={"run": tag}), **c.sdk).next_items()}
         assert states[boxes[2].sandbox_id] == "paused"
+        # no hot pause in a cluster (the paused sandbox may resume on another node): no
+        # node keeps a frozen copy, and its pool is off too
+        for url in c.node_urls:
+            node = httpx.get(f"{url}/metrics/node", headers={"X-API-Key": c.api_key}, timeout=10).json()
+            assert node["hotPaused"] == 0 and not node.get("pool"), node
         again = Sandbox.connect(boxes[2].sandbox_id, **c.sdk)
         assert counter(c, again) == 31 and again.files.read("/home/user/f.txt") == "file 2"
         # snapshot, then create from it (placed anywhere; the repository is shared)
