@@ -50,7 +50,8 @@ def test_capacity_from_env(monkeypatch):
     c = Capacity.from_env()
     assert c.memory_mb == int((total - 100) * 2.5)
     assert c.vcpus == os.cpu_count() * 3 and c.max_sandboxes == 7
-    assert c.as_dict() == {"memoryMB": c.memory_mb, "vcpus": c.vcpus, "maxSandboxes": 7}
+    assert c.as_dict() == {"memoryMB": c.memory_mb, "vcpus": c.vcpus, "maxSandboxes": 7,
+                           "minAvailableMemoryPct": c.min_available_pct, "sandboxHostMB": c.sandbox_host_mb}
     monkeypatch.setenv("FORKYARD_RESERVED_MEMORY_MB", str(total + 10))
     assert Capacity.from_env().memory_mb == 0  # never negative
 
