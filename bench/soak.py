@@ -251,7 +251,9 @@ def start(data: Path, templates: Path) -> tuple[subprocess.Popen, str, str]:
     shutil.rmtree(data, ignore_errors=True)
     env = dict(os.environ, FORKYARD_DATA_DIR=str(data), FORKYARD_TEMPLATES_DIR=str(templates), FORKYARD_API_KEY=key,
                FORKYARD_PORT=str(port), FORKYARD_NET_PREFIX=PREFIX, FORKYARD_OUTER_NET=OUTER)
-    log = open(data.parent / f"{data.name}.log", "ab")  # noqa: SIM115 — lives as long as the server
+    # the log holds ids and tokens: 0600 (also an older one), in a 0700 directory
+    log = os.fdopen(os.open(data.parent / f"{data.name}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+    os.fchmod(log.fileno(), 0o600)
     proc = subprocess.Popen([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base",
                              "--log-level", "warning"], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -313,6 +315,7 @@ def main() -> int:
     args = ap.parse_args()
     random.seed(args.seed)
     args.data.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(args.data.parent, 0o700)
     proc, url, key = start(args.data, templates_dir())
     try:
         before, after, soak, took = asyncio.run(soak_run(args, proc, url, key))
