@@ -1,9 +1,19 @@
 """Proxy throughput: a 1 MiB GET through forkyard's sandbox proxy vs the same GET straight
 to the sandbox's outer address, in one run (issue 9 item 8; goal: proxy ≥ 90 % of direct).
 
-The sandbox serves a 1 MiB file with ``python3 -m http.server``. Rounds alternate
-between the two paths (each round: ``--per-round`` GETs over one keep-alive connection)
-so both see the same machine load. Every body is checked for its full length.
+The sandbox serves a 1 MiB file with ``python3 -m http.server``. Three paths, measured
+in rounds that alternate their order (each round: ``--per-round`` GETs over one
+keep-alive client connection per path) so all see the same machine load:
+
+* ``direct`` — straight to the sandbox's outer address (the raw operation);
+* ``proxy`` — through the proxy as clients send it: a GET without a body takes the
+  fast path (forkyard.api.fastpath: the body is spliced socket to socket);
+* ``proxy, general relay`` — the same GET with ``Content-Length: 0``, which sends it
+  through the general relay (h11 + asyncio, bodies copied through Python): what every
+  GET cost before the fast path.
+
+Prints p50/p95 of one GET (ms), its ratio to direct, and throughput (MiB/s at the
+median). Every body is checked for its full length.
 
 Usage: ``python bench/bench_proxy.py [--rounds 10] [--per-round 20]``. Starts its own
 server (see bench/_common.py).
@@ -12,6 +22,7 @@ server (see bench/_common.py).
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 import time
@@ -20,7 +31,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DATA, NET_PREFIX, OUTER_NET, start_server, stop_server, templates_dir  # noqa: E402
+from _common import DATA, NET_PREFIX, OUTER_NET, pct, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings
 from forkyard.network.slots import NetworkManager
@@ -37,16 +48,24 @@ def outer_address(sandbox_id: str) -> str:
     return NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)[1]
 
 
-def measure(url: str, headers: dict, n: int) -> float:
-    """MiB/s of ``n`` sequential GETs of ``url`` over one connection."""
+def server_cpu_s(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid`` so far (/proc/PID/stat fields 14-15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / os.sysconf("SC_CLK_TCK"), int(fields[12]) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(url: str, headers: dict, n: int) -> list[float]:
+    """Milliseconds of each of ``n`` sequential GETs of ``url`` over one connection."""
+    out = []
     with httpx.Client(timeout=60, headers=headers) as c:
         c.get(url).raise_for_status()  # warm the connection
-        t0 = time.perf_counter()
         for _ in range(n):
+            t0 = time.perf_counter()
             r = c.get(url)
+            out.append((time.perf_counter() - t0) * 1000)
             if r.status_code != 200 or len(r.content) != SIZE:
                 raise SystemExit(f"bad answer from {url}: {r.status_code}, {len(r.content)} bytes")
-        return n * SIZE / (1 << 20) / (time.perf_counter() - t0)
+    return out
 
 
 def main() -> None:
@@ -73,18 +92,26 @@ def main() -> None:
             if time.time() > deadline:
                 raise SystemExit("http.server in the sandbox did not come up")
             time.sleep(0.3)
-        d, p = [], []
-        for _ in range(args.rounds):
-            d.append(measure(direct, {}, args.per_round))
-            p.append(measure(*via, args.per_round))
-        ratios = sorted(b / a for a, b in zip(d, p))
-        d, p = sorted(d), sorted(p)
-        md, mp = d[len(d) // 2], p[len(p) // 2]
-        # The paired ratio compares rounds run back to back, so it moves less with the
-        # load of a shared machine than the ratio of the two medians.
-        print(f"1 MiB GET, {args.rounds} rounds x {args.per_round} (median MiB/s): "
-              f"direct {md:.1f}  proxy {mp:.1f}  proxy/direct {mp / md:.0%}  "
-              f"(median of per-round ratios {ratios[len(ratios) // 2]:.0%})")
+        paths = {"direct": (direct, {}),
+                 "proxy": via,
+                 "proxy, general relay": (via[0], {**via[1], "Content-Length": "0"})}
+        times: dict[str, list[float]] = {name: [] for name in paths}
+        cpu = {name: [0.0, 0.0] for name in paths}
+        names = list(paths)
+        for i in range(args.rounds):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                c0 = server_cpu_s(proc.pid)
+                times[name] += measure(*paths[name], args.per_round)
+                c1 = server_cpu_s(proc.pid)
+                cpu[name] = [cpu[name][0] + c1[0] - c0[0], cpu[name][1] + c1[1] - c0[1]]
+        raw = times["direct"]
+        print(f"1 MiB GET, {args.rounds} rounds x {args.per_round} per path:")
+        for name, xs in times.items():
+            print(row(name, xs, None if name == "direct" else raw) + f"   {1000 / pct(xs, 50):6.1f} MiB/s")
+        for name in names[1:]:
+            user, system = (x * 1000 / (args.rounds * (args.per_round + 1)) for x in cpu[name])
+            print(f"{name}: throughput {pct(raw, 50) / pct(times[name], 50):.0%} of direct (goal >= 90 %); "
+                  f"server CPU per GET {user:.2f} ms user + {system:.2f} ms system")
         sbx.kill()
     finally:
         stop_server(proc)

@@ -12,6 +12,7 @@ import httpcore
 import httpx
 import pytest
 
+from forkyard.api.fastpath import FastConnections
 from forkyard.api.proxy import SandboxConnections, SandboxProxy, sandbox_client
 
 
@@ -48,7 +49,7 @@ async def test_a_connection_still_connecting_when_the_sandbox_goes_is_closed():
     backend = _GatedConnect(gate)
     proxy = SandboxProxy(app=None, resolve=lambda sid, port: ("127.0.0.1", port))
     conns = SandboxConnections(backend)
-    proxy._clients["sbx"] = (sandbox_client(conns), conns)
+    proxy._clients["sbx"] = (sandbox_client(conns), conns, FastConnections())
     client = proxy._client("sbx")
     try:
         request = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/"))

@@ -58,11 +58,13 @@ _PUBLIC_RE = re.compile(r"^/(health|template-files/[^/]+|docs|docs/oauth2-redire
 
 
 def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES,
-                          max_conns_per_client: int = MAX_CONNS_PER_CLIENT) -> type:
-    """A uvicorn ``http=`` protocol class (httptools-based) with the bounds above."""
+                          max_conns_per_client: int = MAX_CONNS_PER_CLIENT, base: type = HttpToolsProtocol) -> type:
+    """A uvicorn ``http=`` protocol class (httptools-based: ``base`` is uvicorn's
+    ``HttpToolsProtocol`` or a subclass, e.g.
+    :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`) with the bounds above."""
     per_client: dict[str, int] = {}
 
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    class GuardedHttpToolsProtocol(base):
         _head_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0
         _counted: str | None = None
@@ -173,8 +175,10 @@ def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_b
     return GuardedHttpToolsProtocol
 
 
-def uvicorn_limits() -> dict:
-    """Keyword arguments for ``uvicorn.run``: the guarded protocol and a global bound on
+def uvicorn_limits(zero_copy: bool = False) -> dict:
+    """Keyword arguments for ``uvicorn.run``: the guarded protocol (with ``zero_copy``,
+    over :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`: the sandbox proxy's
+    spliced response bodies) and a global bound on
     open connections + running requests (beyond it uvicorn answers 503). Settings:
     ``FORKYARD_MAX_CONNECTIONS`` (4096), ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT``
     (:data:`MAX_CONNS_PER_CLIENT`; raise it on a node behind a busy gateway, whose
@@ -183,10 +187,17 @@ def uvicorn_limits() -> dict:
     return {
         "http": guarded_http_protocol(
             header_timeout_s=float(os.environ.get("FORKYARD_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S)),
-            max_conns_per_client=int(os.environ.get("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", MAX_CONNS_PER_CLIENT))),
+            max_conns_per_client=int(os.environ.get("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", MAX_CONNS_PER_CLIENT)),
+            base=_zero_copy_protocol() if zero_copy else HttpToolsProtocol),
         "limit_concurrency": int(os.environ.get("FORKYARD_MAX_CONNECTIONS", "4096")),
         "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
     }
+
+
+def _zero_copy_protocol() -> type:
+    from forkyard.api.zerocopy import ZeroCopyHttpToolsProtocol
+
+    return ZeroCopyHttpToolsProtocol
 
 
 def body_limit(path: str, max_upload_bytes: int) -> int:

@@ -33,6 +33,7 @@ import httpcore
 import httpx
 import websockets
 
+from forkyard.api import fastpath
 from forkyard.api.upstream import AsyncioBackend
 from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
@@ -50,6 +51,7 @@ _HOP = {
 }
 #: Also dropped from upstream responses: the server adds its own.
 _HOP_OUT = _HOP | {"date", "server"}
+_HOP_OUT_BYTES = frozenset(name.encode() for name in _HOP_OUT)
 _WS_SKIP = _HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                    "sec-websocket-accept", "sec-websocket-protocol"}
 
@@ -229,20 +231,26 @@ class SandboxProxy:
         self.max_body_bytes = max_body_bytes
         # One connection pool per sandbox: outer addresses are reused by later
         # sandboxes, so a pooled connection must never outlive its sandbox.
-        self._clients: dict[str, tuple[httpx.AsyncClient, SandboxConnections]] = {}
+        # Per sandbox: the general relay's httpx client and its connections, and the
+        # fast path's sockets (forkyard.api.fastpath).
+        self._clients: dict[str, tuple[httpx.AsyncClient, SandboxConnections, fastpath.FastConnections]] = {}
 
-    def _client(self, sid: str) -> httpx.AsyncClient:
+    def _pool(self, sid: str) -> tuple[httpx.AsyncClient, SandboxConnections, fastpath.FastConnections]:
         pool = self._clients.get(sid)
         if pool is None:
             if len(self._clients) >= 64:
                 self._sweep()
             conns = SandboxConnections()
-            pool = self._clients[sid] = (sandbox_client(conns), conns)
-        return pool[0]
+            pool = self._clients[sid] = (sandbox_client(conns), conns, fastpath.FastConnections())
+        return pool
+
+    def _client(self, sid: str) -> httpx.AsyncClient:
+        return self._pool(sid)[0]
 
     @staticmethod
-    async def _close(pool: tuple[httpx.AsyncClient, SandboxConnections]) -> None:
-        client, conns = pool
+    async def _close(pool: tuple[httpx.AsyncClient, SandboxConnections, fastpath.FastConnections]) -> None:
+        client, conns, fast = pool
+        fast.close()
         await client.aclose()
         await conns.aclose()  # the connections the pool no longer lists
 
@@ -358,14 +366,30 @@ class SandboxProxy:
                 return str(e)
             return None
 
-        client = self._client(sid)
-        message = gone()  # no await since _client: a kill either ran before this check or will close this pool
+        client, _, fast = self._pool(sid)
+        message = gone()  # no await since _pool: a kill either ran before this check or will close this pool
         if message is not None:
             await self.forget(sid)
             return await _send_json(send, 502, message, sandboxId=sid)
+        what = f"sandbox {sid} port {port}"
         try:
+            if fastpath.has_no_body(scope):
+                try:
+                    return await fastpath.relay(fast, scope, send, host, port, headers, _target_path(scope),
+                                                _HOP_OUT_BYTES, what)
+                except fastpath.NotEligible:
+                    pass  # the general relay below
+                except (fastpath.RefusedError, ConnectionError) as e:
+                    if (msg := gone()) is not None:
+                        return await _send_json(send, 502, msg, sandboxId=sid)
+                    if isinstance(e, fastpath.RefusedError):
+                        return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})",
+                                                sandboxId=sid)
+                    return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+                except (TimeoutError, OSError) as e:
+                    return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
             await relay_http(client, scope, receive, send, f"http://{host}:{port}", headers,
-                             self.max_body_bytes, f"sandbox {sid} port {port}", gone=gone, sandbox_id=sid)
+                             self.max_body_bytes, what, gone=gone, sandbox_id=sid)
         finally:
             # A request that raced the sandbox's end (resolved before it was killed or
             # paused, pool made after ``forget``) must not leave a pool behind: its

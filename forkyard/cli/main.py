@@ -136,7 +136,7 @@ def _run_node(host: str | None, port: int | None, data_dir: Path | None, build_b
     # access_log off: forkyard.obs.middleware logs every request with its request id.
     uvicorn.run(application, host=settings.host, port=settings.port, log_level=log_level.lower(),
                 timeout_graceful_shutdown=2, timeout_keep_alive=75, access_log=False,
-                log_config=UVICORN_LOG_CONFIG, **uvicorn_limits(), **tls)
+                log_config=UVICORN_LOG_CONFIG, **uvicorn_limits(zero_copy=True), **tls)
 
 
 _NET_LOCK = None

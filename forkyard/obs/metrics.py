@@ -58,6 +58,11 @@ PROXY_BYTES = Counter(
     "forkyard_proxy_bytes_total",
     "Body bytes of sandbox traffic through this process (direction: in = client to sandbox, out = back).",
     ["direction"], registry=REGISTRY)
+PROXY_SPLICED = Counter(
+    "forkyard_proxy_spliced_bytes_total",
+    "Response body bytes of sandbox traffic moved socket to socket (splice, no copy through the "
+    "process: forkyard.api.fastpath); also counted in forkyard_proxy_bytes_total.",
+    registry=REGISTRY)
 PROXY_ERRORS = Counter(
     "forkyard_proxy_errors_total",
     "Sandbox traffic that failed here (reason: not_found = unknown sandbox, unreachable = 502, "

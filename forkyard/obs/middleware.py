@@ -133,6 +133,11 @@ class ObsMiddleware:
                     [(b"x-request-id", rid.encode())]  # one, also when relaying a node's answer
             elif traffic and msg["type"] == "http.response.body":
                 metrics.BYTES_OUT.inc(len(msg.get("body", b"")))
+            elif traffic and msg["type"] == "http.response.zerocopysend":  # forkyard.api.zerocopy
+                await send(msg)
+                metrics.BYTES_OUT.inc(msg["count"])
+                metrics.PROXY_SPLICED.inc(msg["count"])
+                return
             await send(msg)
 
         failed = False
