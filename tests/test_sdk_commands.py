@@ -46,6 +46,19 @@ def test_sudo_and_tools(sandbox):
     assert "git version" in r.stdout and "curl" in r.stdout and "pip" in r.stdout
 
 
+def test_sudo_right_after_boot_waits_for_its_broker(sandbox):
+    """``sudo`` run before the sandbox's sudo broker listens (a command sent right after
+    a cold boot: a fresh CI machine once failed test_sudo_and_tools that way) waits for
+    the broker instead of failing with the real sudo's "must be owned by uid 0 and have
+    the setuid bit set". Here the broker is restarted 1 s late."""
+    # (pkill -f matches command lines: its own must not contain the broker's path)
+    sandbox.commands.run("pkill -f 'forkyard/[s]udo-broker'; rm -f /run/forkyard/sudo.sock", user="root")
+    sandbox.commands.run("setsid sh -c 'sleep 1; exec /usr/local/lib/forkyard/sudo-broker' "
+                         ">/dev/null 2>&1 </dev/null &", user="root")
+    assert sandbox.commands.run("test -S /run/forkyard/sudo.sock || echo absent").stdout.strip() == "absent"
+    assert sandbox.commands.run("sudo -n whoami").stdout.strip() == "root"
+
+
 def test_background_wait_and_kill(sandbox):
     h = sandbox.commands.run("sleep 0.5; echo done", background=True)
     r = h.wait()

@@ -33,7 +33,7 @@ from forkyard.templates import sudo as sudo_broker
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 7
+BUILD_VERSION = 8
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [

@@ -42,8 +42,17 @@ import sys
 
 REAL = "/usr/bin/sudo.distrib"
 SOCK = "/run/forkyard/sudo.sock"
+BROKER = "/usr/local/lib/forkyard/sudo-broker"
 
 NAME = os.path.basename(sys.argv[0]) or "sudo"  # "sudoedit" selects edit mode
+if os.geteuid() != 0 and not os.path.exists(SOCK) and os.path.exists(BROKER):
+    # The broker starts with the sandbox, next to envd: a sudo in the sandbox's first
+    # moments (a command sent right after create) waits for its socket (at most 5 s).
+    import time
+
+    deadline = time.monotonic() + 5
+    while not os.path.exists(SOCK) and time.monotonic() < deadline:
+        time.sleep(0.02)
 if os.geteuid() == 0 or not os.path.exists(SOCK):
     # root: the real sudo works. No broker: let the real sudo explain why it cannot.
     os.execv(REAL, [NAME] + sys.argv[1:])
@@ -224,19 +233,23 @@ def main():
     for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)  # a daemon; only SIGTERM/SIGKILL stop it
     os.makedirs(os.path.dirname(SOCK), mode=0o755, exist_ok=True)
+    # Bound, restricted and listening under a temporary name, then renamed: the socket
+    # appears (the shim waits for it) only when it accepts, and only as it should be.
+    tmp = SOCK + ".new"
     try:
-        os.unlink(SOCK)
+        os.unlink(tmp)
     except FileNotFoundError:
         pass
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-    srv.bind(SOCK)
+    srv.bind(tmp)
     try:  # only root and group sudo may even connect
-        os.chown(SOCK, 0, grp.getgrnam("sudo").gr_gid)
-        os.chmod(SOCK, 0o660)
+        os.chown(tmp, 0, grp.getgrnam("sudo").gr_gid)
+        os.chmod(tmp, 0o660)
     except KeyError:
-        os.chmod(SOCK, 0o600)
+        os.chmod(tmp, 0o600)
     srv.listen(64)
+    os.rename(tmp, SOCK)
     while True:
         conn, _ = srv.accept()
         threading.Thread(target=handle, args=(conn,), daemon=True).start()

@@ -126,15 +126,18 @@ func (s *Service) find(sel *rpc.ProcessSelector) (*Proc, error) {
 	}
 	s.mu.RLock()
 	defer s.mu.RUnlock()
+	// A process that has exited is gone for every call, also while its last output
+	// is still being drained (it stays registered until then): signal, input,
+	// connect and close-stdin all answer NotFound from its exit on, as E2B's envd.
 	switch v := sel.GetSelector().(type) {
 	case *rpc.ProcessSelector_Pid:
-		if p, ok := s.procs[v.Pid]; ok {
+		if p, ok := s.procs[v.Pid]; ok && !p.exitedFlag.Load() {
 			return p, nil
 		}
 		return nil, connect.NewError(connect.CodeNotFound, fmt.Errorf("process with pid %d not found", v.Pid))
 	case *rpc.ProcessSelector_Tag:
 		for _, p := range s.procs {
-			if p.tag != nil && *p.tag == v.Tag {
+			if p.tag != nil && *p.tag == v.Tag && !p.exitedFlag.Load() {
 				return p, nil
 			}
 		}
