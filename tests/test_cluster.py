@@ -6,6 +6,7 @@ the gateway. Each test gets a fresh cluster (≈ 4 s to start) and leaves the ho
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import subprocess
 import sys
@@ -521,6 +522,19 @@ def test_gateway_routes_websocket_host_form_cli_and_client(cluster):
             assert ws2.recv(timeout=10) == "via host"
         r = httpx.get(f"{c.gateway_url}/", headers={"Host": f"8000-{sbx.sandbox_id}.localhost"}, timeout=10)
         assert r.status_code == 200 and r.text == "9"
+        # 1 MiB GETs take the fast path on the gateway too (spliced towards the client).
+        sbx.commands.run("mkdir -p /tmp/www && head -c 1048576 /dev/urandom > /tmp/www/big.bin", timeout=30)
+        want = sbx.commands.run("sha256sum /tmp/www/big.bin").stdout.split()[0]
+        sbx.commands.run("cd /tmp/www && python3 -m http.server 8001 >/dev/null 2>&1", background=True, timeout=0)
+        big = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001"}
+        wait_for(lambda: _try(lambda: httpx.get(f"{c.gateway_url}/big.bin", headers=big, timeout=10).status_code == 200),
+                 20, "http.server in the sandbox")
+        before = _spliced(c.gateway_url, c.api_key)
+        with httpx.Client(timeout=30) as h:
+            for _ in range(5):
+                r = h.get(f"{c.gateway_url}/big.bin", headers=big)
+                assert r.status_code == 200 and hashlib.sha256(r.content).hexdigest() == want
+        assert _spliced(c.gateway_url, c.api_key) - before >= 5 * ((1 << 20) - (64 << 10))
         env = dict(c.env, E2B_API_URL=c.gateway_url, E2B_SANDBOX_URL=c.gateway_url, E2B_API_KEY=c.api_key)
         out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "ls", "--json"], env=env,
                              capture_output=True, text=True, timeout=60)
@@ -542,6 +556,13 @@ def test_gateway_routes_websocket_host_form_cli_and_client(cluster):
         asyncio.run(client_flow())
     finally:
         sbx.kill()
+
+
+def _spliced(url: str, key: str) -> float:
+    """``forkyard_proxy_spliced_bytes_total`` of the process at ``url``."""
+    r = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    r.raise_for_status()
+    return float(next(x for x in r.text.splitlines() if x.startswith("forkyard_proxy_spliced_bytes_total ")).split()[1])
 
 
 def _try(fn):

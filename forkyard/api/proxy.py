@@ -373,21 +373,9 @@ class SandboxProxy:
             return await _send_json(send, 502, message, sandboxId=sid)
         what = f"sandbox {sid} port {port}"
         try:
-            if fastpath.has_no_body(scope):
-                try:
-                    return await fastpath.relay(fast, scope, send, host, port, headers, _target_path(scope),
-                                                _HOP_OUT_BYTES, what)
-                except fastpath.NotEligible:
-                    pass  # the general relay below
-                except (fastpath.RefusedError, ConnectionError) as e:
-                    if (msg := gone()) is not None:
-                        return await _send_json(send, 502, msg, sandboxId=sid)
-                    if isinstance(e, fastpath.RefusedError):
-                        return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})",
-                                                sandboxId=sid)
-                    return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
-                except (TimeoutError, OSError) as e:
-                    return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+            if fastpath.has_no_body(scope) and await relay_bodyless(fast, scope, send, host, port, headers, what,
+                                                                    gone=gone, sandbox_id=sid):
+                return
             await relay_http(client, scope, receive, send, f"http://{host}:{port}", headers,
                              self.max_body_bytes, what, gone=gone, sandbox_id=sid)
         finally:
@@ -546,6 +534,32 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         await send({"type": "http.response.body", "body": connect_end_error("unavailable", message)})
     finally:
         await resp.aclose()
+
+
+async def relay_bodyless(fast: fastpath.FastConnections, scope, send, host: str, port: int, headers: list,
+                         what: str, gone=None, sandbox_id: str | None = None) -> bool:
+    """Relay a request without a body (:func:`forkyard.api.fastpath.has_no_body`) on the
+    fast path to ``host:port`` (``headers`` as given: the caller has filtered hop-by-hop
+    ones). Returns False, having sent nothing, when the request must take
+    :func:`relay_http` instead. Answers like :func:`relay_http`: a refused connection is
+    502 "The sandbox is running but port is not open" (or ``gone()``'s message when the
+    sandbox is gone), other failures before the answer 502 naming ``what``; a response
+    that ends early is aborted (:class:`UpstreamCut`)."""
+    extra = {"sandboxId": sandbox_id} if sandbox_id else {}
+    try:
+        await fastpath.relay(fast, scope, send, host, port, headers, _target_path(scope), _HOP_OUT_BYTES, what)
+    except fastpath.NotEligible:
+        return False
+    except (fastpath.RefusedError, ConnectionError) as e:
+        if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
+            await _send_json(send, 502, msg, sandboxId=sandbox_id)
+        elif isinstance(e, fastpath.RefusedError):
+            await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
+        else:
+            await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+    except (TimeoutError, OSError) as e:
+        await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+    return True
 
 
 async def relay_ws(scope, receive, send, base: str, headers: list[tuple[str, str]]) -> None:

@@ -182,7 +182,7 @@ def register(app: typer.Typer) -> None:
             _fail(str(e))
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
                     timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
-                    **uvicorn_limits())
+                    **uvicorn_limits(zero_copy=True))
 
 
 def _redacted(url: str) -> str:

@@ -36,7 +36,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from forkyard.api import schemas
-from forkyard.api.proxy import _HOP, _WS_SKIP, orchestrator_only, relay_http, relay_ws, route_of
+from forkyard.api import fastpath
+from forkyard.api.proxy import _HOP, _WS_SKIP, orchestrator_only, relay_bodyless, relay_http, relay_ws, route_of
 from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
@@ -99,6 +100,7 @@ class Gateway:
         self.sched = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
                                        timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False)
         self._clients: dict[str, httpx.AsyncClient] = {}
+        self._fast: dict[str, fastpath.FastConnections] = {}  # per node URL: bodyless sandbox traffic
         self._nodes: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._owners: dict[str, tuple[float, NodeInfo]] = {}
         self.api = self._rest_app()
@@ -117,6 +119,8 @@ class Gateway:
         """Close every connection and the Redis pool."""
         for c in self._clients.values():
             await c.aclose()
+        for fast in self._fast.values():
+            fast.close()
         await self.sched.aclose()
         await self.store.aclose()
 
@@ -281,8 +285,14 @@ class Gateway:
             headers = [(k, v) for k, v in scope["headers"]
                        if k.decode("latin-1").lower() not in _HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
                        or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
+            what = f"sandbox {sandbox_id} on node {node.node_id}"
+            host, _, nport = base.partition(":")
+            if fastpath.has_no_body(scope) and nport.isdigit() and node.url.startswith("http://"):
+                fast = self._fast.get(node.url) or self._fast.setdefault(node.url, fastpath.FastConnections())
+                if await relay_bodyless(fast, scope, send, host.strip("[]"), int(nport), headers + route_hdrs, what):
+                    return
             return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
-                                    self.max_body_bytes, f"sandbox {sandbox_id} on node {node.node_id}")
+                                    self.max_body_bytes, what)
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
                 if k.decode("latin-1").lower() not in _WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
         hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
