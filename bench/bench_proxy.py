@@ -96,12 +96,15 @@ def main() -> None:
                  "proxy": via,
                  "proxy, general relay": (via[0], {**via[1], "Content-Length": "0"})}
         times: dict[str, list[float]] = {name: [] for name in paths}
+        rounds: dict[str, list[float]] = {name: [] for name in paths}  # each round's median
         cpu = {name: [0.0, 0.0] for name in paths}
         names = list(paths)
         for i in range(args.rounds):
             for name in (names if i % 2 == 0 else names[::-1]):
                 c0 = server_cpu_s(proc.pid)
-                times[name] += measure(*paths[name], args.per_round)
+                got = measure(*paths[name], args.per_round)
+                times[name] += got
+                rounds[name].append(pct(got, 50))
                 c1 = server_cpu_s(proc.pid)
                 cpu[name] = [cpu[name][0] + c1[0] - c0[0], cpu[name][1] + c1[1] - c0[1]]
         raw = times["direct"]
@@ -110,8 +113,10 @@ def main() -> None:
             print(row(name, xs, None if name == "direct" else raw) + f"   {1000 / pct(xs, 50):6.1f} MiB/s")
         for name in names[1:]:
             user, system = (x * 1000 / (args.rounds * (args.per_round + 1)) for x in cpu[name])
-            print(f"{name}: throughput {pct(raw, 50) / pct(times[name], 50):.0%} of direct (goal >= 90 %); "
-                  f"server CPU per GET {user:.2f} ms user + {system:.2f} ms system")
+            paired = pct([d / p for d, p in zip(rounds["direct"], rounds[name])], 50)
+            print(f"{name}: throughput {pct(raw, 50) / pct(times[name], 50):.0%} of direct (goal >= 90 %; "
+                  f"median of per-round ratios {paired:.0%}); server CPU per GET {user:.2f} ms user + "
+                  f"{system:.2f} ms system")
         sbx.kill()
     finally:
         stop_server(proc)
