@@ -8,6 +8,7 @@ tests/test_fidelity.py (``test_proxy_large_get_never_truncated``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 
 import httpx
@@ -113,7 +114,11 @@ class Seen:
         await self.app(scope, receive, record)
 
 
-async def _serve(upstream_port: int, zero_copy: bool = True):
+@contextlib.asynccontextmanager
+async def serving(upstream_port: int, zero_copy: bool = True):
+    """A uvicorn server (forkyard's protocol: guarded, with the zero-copy send when
+    ``zero_copy``) in front of a SandboxProxy whose every sandbox is at
+    ``upstream_port``. Yields (proxy, Seen, base URL)."""
     async def rest(scope, receive, send):  # the REST app: never reached here
         raise AssertionError("no REST request in these tests")
 
@@ -124,16 +129,24 @@ async def _serve(upstream_port: int, zero_copy: bool = True):
                             http=limits["http"])
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    return proxy, seen, server, task, f"http://127.0.0.1:{port}"
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield proxy, seen, f"http://127.0.0.1:{port}"
+    finally:
+        await proxy.aclose()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
 
 
-async def _stop(proxy, server, task) -> None:
-    await proxy.aclose()
-    server.should_exit = True
-    await asyncio.wait_for(task, 10)
+async def _ended(up: Upstream) -> list[str]:
+    """How the upstream's connections ended, once one has (waits ≤ 10 s)."""
+    for _ in range(200):
+        if up.ended:
+            break
+        await asyncio.sleep(0.05)
+    return up.ended
 
 
 @pytest.fixture
@@ -149,8 +162,7 @@ async def test_every_framing_over_one_connection(upstream, zero_copy):
     """Bodies of every framing arrive whole and in order over one client connection and
     one kept-alive upstream connection; the 1 MiB bodies go through the zero-copy send
     when the server offers it (and only then)."""
-    proxy, seen, server, task, url = await _serve(upstream.port, zero_copy)
-    try:
+    async with serving(upstream.port, zero_copy) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             for _ in range(3):
                 r = await c.get("/big")
@@ -169,44 +181,35 @@ async def test_every_framing_over_one_connection(upstream, zero_copy):
         assert upstream.hosts and all(h.startswith("127.0.0.1:") for h in upstream.hosts)  # the client's Host
         assert (zerocopy.EXTENSION in seen.types) == zero_copy
         assert seen.types.count(zerocopy.EXTENSION) == (4 if zero_copy else 0)
-    finally:
-        await _stop(proxy, server, task)
 
 
 async def test_connection_ending_bodies(upstream):
     """Close-delimited and HTTP/1.0 answers are relayed whole and their upstream
     connections are not reused."""
-    proxy, seen, server, task, url = await _serve(upstream.port)
-    try:
+    async with serving(upstream.port) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             for path in ("/close", "/http10", "/http10", "/big"):
                 r = await c.get(path)
                 assert r.status_code == 200 and r.content == BIG, path
         assert upstream.connections == 4
-    finally:
-        await _stop(proxy, server, task)
 
 
 async def test_a_cut_body_is_never_passed_off_as_complete(upstream):
     """An upstream that closes before its announced length: the client's read fails at
     once (the proxy aborts the connection; it does not leave it open until the
     keep-alive timeout), and the proxy serves the next request."""
-    proxy, seen, server, task, url = await _serve(upstream.port)
-    try:
+    async with serving(upstream.port) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             with pytest.raises(httpx.RemoteProtocolError):
                 await asyncio.wait_for(c.get("/cut"), 2)  # uvicorn's keep-alive timeout is 5 s
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             assert (await c.get("/big")).content == BIG
-    finally:
-        await _stop(proxy, server, task)
 
 
 async def test_client_going_away_closes_the_upstream_connection(upstream):
     """A client that leaves in the middle of a long spliced body: the proxy closes its
     upstream connection (the server sees a reset), it does not drain 256 MiB."""
-    proxy, seen, server, task, url = await _serve(upstream.port)
-    try:
+    async with serving(upstream.port) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             async with c.stream("GET", "/slow") as r:
                 got = 0
@@ -214,21 +217,14 @@ async def test_client_going_away_closes_the_upstream_connection(upstream):
                     got += len(piece)
                     if got > 1 << 20:
                         break
-        for _ in range(200):
-            if upstream.ended:
-                break
-            await asyncio.sleep(0.05)
-        assert upstream.ended == ["reset"]
+        assert await _ended(upstream) == ["reset"]
         assert zerocopy.EXTENSION in seen.types
-    finally:
-        await _stop(proxy, server, task)
 
 
-async def test_forget_ends_a_spliced_body_and_refuses_new_connections(upstream):
+async def test_forget_ends_a_spliced_body(upstream):
     """A sandbox killed mid-body (``forget``): the client's body ends incomplete and the
     upstream connection is closed."""
-    proxy, seen, server, task, url = await _serve(upstream.port)
-    try:
+    async with serving(upstream.port) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             with pytest.raises(httpx.RemoteProtocolError):
                 async with c.stream("GET", "/slow") as r:
@@ -237,13 +233,7 @@ async def test_forget_ends_a_spliced_body_and_refuses_new_connections(upstream):
                         got += len(piece)
                         if got > 1 << 20 and not upstream.ended:
                             await proxy.forget("sbx")
-        for _ in range(200):
-            if upstream.ended:
-                break
-            await asyncio.sleep(0.05)
-        assert upstream.ended == ["reset"]
-    finally:
-        await _stop(proxy, server, task)
+        assert await _ended(upstream) == ["reset"]
 
 
 async def test_a_port_nothing_listens_on_is_e2bs_502():
@@ -253,12 +243,9 @@ async def test_a_port_nothing_listens_on_is_e2bs_502():
     port = probe.sockets[0].getsockname()[1]
     probe.close()
     await probe.wait_closed()
-    proxy, seen, server, task, url = await _serve(port)
-    try:
+    async with serving(port) as (proxy, seen, url):
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             r = await c.get("/big")
         assert r.status_code == 502
         assert r.json()["message"].startswith("The sandbox is running but port is not open")
         assert r.json()["sandboxId"] == "sbx"
-    finally:
-        await _stop(proxy, server, task)
