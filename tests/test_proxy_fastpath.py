@@ -115,14 +115,15 @@ class Seen:
 
 
 @contextlib.asynccontextmanager
-async def serving(upstream_port: int, zero_copy: bool = True):
+async def serving(upstream_port: int, zero_copy: bool = True, ports: dict[int, int] | None = None):
     """A uvicorn server (forkyard's protocol: guarded, with the zero-copy send when
     ``zero_copy``) in front of a SandboxProxy whose every sandbox is at
-    ``upstream_port``. Yields (proxy, Seen, base URL)."""
+    ``upstream_port`` (or, by sandbox port, at ``ports[port]``). Yields (proxy, Seen,
+    base URL)."""
     async def rest(scope, receive, send):  # the REST app: never reached here
         raise AssertionError("no REST request in these tests")
 
-    proxy = SandboxProxy(rest, resolve=lambda sid, port: ("127.0.0.1", upstream_port))
+    proxy = SandboxProxy(rest, resolve=lambda sid, port: ("127.0.0.1", (ports or {}).get(port, upstream_port)))
     seen = Seen(proxy)
     limits = uvicorn_limits(zero_copy=zero_copy)
     config = uvicorn.Config(seen, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
@@ -181,6 +182,26 @@ async def test_every_framing_over_one_connection(upstream, zero_copy):
         assert upstream.hosts and all(h.startswith("127.0.0.1:") for h in upstream.hosts)  # the client's Host
         assert (zerocopy.EXTENSION in seen.types) == zero_copy
         assert seen.types.count(zerocopy.EXTENSION) == (4 if zero_copy else 0)
+
+
+async def test_kept_alive_connections_serve_only_their_own_port(upstream):
+    """Two ports of one sandbox, both keep-alive servers: requests alternating between
+    them are each answered by their own port's server (a kept-alive connection to one
+    port once answered a request for another: envd's 401 for a user port)."""
+    other = Upstream()
+    await other.start()
+    other.hosts = []
+    try:
+        async with serving(upstream.port, ports={8000: upstream.port, 9000: other.port}) as (proxy, seen, url):
+            async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+                for i in range(3):
+                    for port, server in ((8000, upstream), (9000, other)):
+                        r = await c.get("/small", headers={"E2b-Sandbox-Id": "sbx", "E2b-Sandbox-Port": str(port)})
+                        assert r.content == b"small"
+                        assert len(server.hosts) == i + 1, (port, i)
+        assert upstream.connections == 1 and other.connections == 1
+    finally:
+        other.server.close()
 
 
 async def test_connection_ending_bodies(upstream):

@@ -69,7 +69,7 @@ class FastConnections:
     ``ConnectionError``."""
 
     def __init__(self):
-        self._idle: list[socket.socket] = []
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}  # by (host, port)
         self._all: weakref.WeakSet = weakref.WeakSet()
         self.closed = False
 
@@ -97,20 +97,23 @@ class FastConnections:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def take(self) -> socket.socket | None:
-        """An idle kept-alive socket, or None."""
-        while self._idle:
-            sock = self._idle.pop()
+    def take(self, host: str, port: int) -> socket.socket | None:
+        """An idle kept-alive socket to ``host:port`` (one sandbox has many ports: a
+        socket to another one must never serve this request), or None."""
+        idle = self._idle.get((host, port))
+        while idle:
+            sock = idle.pop()
             if sock.fileno() >= 0:
                 return sock
         return None
 
-    def put(self, sock: socket.socket) -> None:
-        """Keep ``sock`` for the next request (closed when full or closed)."""
-        if self.closed or len(self._idle) >= MAX_IDLE:
+    def put(self, sock: socket.socket, host: str, port: int) -> None:
+        """Keep ``sock`` (connected to ``host:port``) for the next request to there
+        (closed when :data:`MAX_IDLE` are kept already, or after :meth:`close`)."""
+        if self.closed or sum(map(len, self._idle.values())) >= MAX_IDLE:
             sock.close()
         else:
-            self._idle.append(sock)
+            self._idle.setdefault((host, port), []).append(sock)
 
     def close(self) -> None:
         """End every socket this pool opened: idle ones are closed; ones in use are shut
@@ -118,7 +121,8 @@ class FastConnections:
         and closes them — closing an fd the event loop waits on would leave that wait
         hanging)."""
         self.closed = True
-        idle, self._idle = self._idle, []
+        idle = [sock for socks in self._idle.values() for sock in socks]
+        self._idle = {}
         for sock in list(self._all):
             try:
                 sock.shutdown(socket.SHUT_RDWR)
@@ -222,7 +226,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
         conn, request = _request(method, target.encode("latin-1"), headers)
     except h11.LocalProtocolError as e:
         raise NotEligible(str(e)) from None
-    sock = conns.take()
+    sock = conns.take(host, port)
     reused = sock is not None
     if sock is None:
         sock = await conns.connect(host, port)
@@ -267,7 +271,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
             reusable = await _relay_decoded(loop, sock, conn, rest, send, what)
     finally:
         if reusable:
-            conns.put(sock)
+            conns.put(sock, host, port)
         else:
             sock.close()
 
