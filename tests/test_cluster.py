@@ -55,16 +55,18 @@ def counter(c: Cluster, sbx: Sandbox, set_to: int | None = None, base: str | Non
     """Read (or set) the in-memory counter inside ``sbx`` through the gateway."""
     path = "/" if set_to is None else f"/set/{set_to}"
     deadline = time.time() + 20
+    last = None
     while True:
         try:
             r = httpx.get(f"{base or c.gateway_url}{path}", timeout=5,
                           headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"})
             if r.status_code == 200:
                 return int(r.text)
-        except httpx.HTTPError:
-            pass
+            last = f"{r.status_code} {r.text[:300]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
         if time.time() > deadline:
-            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer")
+            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer (last: {last})")
         time.sleep(0.1)
 
 
@@ -594,6 +596,29 @@ def test_template_build_through_gateway(cluster, tmp_path):
     finally:
         with c.api() as api:
             api.delete(f"/templates/{name}")
+
+
+def test_a_create_a_node_refuses_for_memory_goes_to_another_node(base_template):
+    """A node whose memory admission refuses every start (here its host-memory floor is
+    99 %: the scheduler, which counts sandboxes, still sees room there) answers creates
+    503; the gateway places each such create again elsewhere, so every create of the
+    SDK succeeds, all on the other node."""
+    c = Cluster(TEST_ROOT / f"cluster-{os.getpid()}", nodes=2)
+    c.nodes[0].env["FORKYARD_MIN_AVAILABLE_MEMORY_PCT"] = "99"
+    try:
+        c.start()
+        made = [Sandbox.create("base", timeout=60, **c.sdk) for _ in range(4)]
+        try:
+            assert {c.owner(s.sandbox_id) for s in made} == {"node1"}
+            assert all(s.commands.run("echo ok").stdout == "ok\n" for s in made)
+        finally:
+            for s in made:
+                s.kill()
+        log = (c.root / "gateway.log").read_text()
+        assert "node node0 refused a create (503" in log  # the scheduler did place creates there
+    finally:
+        c.close()
+        assert_clean(c)
 
 
 def test_a_reused_net_prefix_is_refused():

@@ -35,9 +35,9 @@ from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from forkyard.api import schemas
-from forkyard.api import fastpath
-from forkyard.api.proxy import _HOP, _WS_SKIP, orchestrator_only, relay_bodyless, relay_http, relay_ws, route_of
+from forkyard.api import fastpath, schemas
+from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestrator_only, relay_bodyless, relay_http,
+                                relay_ws, route_of)
 from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
@@ -56,6 +56,8 @@ MAX_JSON_BODY = 1 << 20
 NODES_TTL_S = 0.5
 OWNER_TTL_S = 1.0
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
+#: Placements tried for one create whose nodes refuse it for capacity (503).
+CREATE_ATTEMPTS = 3
 _NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER}  # the last two: only ours
 
 
@@ -337,15 +339,52 @@ class Gateway:
         return raw, parsed
 
     async def _create(self, scope, receive, send):
+        """Place a create and forward it. A node that refuses it for capacity (503: its
+        memory admission or host-memory floor, which the scheduler's sandbox counts do
+        not see) is excluded and the create placed again, at most
+        :data:`CREATE_ATTEMPTS` times; the last refusal reaches the client."""
         raw, body = await self._json_body(scope, receive)
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
             raise _Fail(400, "templateID: Field required")
-        out = (await self._schedule({"kind": "create", "snapshot": template[:128]}))["placements"][0]
-        node = (await self.nodes(fresh=True)).get(out["nodeID"])
-        if node is None:
-            raise _Fail(503, "the placed node left the cluster; retry")
-        await self._forward(node, scope, receive, send, body=raw, placement=out.get("placementID"))
+        refused: list[str] = []
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                out = (await self._schedule({"kind": "create", "snapshot": template[:128],
+                                             "exclude": refused}))["placements"][0]
+            except _Fail:
+                if not refused:
+                    raise
+                break  # no other node: the last node's refusal is the answer
+            node = (await self.nodes(fresh=True)).get(out["nodeID"])
+            if node is None:
+                raise _Fail(503, "the placed node left the cluster; retry")
+            r = await self._call_as_client(node, scope, raw, out.get("placementID"))
+            if r.status_code != 503 or attempt == CREATE_ATTEMPTS - 1:
+                break
+            log.info("node %s refused a create (503: %s); placing it again", node.node_id, r.text[:200])
+            refused.append(node.node_id)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.multi_items()
+                   if k.lower() not in _HOP_OUT]
+        headers.append((b"content-length", str(len(r.content)).encode()))
+        await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": r.content})
+
+    async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None) -> httpx.Response:
+        """The client's REST call (``body`` read already) sent to ``node`` as
+        :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
+        _Fail(502) when the node cannot be reached."""
+        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
+        headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
+        headers.append((SECRET_HEADER.encode(), self.secret.encode()))
+        if placement:
+            headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
+        try:
+            return await self._client(node).request(scope["method"], node.url + _target_path(scope),
+                                                    headers=headers, content=body,
+                                                    timeout=httpx.Timeout(300.0, connect=5.0))
+        except httpx.HTTPError as e:
+            raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
 
     async def _fork(self, sandbox_id: str, scope, receive, send):
         raw, body = await self._json_body(scope, receive)

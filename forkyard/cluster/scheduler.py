@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import Annotated
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, HTTPException
@@ -61,6 +62,8 @@ class PlacementRequest(BaseModel):
     vcpus: int = Field(default=2, ge=1, le=64)
     snapshot: str | None = Field(default=None, max_length=128)
     sandbox_id: str | None = Field(default=None, alias="sandboxID", max_length=64)
+    #: Nodes not to place on (a create that these nodes refused for capacity).
+    exclude: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=64)
 
 
 def _err(status: int, message: str) -> JSONResponse:
@@ -203,7 +206,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         all_nodes = await store.nodes()
         by_id = {n.node_id: n for n in all_nodes}
         placing = await store.pending_placements([n.node_id for n in all_nodes])
-        prefer, snapshot, exclude = None, body.snapshot, set()
+        prefer, snapshot, exclude = None, body.snapshot, set(body.exclude)
         if body.kind in ("fork", "resume"):
             if not body.sandbox_id:
                 raise HTTPException(400, f"a {body.kind} placement needs sandboxID")
@@ -216,7 +219,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             else:
                 if b.state != "paused" or (owner and owner.status == NODE_UP and owner.alive(now)):
                     return {"placements": [_entry(owner, 1, b.node_id)], "moved": False}
-                snapshot, exclude = b.record.get("image_id"), {b.node_id}
+                snapshot, exclude = b.record.get("image_id"), exclude | {b.node_id}
         try:
             plan = place(all_nodes, placing, now, count=body.count, vcpus=body.vcpus,
                          snapshot_id=snapshot, prefer=prefer, exclude=exclude)
