@@ -141,6 +141,42 @@ def _spliced(server) -> float:
     return float(line.split()[1])
 
 
+KEEPALIVE_SERVER = r'''
+import http.server
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keeps connections open
+    def do_GET(self):
+        if self.headers.get("x-access-token"):
+            open("/tmp/token-seen", "w").write(self.path)
+        body = b"user-server\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+http.server.ThreadingHTTPServer(("0.0.0.0", 8003), H).serve_forever()
+'''
+
+
+def test_proxy_keeps_ports_apart(sandbox, server):
+    """GETs to envd (files) and to a kept-alive user server of one sandbox, alternated
+    through the proxy: each reaches its own port. (The fast path once reused a kept-alive
+    connection of one port for another: user-port GETs got envd's 401, and a file read
+    got the user server's body while that server received envd's access token.)"""
+    sandbox.files.write("/tmp/ka.py", KEEPALIVE_SERVER)
+    sandbox.commands.run("python3 /tmp/ka.py", background=True, timeout=0)
+    user = f"http://127.0.0.1:{server.port}/"
+    hdrs = {"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port": "8003"}
+    assert _wait_served(user, hdrs).text == "user-server\n"
+    want = sandbox.commands.run("cat /etc/hostname").stdout
+    with httpx.Client(timeout=30) as c:
+        for _ in range(3):
+            assert c.get(user, headers=hdrs).text == "user-server\n"
+            assert sandbox.files.read("/etc/hostname") == want
+    assert sandbox.commands.run("cat /tmp/token-seen 2>/dev/null || echo none").stdout.strip() == "none"
+
+
 def test_proxy_forwards_public_host_and_no_body(sandbox, server):
     sandbox.files.write("/tmp/echo.py", HOST_ECHO)
     sandbox.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
