@@ -97,6 +97,9 @@ def test_doctor_reports_checks(server):
     assert p.returncode == (0 if data["ok"] else 1)
     down = cli("doctor", env={**os.environ, "FORKYARD_URL": "http://127.0.0.1:9"})
     assert down.returncode == 1 and "cannot reach server" in down.stdout
+    wrong = cli("doctor", "--json", env={**os.environ, "E2B_API_KEY": "e2b_wrong"})
+    key = {c["check"]: c for c in json.loads(wrong.stdout)["checks"]}["api key"]
+    assert key["status"] == "fail" and "unset E2B_API_KEY" in json.dumps(key)  # not "run forkyard auth"
 
 
 # -- sandbox commands ------------------------------------------------------------------------

@@ -610,3 +610,19 @@ def test_base_template_has_e2b_base_tools(sandbox):
     assert r.exit_code == 0 and r.stdout.strip().endswith("ALL-OK"), r.stdout + r.stderr
     assert sandbox.commands.run("python -c 'import sys; print(sys.version_info[0])'").stdout.strip() == "3"
     assert sandbox.commands.run("node -e 'console.log(6*7)'").stdout.strip() == "42"
+
+
+def test_urls_with_a_trailing_slash_work(server):
+    """``E2B_API_URL``/``E2B_SANDBOX_URL`` written with a trailing ``/`` (the SDK then
+    asks for ``//process.Process/Start``, which envd's router would answer with a 307):
+    create, commands and files work."""
+    from e2b import Sandbox
+
+    sbx = Sandbox.create("base", timeout=60, api_url=server.url + "/", sandbox_url=server.url + "/",
+                         api_key=server.api_key)
+    try:
+        assert sbx.commands.run("echo slash").stdout == "slash\n"
+        sbx.files.write("/home/user/s.txt", "x")
+        assert sbx.files.read("/home/user/s.txt") == "x"
+    finally:
+        sbx.kill()

@@ -82,6 +82,18 @@ def orchestrator_only(scope, port: int) -> bool:
     return False
 
 
+def _single_leading_slash(scope) -> dict:
+    """``scope`` with its path's leading slashes made one: an SDK given
+    ``E2B_SANDBOX_URL`` with a trailing ``/`` asks envd for ``//process.Process/Start``,
+    which envd's Go router answers with a 307 the SDK reports as "Temporary Redirect"."""
+    scope = dict(scope)
+    scope["path"] = "/" + scope["path"].lstrip("/")
+    raw = scope.get("raw_path")
+    if raw is not None:
+        scope["raw_path"] = b"/" + raw.lstrip(b"/")
+    return scope
+
+
 def route_of(scope) -> tuple[str, int] | None:
     """``(sandbox_id, port)`` a request is addressed to, or None for the REST API.
 
@@ -127,11 +139,13 @@ class UpstreamCut(Exception):
 
 class _QuietCuts(logging.Filter):
     """Drop uvicorn's "Exception in ASGI application" traceback for :class:`UpstreamCut`
-    (an expected event, logged by the proxy as one line)."""
+    (an expected event, logged by the proxy as one line) and for the CancelledError of
+    requests uvicorn cancels when its graceful shutdown ends (a relayed stream that was
+    still open: it logs that as "Cancel N running task(s)")."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, UpstreamCut)
+        return not isinstance(exc, (UpstreamCut, asyncio.CancelledError))
 
 
 logging.getLogger("uvicorn.error").addFilter(_QuietCuts())
@@ -309,6 +323,8 @@ class SandboxProxy:
                 return await _send_json(send, 403, f"{scope['path']} is reserved to forkyard's orchestrator "
                                                    "and cannot be called through the sandbox proxy")
             return await send({"type": "websocket.close", "code": 1008})
+        if port == ENVD_PORT and scope.get("path", "").startswith("//"):
+            scope = _single_leading_slash(scope)
         if scope["type"] == "http":
             await self._http(scope, receive, send, host, hport, sid)
         else:

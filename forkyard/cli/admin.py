@@ -183,8 +183,10 @@ async def _check_server() -> list[tuple[str, str, str, str]]:
                 rows.append(("templates", "warn", ", ".join(names) or "none",
                              "restart the server without --no-build-base to build `base`"))
         except AuthError:
-            rows.append(("api key", "fail", f"rejected by the server (from {r.key_source})",
-                         "run `forkyard auth` with the key the server printed"))
+            hint = (f"fix or unset {r.key_source} (it comes before `forkyard auth`'s config file)"
+                    if r.key_source in ("E2B_API_KEY", "FORKYARD_API_KEY")
+                    else "run `forkyard auth` with the key the server printed")
+            rows.append(("api key", "fail", f"rejected by the server (from {r.key_source})", hint))
         except ForkyardError as e:
             rows.append(("api key", "fail", e.message, e.hint))
     return rows
