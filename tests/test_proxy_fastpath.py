@@ -76,6 +76,8 @@ class Upstream:
             writer.write(b"0\r\n\r\n")
         elif path == "/204":
             writer.write(head("204 No Content"))
+        elif path == "/304":  # a 304 may carry the Content-Length its 200 would have (RFC 9110 §8.6)
+            writer.write(head("304 Not Modified", f"content-length: {len(BIG)}"))
         elif path == "/close":  # no length: the body ends with the connection
             writer.write(head("200 OK", "connection: close") + BIG)
             await writer.drain()
@@ -176,9 +178,14 @@ async def test_every_framing_over_one_connection(upstream, zero_copy):
             assert r.content == BIG[:300_000]
             r = await c.get("/204")
             assert r.status_code == 204 and r.content == b""
+            for extra in ({}, {"content-length": "0"}):  # fast path, general relay
+                r = await c.get("/304", headers=extra)
+                assert r.status_code == 304 and r.content == b""
             r = await c.request("OPTIONS", "/big")
             assert r.content == BIG
-        assert upstream.connections == 1  # every answer above keeps the connection
+        # Every answer above keeps its connection: one of the fast path, one of the
+        # general relay (the "content-length: 0" request).
+        assert upstream.connections == 2
         assert upstream.hosts and all(h.startswith("127.0.0.1:") for h in upstream.hosts)  # the client's Host
         assert (zerocopy.EXTENSION in seen.types) == zero_copy
         assert seen.types.count(zerocopy.EXTENSION) == (4 if zero_copy else 0)

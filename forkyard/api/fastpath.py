@@ -250,8 +250,8 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
     length = next((int(v) for k, v in resp.headers if k == b"content-length"), None)
     chunked = any(k == b"transfer-encoding" for k, _ in resp.headers)
     bodyless = method == b"HEAD" or resp.status_code in (204, 304)
-    if length is not None and not chunked:
-        out.append((b"content-length", str(length).encode()))
+    if length is not None and not chunked and resp.status_code not in (204, 304):
+        out.append((b"content-length", str(length).encode()))  # (a 304's would make uvicorn expect a body)
     zero_copy = (zerocopy.EXTENSION in scope.get("extensions", {}) and not bodyless and not chunked
                  and length is not None and length - len(rest) >= SPLICE_MIN_BYTES and len(rest) <= length)
     reusable = False

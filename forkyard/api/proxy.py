@@ -530,7 +530,7 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
                        for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
         length = resp.headers.get("content-length")
-        if length is not None:  # raw bytes are relayed, so it stays exact
+        if length is not None and resp.status_code not in (204, 304):  # raw bytes are relayed: it stays exact
             out_headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
         async for chunk in resp.aiter_raw():
