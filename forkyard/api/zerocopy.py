@@ -162,11 +162,15 @@ class ZeroCopyCycle(RequestResponseCycle):
         if self.disconnected:
             raise OSError("the client disconnected")
         loop = asyncio.get_running_loop()
-        # What uvicorn has buffered (the status line and headers) goes out first.
+        # What uvicorn has buffered (the status line and headers) goes out first. Polled
+        # with a growing pause (0.5 ms … 50 ms): a client that stops reading must not
+        # make this loop spin.
+        pause = 0.0005
         while self.transport.get_write_buffer_size():
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self.disconnected:
                 raise OSError("the client connection is closing")
-            await asyncio.sleep(0.0005)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.05)
         sock = self.transport.get_extra_info("socket")
         dst = os.dup(sock.fileno())  # the transport keeps its own fd (and its poll) untouched
         try:
