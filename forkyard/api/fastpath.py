@@ -103,8 +103,9 @@ class FastConnections:
         idle = self._idle.get((host, port))
         while idle:
             sock = idle.pop()
-            if sock.fileno() >= 0:
+            if sock.fileno() >= 0 and _quiet(sock):
                 return sock
+            sock.close()
         return None
 
     def put(self, sock: socket.socket, host: str, port: int) -> None:
@@ -130,6 +131,19 @@ class FastConnections:
                 pass  # not connected (yet, or any more)
         for sock in idle:
             sock.close()
+
+
+def _quiet(sock: socket.socket) -> bool:
+    """True when an idle kept-alive socket has nothing to read: no end (the server
+    closed it) and no bytes nobody asked for (a server that sent more than it announced
+    — they would be read as the next request's answer)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (closed) or stray bytes
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def has_no_body(scope) -> bool:
