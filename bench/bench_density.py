@@ -80,7 +80,7 @@ def cpu_busy(seconds: float = 3.0) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="1,50,100,200")
-    ap.add_argument("--stop-below", type=float, default=15.0, help="stop when MemAvailable < this % of MemTotal")
+    ap.add_argument("--stop-below", type=float, default=15.0, help="stop when MemAvailable < this %% of MemTotal")
     ap.add_argument("--parallel", type=int, default=2, help="creates in flight at once")
     args = ap.parse_args()
     steps = [int(x) for x in args.steps.split(",")]

@@ -449,14 +449,21 @@ class LifecycleMixin:
             marked = self.snapshots.staging_path(rec.image_id or "-")
             staged = marked / "image" if rec.image_id and (marked / PAUSE_MARKER).is_file() else None
         else:
+            t0 = time.perf_counter()
             image, staged = await self._pause_image(rec)
+            t1 = time.perf_counter()
+            timing.record("lookup", (t1 - t0) * 1000)
             rec.state = "resuming"
             self.store.put(rec)
             t0 = time.perf_counter()
+            timing.record("store", (t0 - t1) * 1000)
+            phases: dict[str, float] = {}
             try:
-                await self._start(rec, image, rec.envd_access_token, image_dir=staged)
+                await self._start(rec, image, rec.envd_access_token, image_dir=staged, phases=phases)
                 # "boot": a cold boot over a filesystem-only image; "restore": a checkpoint.
                 timing.record("restore" if image.memory else "boot", (time.perf_counter() - t0) * 1000)
+                for name, ms in phases.items():  # observed in Prometheus by _start
+                    timing.add(name, ms)
             except BaseException:
                 rec.state, rec.slot = "paused", None
                 self.store.put(rec)
