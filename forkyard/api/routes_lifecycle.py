@@ -41,7 +41,7 @@ async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | N
     ``Server-Timing``: ``thaw`` (its frozen runtime was still kept: hot pause),
     ``restore`` (from its memory image) or ``boot`` (a cold boot over its
     filesystem-only image), ms, with its parts: ``lookup`` (the pause image's manifest),
-    ``store`` (the row written), ``slot``, ``image`` (image directory from the node cache
+    ``slot`` (with the row written), ``image`` (image directory from the node cache
     or materialized), ``runtime`` (of which ``disk``, ``runsc``, ``rearm``), ``envd``
     (until it answers), and ``total`` (the whole request in the server)."""
     t0 = time.perf_counter()

@@ -601,14 +601,17 @@ class Orchestrator(LifecycleMixin):
         self._mark_running(rec, e.slot)
 
     async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
-                     image_dir: Path | None = None, phases: dict[str, float] | None = None) -> None:
+                     image_dir: Path | None = None, phases: dict[str, float] | None = None,
+                     forget_image: bool = False) -> None:
         """Allocate a slot, start ``rec`` fresh (``image`` None) or restore it from
         ``image`` (read from ``image_dir`` when given — a staged, uncommitted fork image —
         else from the repository), wait for envd and send ``/init``. Persists ``rec`` as
         running. ``phases`` (when given) receives ``slot``, ``runtime`` and ``envd``
         durations in ms; a restore also ``image`` (the image directory found in the node
         cache or materialized from the repository; part of ``runtime``) and the driver's
-        own phases (gVisor: ``disk``, ``runsc``, ``rearm``).
+        own phases (gVisor: ``disk``, ``runsc``, ``rearm``). ``forget_image``: the row
+        written as running also clears ``rec.image_id`` (a resume's pause image; one
+        durable write instead of two).
 
         Raises:
             CreateFailed / NotFound: the runtime, the network or envd failed; the slot,
@@ -692,6 +695,8 @@ class Orchestrator(LifecycleMixin):
             self._starting -= 1
         for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
             metrics.observe_phase(name, ms / 1000)
+        if forget_image:
+            rec.image_id = None
         self._mark_running(rec, slot)
 
     def _mark_running(self, rec: SandboxRecord, slot: Slot) -> None:
