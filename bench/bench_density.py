@@ -7,7 +7,9 @@ and at each step N (and N=1 first) prints:
   and the sum of PSS (``/proc/PID/smaps_rollup``) over the server's runsc processes, / N;
 * create p50/p95 of the creates of that step (``POST /sandboxes``, client-side), and
   ``commands.run("true")`` p50/p95 (e2b SDK, 20 sandboxes of the step, warm, 3 calls each; 30 calls at N=1);
-* the host's CPU busy share over 3 s while all N sit idle, and the load average;
+* the host's CPU busy share over 3 s while all N sit idle (every process on the host),
+  the share of one core the sandboxes' own runsc processes used meanwhile, and the
+  load average;
 
 then runs ``python3 -c 'import sys'`` once in every sandbox and measures memory again
 (a python run leaves page cache and sentry memory behind). It stops early when
@@ -66,21 +68,45 @@ def server_pss_kib(runsc_root: Path) -> tuple[int, int]:
     return total, n
 
 
-def cpu_busy(seconds: float = 3.0) -> float:
-    """Share (0-1) of all CPUs busy over ``seconds``."""
+def runsc_cpu_ticks(runsc_root: Path) -> int:
+    """utime + stime (clock ticks) of the runsc processes of ``runsc_root``, threads
+    included (their sentries run the sandboxes, so this is the sandboxes' own CPU)."""
+    flag = f"--root={runsc_root}".encode()
+    total = 0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if flag not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+    return total
+
+
+def cpu_busy(runsc_root: Path, seconds: float = 3.0) -> tuple[float, float]:
+    """Share (0-1) of all CPUs busy over ``seconds``, and the share of one CPU the
+    sandboxes' own runsc processes used meanwhile (the first includes every other
+    process on the host; the second only the benchmark's sandboxes)."""
     def snap():
         f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(f), f[3] + f[4]
     t1, i1 = snap()
+    r1 = runsc_cpu_ticks(runsc_root)
+    start = time.monotonic()
     time.sleep(seconds)
+    r2 = runsc_cpu_ticks(runsc_root)
+    elapsed = time.monotonic() - start
     t2, i2 = snap()
-    return 1 - (i2 - i1) / max(1, t2 - t1)
+    return 1 - (i2 - i1) / max(1, t2 - t1), (r2 - r1) / os.sysconf("SC_CLK_TCK") / elapsed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default="1,50,100,200")
-    ap.add_argument("--stop-below", type=float, default=15.0, help="stop when MemAvailable < this % of MemTotal")
+    ap.add_argument("--stop-below", type=float, default=15.0, help="stop when MemAvailable < this %% of MemTotal")
     ap.add_argument("--parallel", type=int, default=2, help="creates in flight at once")
     args = ap.parse_args()
     steps = [int(x) for x in args.steps.split(",")]
@@ -123,7 +149,7 @@ def main() -> None:
         time.sleep(3)  # let the last boots settle
         mi = meminfo()
         pss, nproc = server_pss_kib(runsc_root)
-        busy = cpu_busy()
+        busy, sandboxes_cpu = cpu_busy(runsc_root)
         sample = ids[-20:] if n > 20 else ids
         runs = [x for sid in sample for x in run_true(sid, max(3, 30 // len(sample)))]
         row = {"N": n, "label": label, "avail_mib": mi["MemAvailable"] // 1024,
@@ -133,13 +159,14 @@ def main() -> None:
                "create_p50": pct(creates, 50) if creates else float("nan"),
                "create_p95": pct(creates, 95) if creates else float("nan"),
                "run_p50": pct(runs, 50), "run_p95": pct(runs, 95),
-               "cpu_busy_pct": 100 * busy, "load1": os.getloadavg()[0]}
+               "cpu_busy_pct": 100 * busy, "sbx_cpu_pct": 100 * sandboxes_cpu, "load1": os.getloadavg()[0]}
         rows.append(row)
         print(f"N={n:4d} {label:8s} avail {row['avail_mib']:6d} MiB ({row['avail_pct']:4.1f}%)  "
               f"drop/sbx {row['drop_per_sbx_mib']:5.1f} MiB  PSS/sbx {row['pss_per_sbx_mib']:5.1f} MiB  "
               f"create p50 {row['create_p50']:6.0f} p95 {row['create_p95']:6.0f} ms  "
               f"run p50 {row['run_p50']:5.1f} p95 {row['run_p95']:6.1f} ms  "
-              f"cpu {row['cpu_busy_pct']:4.1f}%  load {row['load1']:.1f}", flush=True)
+              f"cpu {row['cpu_busy_pct']:4.1f}% (sandboxes {row['sbx_cpu_pct']:5.1f}% of a core)  "
+              f"load {row['load1']:.1f}", flush=True)
         return row
 
     try:
@@ -168,11 +195,12 @@ def main() -> None:
         with ThreadPoolExecutor(4) as ex:
             list(ex.map(lambda sid: api.delete(f"/sandboxes/{sid}"), ids))
         stop_server(proc)
-    print("\nN, label, MemAvailable MiB (%), drop/sbx MiB, PSS/sbx MiB, create p50/p95 ms, run p50/p95 ms, CPU busy %, load")
+    print("\nN, label, MemAvailable MiB (%), drop/sbx MiB, PSS/sbx MiB, create p50/p95 ms, run p50/p95 ms, "
+          "CPU busy %, sandboxes' CPU % of a core, load")
     for r in rows:
         print(f"{r['N']}, {r['label']}, {r['avail_mib']} ({r['avail_pct']:.1f}), {r['drop_per_sbx_mib']:.1f}, "
               f"{r['pss_per_sbx_mib']:.1f}, {r['create_p50']:.0f}/{r['create_p95']:.0f}, "
-              f"{r['run_p50']:.1f}/{r['run_p95']:.1f}, {r['cpu_busy_pct']:.0f}, {r['load1']:.1f}")
+              f"{r['run_p50']:.1f}/{r['run_p95']:.1f}, {r['cpu_busy_pct']:.0f}, {r['sbx_cpu_pct']:.0f}, {r['load1']:.1f}")
 
 
 if __name__ == "__main__":

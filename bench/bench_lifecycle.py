@@ -49,21 +49,28 @@ class Raw:
     def __init__(self, rootfs: Path, fan: list[int]):
         self.rootfs = rootfs
         self.settings = Settings(data_dir=DATA / "raw")
-        self.net = NetworkManager(self.settings, outer_net="10.122.0.0/16", prefix="fbr")
+        self.net = NetworkManager(self.settings, outer_net=os.environ.get("FORKYARD_BENCH_RAW_NET", "10.122.0.0/16"),
+                                  prefix=os.environ.get("FORKYARD_BENCH_RAW_PREFIX", "fbr"))
         self.drv = GVisorDriver(self.settings)
         self.server_drv = GVisorDriver(Settings(data_dir=DATA / "server"))
         self.fan = fan
         self.ids = [f"k{j:03d}x" for j in range(max(fan))]
         self.img = self.settings.data_dir / "img"
         self.slots = []
+        self.http: httpx.AsyncClient | None = None
 
     async def setup(self) -> None:
+        # One client made before any timer, as the server's (no keep-alive either):
+        # making one (its TLS context) took ~15 ms here, which a restore must not pay.
+        self.http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self.net.setup_host()
         for sid in self.ids:  # leftovers of an interrupted earlier run
             await self.drv.destroy(sid, self.settings.sandboxes_dir / sid)
         self.slots = [self.net.allocate(i) for i in range(max(self.fan))]
 
     async def teardown(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
         for sid in self.ids:
             await self.drv.destroy(sid, self.settings.sandboxes_dir / sid)
         for s in self.slots:
@@ -84,24 +91,27 @@ class Raw:
                            memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
 
     async def _envd_answers(self, j: int) -> None:
-        async with httpx.AsyncClient(trust_env=False) as c:
-            deadline = time.time() + 30
-            while True:
-                try:
-                    if (await c.get(f"http://{self.slots[j].outer_ip}:49983/health", timeout=1)).status_code < 500:
-                        return
-                except httpx.HTTPError:
-                    if time.time() > deadline:
-                        raise
-                await asyncio.sleep(0.002)
+        deadline = time.time() + 30
+        while True:
+            try:
+                if (await self.http.get(f"http://{self.slots[j].outer_ip}:49983/health", timeout=1)).status_code < 500:
+                    return
+            except httpx.HTTPError:
+                if time.time() > deadline:
+                    raise
+            await asyncio.sleep(0.002)
 
-    async def restores(self, k: int, image: Path | None = None) -> float:
+    async def restores(self, k: int, image: Path | None = None, phases: dict[str, float] | None = None) -> float:
         """``k`` parallel restores of ``image`` (default the last checkpoint) until every
-        restored envd answers ``/health`` (ms); the restored sandboxes are destroyed."""
+        restored envd answers ``/health`` (ms); the restored sandboxes are destroyed.
+        ``phases`` (k = 1) receives the driver's phases and ``envd`` (ms)."""
         t = time.perf_counter()
-        await asyncio.gather(*(self.drv.restore(self._spec(j), image or self.img) for j in range(k)))
+        await asyncio.gather(*(self.drv.restore(self._spec(j), image or self.img, phases=phases) for j in range(k)))
+        t1 = time.perf_counter()
         await asyncio.gather(*(self._envd_answers(j) for j in range(k)))
         ms = (time.perf_counter() - t) * 1000
+        if phases is not None:
+            phases["envd"] = (time.perf_counter() - t1) * 1000
         await asyncio.gather(*(self.drv.destroy(self.ids[j], self.settings.sandboxes_dir / self.ids[j])
                                for j in range(k)))
         self._fresh_slots(range(k))
@@ -115,10 +125,10 @@ class Raw:
             self.net.release(self.slots[j].index)
             self.slots[j] = self.net.allocate(self.slots[j].index)
 
-    async def pause_resume(self) -> tuple[float, float]:
+    async def pause_resume(self, phases: dict[str, float] | None = None) -> tuple[float, float]:
         """Raw pause and resume: restore the last checkpoint into a raw sandbox (untimed),
         then a stopping checkpoint of it (``pause``) and a restore of that image until
-        envd answers (``resume``), ms."""
+        envd answers (``resume``), ms; ``phases`` receives the resume's phases."""
         await self.drv.restore(self._spec(0), self.img)
         await self._envd_answers(0)
         stopped = self.settings.data_dir / "img-stopped"
@@ -130,7 +140,7 @@ class Raw:
         await self.drv.destroy(self.ids[0], self.settings.sandboxes_dir / self.ids[0])
         self._fresh_slots([0])
         os.sync()
-        resume = await self.restores(1, stopped)
+        resume = await self.restores(1, stopped, phases)
         shutil.rmtree(stopped, ignore_errors=True)
         return pause, resume
 
@@ -145,6 +155,16 @@ def settle(api: httpx.Client) -> None:
             break
         time.sleep(0.2)
     time.sleep(0.5)
+
+
+def server_timings(r: httpx.Response) -> dict[str, float]:
+    """Every phase (ms) of the response's ``Server-Timing`` header."""
+    out = {}
+    for part in r.headers.get("server-timing", "").split(","):
+        name, _, dur = part.strip().partition(";dur=")
+        if dur:
+            out[name] = float(dur)
+    return out
 
 
 def server_timing(r: httpx.Response, phase: str) -> float:
@@ -181,6 +201,7 @@ def main() -> None:
             "raw_snap_idle", "raw_snap_100mb", *(f"fork{k}" for k in FAN), *(f"raw_fork{k}" for k in FAN),
             "raw_pause", "raw_resume", "pause_full", *(f"fork{k}_ck" for k in FAN))
     res: dict[str, list[float]] = {k: [] for k in keys}
+    phase_res: dict[str, list[float]] = {}  # resume phases: the server's and the raw restore's
 
     def snapshot(sid: str, key: str) -> None:
         res[f"raw_{key}"].append(loop.run_until_complete(raw.checkpoint(sid)))
@@ -198,7 +219,10 @@ def main() -> None:
         for _ in range(0 if args.only_fork else args.n):
             res["ckpt"].append(loop.run_until_complete(raw.checkpoint(sid)))
             res["restore"].append(loop.run_until_complete(raw.restores(1)))
-            rp, rr = loop.run_until_complete(raw.pause_resume())
+            raw_phases: dict[str, float] = {}
+            rp, rr = loop.run_until_complete(raw.pause_resume(raw_phases))
+            for name, ms in raw_phases.items():
+                phase_res.setdefault(f"raw {name}", []).append(ms)
             res["raw_pause"].append(rp)
             res["raw_resume"].append(rr)
             os.sync()
@@ -213,6 +237,8 @@ def main() -> None:
             r = api.post(f"/sandboxes/{sid}/resume", json={"timeout": 3600})
             res["resume"].append((time.perf_counter() - t) * 1000)
             assert r.status_code == 201, r.text
+            for name, ms in server_timings(r).items():
+                phase_res.setdefault(name, []).append(ms)
         sbx = Sandbox.connect(sid)
         for i in range(0 if args.only_fork or args.only_pause else args.n):
             snapshot(sid, "snap_idle")
@@ -253,6 +279,8 @@ def main() -> None:
     pr("pause (answer)", res["pause"], res["raw_pause"])
     pr("pause incl. background commit", res["pause_full"], res["raw_pause"])
     pr("resume (after the commit finished)", res["resume"], res["raw_resume"])
+    for name, xs in sorted(phase_res.items(), key=lambda kv: (kv[0].startswith("raw "), kv[0])):
+        pr(f"  resume phase {name}", xs)
     pr("raw checkpoint, idle (snapshot loop)", res["raw_snap_idle"])
     pr("snapshot (idle)", res["snap_idle"], res["raw_snap_idle"])
     pr("  source stopped (Server-Timing)", res["stop_idle"], res["raw_snap_idle"])

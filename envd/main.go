@@ -73,7 +73,8 @@ func main() {
 	}
 	// SIGUSR1 = "you were just restored from a checkpoint": re-register the
 	// listening socket with the poller (see server.RearmListener). The host
-	// sends it right after every `runsc restore`.
+	// sends it right after `runsc restore` only with FORKYARD_ENVD_REARM=1
+	// (the pinned runsc does not need it; docs/runtime.md).
 	ln := server.NewRearmListener(tl.(*net.TCPListener), 0)
 	rearm := make(chan os.Signal, 4)
 	signal.Notify(rearm, syscall.SIGUSR1)

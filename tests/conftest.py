@@ -162,8 +162,8 @@ class ServerProc:
         return httpx.Client(base_url=self.url, headers={"X-API-Key": self.api_key}, timeout=60)
 
     def leftovers(self) -> dict[str, list[str]]:
-        """:func:`host_leftovers` of this running server, its spare slots and its warm
-        pool's sandboxes (slots and runsc processes) excepted (the host is listed first:
+        """:func:`host_leftovers` of this running server, its spare slots, spare disks and
+        its warm pool's sandboxes (slots and runsc processes) excepted (the host is listed first:
         a spare or pooled sandbox made meanwhile is already in the server's lists)."""
         found = host_leftovers()
         with self.api() as c:
@@ -174,6 +174,10 @@ class ServerProc:
         found["veth"] = [n for n in found["veth"] if int(n[len(NET_PREFIX) + 1:]) not in spare]
         found["runsc"] = [p for p in found["runsc"] if not any(d in p for d in pooled)]
         found["mounts"] = [m for m in found["mounts"] if not any(d.rstrip("/") in m for d in pooled)]
+        # Spare disks (made ahead, moved into sandboxes as they start): a spare listed on
+        # the host may be in use or on its way by the time the server is asked, so all
+        # of them are left out; a stopped server must have removed them (session end).
+        found["mounts"] = [m for m in found["mounts"] if not m.startswith(f"{self.data_dir}/spare-disks/")]
         return found
 
     def wait_clean(self, timeout_s: float = 20) -> None:

@@ -352,7 +352,7 @@ def test_a_cold_booted_sandbox_memory_pauses_without_hot_pause_and_across_restar
 
 def test_image_rootfs_tar_reads_the_marker_or_the_checkpoint_header(tmp_path):
     """Images written before the marker: the annotation is read from the JSON metadata
-    runsc writes at the head of ``checkpoint.img``."""
+    runsc writes at the head of ``checkpoint.img``; a marker wins, an empty one is none."""
     from forkyard.runtime.gvisor.driver import image_rootfs_tar
     from forkyard.runtime.gvisor.spec import ROOTFS_TAR_ANNOTATION, ROOTFS_TAR_MARKER
 
@@ -363,6 +363,10 @@ def test_image_rootfs_tar_reads_the_marker_or_the_checkpoint_header(tmp_path):
     assert image_rootfs_tar(tmp_path) == "/old/x.tar"
     (tmp_path / ROOTFS_TAR_MARKER).write_text("/run/forkyard/rootfs-upper.tar\n")
     assert image_rootfs_tar(tmp_path) == "/run/forkyard/rootfs-upper.tar"
+    # An empty marker (checkpoints of sandboxes booted without one): none, and the
+    # header is not read.
+    (tmp_path / ROOTFS_TAR_MARKER).write_text("\n")
+    assert image_rootfs_tar(tmp_path) is None
 
 
 def _refused(server, sid: str, what: str) -> None:

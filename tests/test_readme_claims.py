@@ -2,7 +2,8 @@
 
 One server of this module runs with every setting changed from its default
 (``FORKYARD_HOST``, ``FORKYARD_RUNSC``, ``FORKYARD_ENVD``, ``FORKYARD_SPARE_SLOTS``,
-``FORKYARD_CACHE_BYTES``, ``FORKYARD_PAUSED_RETENTION_S``, ``FORKYARD_FORK_PARALLELISM``,
+``FORKYARD_SPARE_DISKS``, ``FORKYARD_ENVD_REARM``, ``FORKYARD_CACHE_BYTES``,
+``FORKYARD_PAUSED_RETENTION_S``, ``FORKYARD_FORK_PARALLELISM``,
 ``FORKYARD_HOT_PAUSE_MAX``, no ``FORKYARD_API_KEY``), so each test shows the setting took
 effect, not only that the server started.
 
@@ -36,6 +37,7 @@ OUTER_NET = f"10.214.{SLOT * 16}.0/20"
 HOST = "127.0.0.2"
 RETENTION_S = 6
 SPARES = 2
+SPARE_DISKS = 1
 CACHE_BYTES = 123_456_789
 DATA = TEST_ROOT / f"server-{PREFIX}-claims"
 ENVD = Path(__file__).resolve().parent.parent / "envd" / "bin" / "envd"
@@ -62,7 +64,7 @@ class ClaimsServer(ServerProc):
                    FORKYARD_RUNSC=str(DATA.parent / f"{DATA.name}-runsc"), FORKYARD_ENVD=str(self.envd_copy),
                    FORKYARD_SPARE_SLOTS=str(SPARES), FORKYARD_CACHE_BYTES=str(CACHE_BYTES),
                    FORKYARD_PAUSED_RETENTION_S=str(RETENTION_S), FORKYARD_FORK_PARALLELISM="1",
-                   FORKYARD_HOT_PAUSE_MAX="0")
+                   FORKYARD_HOT_PAUSE_MAX="0", FORKYARD_SPARE_DISKS=str(SPARE_DISKS), FORKYARD_ENVD_REARM="1")
         return env
 
 
@@ -119,6 +121,9 @@ def test_host_runsc_envd_spare_slots_and_cache_settings_take_effect(claims):
         while len(c.get("/metrics/node").json()["spareSlots"]) != SPARES and time.time() < deadline:
             time.sleep(0.2)
         assert len(c.get("/metrics/node").json()["spareSlots"]) == SPARES  # FORKYARD_SPARE_SLOTS
+        while len(c.get("/metrics/node").json()["spareDisks"]) != SPARE_DISKS and time.time() < deadline:
+            time.sleep(0.2)
+        assert len(c.get("/metrics/node").json()["spareDisks"]) == SPARE_DISKS  # FORKYARD_SPARE_DISKS
         repo = c.get("/metrics/repository").json()
         assert repo["cache"]["limit_bytes"] == CACHE_BYTES  # FORKYARD_CACHE_BYTES
         assert repo["backend"] == "posix_fs"
@@ -148,6 +153,8 @@ def test_node_counts_refreshes_and_fork_defaults(claims):
         phases = {p.split(";")[0].strip() for p in r.headers["server-timing"].split(",")}
         assert {"checkpoint", "children"} <= phases, phases
         (kid,) = [x["sandbox"] for x in r.json()]
+        # FORKYARD_ENVD_REARM=1: the restored child's envd got SIGUSR1 (off by default).
+        assert f"kill {kid['sandboxID']} USR1" in claims.wrapper_log.read_text()
         info = c.get(f"/sandboxes/{kid['sandboxID']}").json()
         assert _ts(info["endAt"]) - _ts(info["startedAt"]) == pytest.approx(15, abs=1)
         assert c.get("/metrics/node").json()["sandboxes"]["running"] == before["running"] + 2

@@ -460,9 +460,13 @@ def _open_envd_connections(ip: str) -> tuple[socket.socket, socket.socket]:
 @pytest.mark.skipif(not hu.runtime_settings().envd_binary.is_file(), reason="envd binary not built")
 async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes):
     """Regression: connections open at checkpoint (idle keep-alive, an output stream) are
-    reset by runsc (--net-disconnect-ok), and the restored listening socket's epoll
-    registration then never fires: the child accepted TCP connections but envd never
-    answered. envd re-registers it (driver sends SIGUSR1 after restore)."""
+    reset by runsc (--net-disconnect-ok), and on runsc 20240729 the restored listening
+    socket's epoll registration then never fired: the child accepted TCP connections
+    but envd never answered (gVisor issue 13920). The driver sent SIGUSR1 after each
+    restore so envd re-registered it; the pinned build rebuilds epoll readiness on
+    restore (gVisor PR 14147), so the driver no longer does (``FORKYARD_ENVD_REARM=1``
+    brings it back) and this test is what shows the restored envd still answers at
+    once."""
     envd_driver = GVisorDriver(settings)
     src, src_slot = sandboxes(33, "rt-conn-src")
     kid, kid_slot = sandboxes(34, "rt-conn-kid")
@@ -492,7 +496,7 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
         except OSError as exc:
             raise AssertionError(f"restored envd does not answer: {exc!r}") from None
         first_ms = 1000 * (time.perf_counter() - t)
-        for _ in range(3):  # fresh connections keep working after the rearm
+        for _ in range(3):  # fresh connections keep working
             assert _envd_get(kid_slot.outer_ip) == 204
         assert _envd_get(src_slot.outer_ip) == 204  # the source keeps serving
 
@@ -510,10 +514,56 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
             assert answer == b"" or answer.startswith(b"HTTP/1.1 204"), answer
         except (ConnectionResetError, BrokenPipeError):
             pass
-        print(f"\ncheckpoint {ckpt_ms:.0f} ms; restore (incl. rearm) {restore_ms:.0f} ms; "
+        print(f"\ncheckpoint {ckpt_ms:.0f} ms; restore {restore_ms:.0f} ms; "
               f"child's first answer {first_ms:.0f} ms")
-        assert first_ms < 750  # the driver's rearm, not envd's 1 s fallback poll
+        assert first_ms < 750  # not envd's 1 s fallback poll
     finally:
         idle.close()
         stream.close()
         shutil.rmtree(image, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- spare disks
+
+
+async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes):
+    """A node keeps disks made ahead (``start_spares``): a start of that size moves one
+    in (its disk is then an ordinary one: a mount at its workdir, destroyed with it), the
+    spares are made again, a start of another size makes its own, and a later
+    ``start_spares`` (a restarted node) or ``stop_spares`` removes every spare mount."""
+    drv = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
+    root = settings.data_dir / "spare-disks"
+    leftover = GVisorDriver(settings, init_argv=hu.HTTP_INIT)  # a "crashed" earlier node's spares
+    await leftover.start_spares(64)
+
+    async def ready(d: GVisorDriver) -> list[str]:
+        deadline = time.time() + 30
+        while d.spare_disks.wanted() and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        return d.spare_mounts()
+
+    assert len(await ready(leftover)) == leftover.spare_disks.count > 0
+    try:
+        await drv.start_spares(64)  # removes the leftovers first
+        spares = await ready(drv)
+        assert len(spares) == drv.spare_disks.count
+        assert sorted(line.split()[4] for line in hu.mounts_mentioning(str(root))) == sorted(spares)
+        spec, slot = sandboxes(35, "rt-spare", disk_mb=64)
+        await drv.create(spec)
+        assert http_get(slot.outer_ip) == 200
+        overlay = spec.workdir / "overlay"
+        assert drv.spare_disks.hits == 1 and (spec.workdir / "disk.img").is_file()
+        assert [line.split()[4] for line in hu.mounts_mentioning(str(overlay))] == [str(overlay)]
+        used, total = drv.disk_usage(spec.workdir)
+        assert 0 < used < total <= 64 << 20
+        assert len(await ready(drv)) == drv.spare_disks.count  # made again
+        other, other_slot = sandboxes(36, "rt-spare-other", disk_mb=80)
+        await drv.create(other)
+        assert drv.spare_disks.hits == 1  # another size: made in place
+        assert 64 << 20 < drv.disk_usage(other.workdir)[1] <= 80 << 20
+        await drv.destroy(spec.sandbox_id, spec.workdir)
+        assert hu.mounts_mentioning(str(spec.workdir)) == []
+    finally:
+        await drv.stop_spares()
+        leftover.spare_disks = None  # its spares were removed by drv's start
+    assert hu.mounts_mentioning(str(root)) == [] and not root.exists()

@@ -3,6 +3,8 @@ status codes from E2B's OpenAPI spec as shipped in the ``e2b`` SDK)."""
 
 from __future__ import annotations
 
+import time
+
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -38,10 +40,15 @@ async def resume(request: Request, sandbox_id: str, body: schemas.ResumeBody | N
     """Resume a paused sandbox under the same id: 201 ``Sandbox``; 409 when running.
     ``Server-Timing``: ``thaw`` (its frozen runtime was still kept: hot pause),
     ``restore`` (from its memory image) or ``boot`` (a cold boot over its
-    filesystem-only image), ms."""
+    filesystem-only image), ms, with its parts: ``lookup`` (the pause image's manifest),
+    ``slot`` (with the row written), ``image`` (image directory from the node cache
+    or materialized), ``runtime`` (of which ``disk``, ``runsc``, ``rearm``), ``envd``
+    (until it answers), and ``total`` (the whole request in the server)."""
+    t0 = time.perf_counter()
     phases = timing.start()
     rec = await _orch(request).resume(sandbox_id, body.timeout if body else None,
                                       body.auto_pause if body else None)
+    timing.add("total", (time.perf_counter() - t0) * 1000)
     return JSONResponse(schemas.sandbox_created(rec, _domain(request)), status_code=201, headers=timing.header(phases))
 
 

@@ -60,6 +60,8 @@ def node_families(orch) -> list:
               "and template (top 50 templates; the rest as 'other').",
               labels={"names": ["state", "template"], "samples": capped(counts)}),
         gauge("forkyard_spare_slots", "Network slots built ahead and ready for new sandboxes.", len(nm["spareSlots"])),
+        gauge("forkyard_spare_disks", "Sandbox disks made ahead and ready for new sandboxes (FORKYARD_SPARE_DISKS).",
+              len(nm.get("spareDisks", []))),
         gauge("forkyard_pauses_in_flight", "Pauses that answered and are still committing their image.",
               nm["pausesInFlight"]),
         gauge("forkyard_hot_paused", "Paused sandboxes whose frozen runtime this node still keeps, so a resume "

@@ -445,34 +445,42 @@ class LifecycleMixin:
             rec.timeout_s = timeout_s
         if auto_pause is not None:
             rec.auto_pause = auto_pause
+        image_id = rec.image_id
         if await self._unfreeze(rec):
-            marked = self.snapshots.staging_path(rec.image_id or "-")
-            staged = marked / "image" if rec.image_id and (marked / PAUSE_MARKER).is_file() else None
+            marked = self.snapshots.staging_path(image_id or "-")
+            staged = marked / "image" if image_id and (marked / PAUSE_MARKER).is_file() else None
         else:
-            image, staged = await self._pause_image(rec)
-            rec.state = "resuming"
-            self.store.put(rec)
             t0 = time.perf_counter()
+            image, staged = await self._pause_image(rec)
+            t1 = time.perf_counter()
+            timing.record("lookup", (t1 - t0) * 1000)
+            # Persisted with the slot (the start's first write, before anything runs): a
+            # crash before it leaves the row paused, which is what it still is then.
+            rec.state = "resuming"
+            phases: dict[str, float] = {}
             try:
-                await self._start(rec, image, rec.envd_access_token, image_dir=staged)
+                # The row written running also drops the pause image (one write, not two).
+                await self._start(rec, image, rec.envd_access_token, image_dir=staged, phases=phases,
+                                  forget_image=True)
                 # "boot": a cold boot over a filesystem-only image; "restore": a checkpoint.
-                timing.record("restore" if image.memory else "boot", (time.perf_counter() - t0) * 1000)
+                timing.record("restore" if image.memory else "boot", (time.perf_counter() - t1) * 1000)
+                for name, ms in phases.items():  # observed in Prometheus by _start
+                    timing.add(name, ms)
             except BaseException:
-                rec.state, rec.slot = "paused", None
+                rec.state, rec.slot, rec.image_id = "paused", None, image_id
                 self.store.put(rec)
                 raise
         if staged is not None:
             self.snapshots.discard(staged.parent)
-        if rec.image_id:
-            self._garbage.add(rec.image_id)
-        rec.image_id = None
-        self.store.put(rec)
+        if image_id:
+            self._garbage.add(image_id)
         return rec
 
     async def _unfreeze(self, rec: SandboxRecord) -> bool:
         """Resume ``rec`` by unfreezing its kept runtime (hot pause; records ``thaw``,
-        ms) and persist it running. False when none is kept or the unfreeze failed (the
-        kept runtime is then destroyed and the caller restores from the image)."""
+        ms) and persist it running, its pause image forgotten. False when none is kept
+        or the unfreeze failed (the kept runtime is then destroyed and the caller
+        restores from the image)."""
         slot = self._hot.take(rec.id)
         if slot is None:
             return False
@@ -488,7 +496,7 @@ class LifecycleMixin:
         timing.record("thaw", (time.perf_counter() - t0) * 1000)
         self._slots[rec.id] = slot
         now = time.time()
-        rec.state, rec.slot, rec.paused_at = "running", slot.index, None
+        rec.state, rec.slot, rec.paused_at, rec.image_id = "running", slot.index, None, None
         rec.started_at, rec.end_at = now, now + rec.timeout_s
         self.store.put(rec)
         return True

@@ -146,6 +146,7 @@ class Orchestrator(LifecycleMixin):
         self._ttl_task = asyncio.create_task(self._ttl_loop(), name="ttl")
         self._firewall_task = asyncio.create_task(self._firewall_loop(), name="firewall")
         self._refill_spares()
+        await self.driver.start_spares(self.settings.default_disk_mb)
         self.pool.refill()
 
     #: How often forkyard's iptables jumps are checked to still come first (s).
@@ -182,6 +183,7 @@ class Orchestrator(LifecycleMixin):
                 await asyncio.to_thread(self.network.release, slot.index)
             except Exception as e:  # noqa: BLE001
                 log.error("release of spare slot %s failed: %s", slot.index, e)
+        await self.driver.stop_spares()
         firewall = getattr(self, "_firewall_task", None)
         if firewall:
             firewall.cancel()
@@ -464,14 +466,16 @@ class Orchestrator(LifecycleMixin):
         """``{"sandboxes": {"running": n, "paused": n}, "spareSlots": [index, …],
         "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool, "pool": {template:
         {"target", "ready", "starting", "memoryMB", "hits", "misses", "boots",
-        "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …]}`` (hot
+        "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …],
+        "spareDisks": [mount point, …]}`` (hot
         paused: paused sandboxes whose frozen runtime is still kept here; spare slots
         include those being built; pauses in flight have answered but are still
         committing their image / releasing the runtime; gc deletes pause images nothing
         needs any more; pool: the warm pool per template (:meth:`WarmPool.describe`), its
         sandboxes are not in ``sandboxes``; their slots and runtime ids are listed so
         leak checks can tell them apart — an id becomes the id of the sandbox a create
-        gets)."""
+        gets; spare disks: mount points of the disks the runtime made ahead,
+        ``FORKYARD_SPARE_DISKS``)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
@@ -481,7 +485,7 @@ class Orchestrator(LifecycleMixin):
                 "pausesInFlight": len(self._pending), "hotPaused": len(self._hot),
                 "gcInFlight": self._gc_task is not None and not self._gc_task.done(),
                 "pool": self.pool.describe(), "poolSlots": sorted(self.pool.slot_indexes()),
-                "poolSandboxes": self.pool.ids()}
+                "poolSandboxes": self.pool.ids(), "spareDisks": self.driver.spare_mounts()}
 
     # ---- warm pool ----------------------------------------------------------------
     def _template_stamp(self, template_id: str) -> int:
@@ -597,12 +601,17 @@ class Orchestrator(LifecycleMixin):
         self._mark_running(rec, e.slot)
 
     async def _start(self, rec: SandboxRecord, image: SnapshotMeta | None, old_token: str | None,
-                     image_dir: Path | None = None, phases: dict[str, float] | None = None) -> None:
+                     image_dir: Path | None = None, phases: dict[str, float] | None = None,
+                     forget_image: bool = False) -> None:
         """Allocate a slot, start ``rec`` fresh (``image`` None) or restore it from
         ``image`` (read from ``image_dir`` when given — a staged, uncommitted fork image —
         else from the repository), wait for envd and send ``/init``. Persists ``rec`` as
         running. ``phases`` (when given) receives ``slot``, ``runtime`` and ``envd``
-        durations in ms.
+        durations in ms; a restore also ``image`` (the image directory found in the node
+        cache or materialized from the repository; part of ``runtime``) and the driver's
+        own phases (gVisor: ``disk``, ``runsc``, ``rearm``). ``forget_image``: the row
+        written as running also clears ``rec.image_id`` (a resume's pause image; one
+        durable write instead of two).
 
         Raises:
             CreateFailed / NotFound: the runtime, the network or envd failed; the slot,
@@ -644,12 +653,13 @@ class Orchestrator(LifecycleMixin):
                     finally:
                         self.snapshots.release(image.snapshot_id)
             elif image_dir is not None:
-                await self.driver.restore(spec, image_dir)
+                await self.driver.restore(spec, image_dir, phases=phases)
             else:
                 # Materializes the image from the repository when this node lacks it.
                 path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
+                phases["image"] = (time.perf_counter() - t1) * 1000
                 try:
-                    await self.driver.restore(spec, path)
+                    await self.driver.restore(spec, path, phases=phases)
                 finally:
                     self.snapshots.release(image.snapshot_id)
             t2 = time.perf_counter()
@@ -685,6 +695,8 @@ class Orchestrator(LifecycleMixin):
             self._starting -= 1
         for name, ms in phases.items():  # Prometheus/tracing: slot, runtime, envd of this start
             metrics.observe_phase(name, ms / 1000)
+        if forget_image:
+            rec.image_id = None
         self._mark_running(rec, slot)
 
     def _mark_running(self, rec: SandboxRecord, slot: Slot) -> None:

@@ -169,8 +169,22 @@ class RuntimeDriver(abc.ABC):
         larger than that raises :class:`ExportTooLarge` (nothing is left at ``path``)."""
         raise NotImplementedError(f"{self.name} runtime cannot export its filesystem")
 
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
-        """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`."""
+    async def start_spares(self, disk_mb: int) -> None:
+        """Keep per-sandbox resources made ahead of demand from now on (gVisor: disks of
+        ``disk_mb`` MiB), after removing any that a crashed earlier process left. Called
+        by the node's orchestrator at start; drivers used otherwise make everything on
+        demand. Default: nothing."""
+
+    async def stop_spares(self) -> None:
+        """Remove what :meth:`start_spares` keeps (node shutdown). Never raises."""
+
+    def spare_mounts(self) -> list[str]:
+        """Host mount points held by spares (metrics, leak checks)."""
+        return []
+
+    async def restore(self, spec: SandboxSpec, image_dir: Path, phases: dict[str, float] | None = None) -> None:
+        """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`.
+        ``phases`` (when given) receives the runtime's own phase durations (ms)."""
         raise NotImplementedError(f"{self.name} runtime has no restore")
 
     async def usage(self, sandbox_id: str) -> RuntimeUsage | None:

@@ -23,9 +23,11 @@ const AcceptPoll = time.Second
 // clients connect and then wait forever.
 //
 // Rearm registers the same socket afresh (a dup of its fd gets a new epoll
-// entry; the old fd is closed, the socket and its queued connections stay),
-// so the host calls it right after a restore by signalling envd (SIGUSR1,
-// see main.go). As a fallback Accept never waits on the poller for more than
+// entry; the old fd is closed, the socket and its queued connections stay);
+// signalling envd (SIGUSR1, see main.go) calls it. The host did so right
+// after every restore until the pinned runsc (2026-09) was shown not to need
+// it (it marks every epoll interest ready at restore, gVisor PR 14147;
+// docs/runtime.md); it still does with FORKYARD_ENVD_REARM=1. As a fallback Accept never waits on the poller for more than
 // AcceptPoll: it then calls accept(2) itself, and when that finds a
 // connection the poller did not report it rearms. So a missed rearm costs at
 // most one AcceptPoll of latency, never a hang.

@@ -33,6 +33,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from forkyard.config import Settings
@@ -62,6 +63,20 @@ SUDO_BROKER = "/usr/local/lib/forkyard/sudo-broker"
 _BROKER_LAUNCH = f'[ -x {SUDO_BROKER} ] && {SUDO_BROKER} & exec "$@"'
 START_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
+#: Disks kept made ahead of demand by a node (``FORKYARD_SPARE_DISKS``; see
+#: :class:`.disk.SpareDisks`): as many as a fork restores at once
+#: (``FORKYARD_FORK_PARALLELISM``, 16; fork x16 measured 1.07x of raw with 16 spares,
+#: 1.13-1.22x with 4), ~2 MB of host disk, one loop device and one mount each.
+SPARE_DISKS = int(os.environ.get("FORKYARD_SPARE_DISKS", "16"))
+#: Nudge every restored envd with SIGUSR1 (``runsc kill``, ~9-20 ms per restore) so it
+#: re-registers its listener (``FORKYARD_ENVD_REARM=1``). Off by default: the epoll bug
+#: it works around (gVisor issue 13920) is fixed in the pinned build (the epoll ready
+#: list is rebuilt on restore, gVisor PR 14147), a restored envd answered as fast
+#: without it (docs/runtime.md), and envd's accept poll still bounds a missed wake-up
+#: to 1 s.
+ENVD_REARM = os.environ.get("FORKYARD_ENVD_REARM", "0") == "1"
+#: Spare disks are made only once no start has ended for this long (s).
+SPARE_QUIET_S = 0.25
 CHECKPOINT_TIMEOUT_S = 300.0
 #: File in every checkpoint image naming the runtime build that wrote it.
 BUILD_FILE = "forkyard-runtime.json"
@@ -286,6 +301,13 @@ class GVisorDriver(RuntimeDriver):
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md); off with
         #: FORKYARD_REAPER_DAEMON=0.
         self.reaper_daemon = os.environ.get("FORKYARD_REAPER_DAEMON", "1") != "0"
+        #: Send a restored envd SIGUSR1 (:meth:`_rearm_envd`) before restore returns.
+        self.rearm_envd = ENVD_REARM
+        #: Disks made ahead of demand (:meth:`start_spares`); None: made at each start.
+        self.spare_disks: disk.SpareDisks | None = None
+        self._spare_task: asyncio.Task | None = None
+        self._starts = 0  # run/restore in flight: spares are made only while none is
+        self._last_start = 0.0  # time.monotonic() when the last one ended
 
     # ---- command plumbing -------------------------------------------------------------
     def _runsc(self) -> str:
@@ -348,6 +370,51 @@ class GVisorDriver(RuntimeDriver):
             raise RuntimeError_(f"runsc {args[0]} timed out after {timeout:.0f} s") from None
         return proc.returncode, out.decode(errors="replace"), _summarize(err.decode(errors="replace"))
 
+    # ---- spare disks --------------------------------------------------------------------
+    async def start_spares(self, disk_mb: int) -> None:
+        """Keep :data:`SPARE_DISKS` disks of ``disk_mb`` MiB (the node's default) made
+        and mounted under ``<data dir>/spare-disks``, so a start with that disk size
+        moves one in instead of making it (see :class:`.disk.SpareDisks`); leftovers of
+        a crashed earlier process there are removed first. Only with ``overlay="dir"``."""
+        if self.overlay != "dir" or SPARE_DISKS <= 0 or not disk_mb:
+            return
+        spares = disk.SpareDisks(self.settings.data_dir / "spare-disks", SPARE_DISKS, disk_mb)
+        await asyncio.to_thread(spares.clear)
+        self.spare_disks = spares
+        self._refill_spares()
+
+    def _refill_spares(self) -> None:
+        if self.spare_disks is not None and (self._spare_task is None or self._spare_task.done()):
+            self._spare_task = asyncio.get_running_loop().create_task(self._fill_spares(), name="spare-disks")
+
+    async def _fill_spares(self) -> None:
+        """Make spare disks one at a time, each only while no start is in flight nor
+        ended in the last :data:`SPARE_QUIET_S` (they need the CPU now; spares are for
+        the next one)."""
+        spares = self.spare_disks
+        while spares is not None and spares is self.spare_disks and spares.wanted():
+            # Also not right after one: the caller still waits for that sandbox's envd.
+            while self._starts or time.monotonic() - self._last_start < SPARE_QUIET_S:
+                await asyncio.sleep(0.05)
+            try:
+                await asyncio.to_thread(spares.fill, True)
+            except (disk.DiskError, OSError) as e:
+                log.warning("making a spare disk failed: %s; starts make their own", e)
+                return
+
+    async def stop_spares(self) -> None:
+        """Stop making spare disks and remove the ready ones. Never raises."""
+        spares, self.spare_disks = self.spare_disks, None
+        if self._spare_task is not None:
+            await asyncio.wait([self._spare_task])  # finishes the disk it is making
+            self._spare_task = None
+        if spares is not None:
+            await asyncio.to_thread(spares.clear)
+
+    def spare_mounts(self) -> list[str]:
+        """Mount points of the ready spare disks."""
+        return self.spare_disks.mounts() if self.spare_disks is not None else []
+
     # ---- lifecycle ----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> None:
         """Start sandbox ``spec.sandbox_id`` with init (envd) as root, in ``spec.netns_path``.
@@ -366,12 +433,14 @@ class GVisorDriver(RuntimeDriver):
         bundle = ocispec.bundle_dir(spec.workdir)
         await self._start(spec, "run", ["run", "--detach", f"--bundle={bundle}", spec.sandbox_id])
 
-    async def restore(self, spec: SandboxSpec, image_dir: Path) -> None:
+    async def restore(self, spec: SandboxSpec, image_dir: Path, phases: dict[str, float] | None = None) -> None:
         """Start a new sandbox from a checkpoint image (``runsc restore --detach``).
 
         ``spec`` may name a different id, netns and workdir than the checkpointed sandbox
         (fork); the guest addressing is identical in every slot, so listening sockets keep
-        working. The rootfs must be the same template.
+        working. The rootfs must be the same template. ``phases`` (when given) receives
+        ``disk`` (the sandbox's disk made and mounted), ``runsc`` (``runsc restore`` until
+        it exits) and ``rearm`` (envd's listener nudge) in ms.
 
         Raises:
             RuntimeMismatch: the image records another runtime build than
@@ -390,7 +459,10 @@ class GVisorDriver(RuntimeDriver):
         # differ. Restore does not lay the tar again (the overlay comes from the image),
         # so the value only has to name a readable tar: the constant placeholder (an
         # empty tar), or — images from before it — the old per-image path, if present.
-        rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
+        if (image_dir / ocispec.ROOTFS_TAR_MARKER).is_file():  # a small file: no thread hop
+            rootfs_tar = image_rootfs_tar(image_dir)
+        else:  # images from before the marker: the checkpoint.img header is read (~1 ms)
+            rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
         if rootfs_tar is not None:
             await asyncio.to_thread(self._provide_tar, rootfs_tar)
         # Images made before /tmp and /dev/shm were sized restore with the mounts they
@@ -401,9 +473,13 @@ class GVisorDriver(RuntimeDriver):
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
             sized_tmp=(image_dir / ocispec.SIZED_TMP_MARKER).exists(),
             rootfs_tar=rootfs_tar,
+            phases=phases,
         )
-        if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:
+        if self.init_argv[0] == ocispec.ENVD_GUEST_PATH and self.rearm_envd:
+            t0 = time.perf_counter()
             await self._rearm_envd(spec.sandbox_id)
+            if phases is not None:
+                phases["rearm"] = (time.perf_counter() - t0) * 1000
 
     @staticmethod
     def _provide_tar(value: str) -> None:
@@ -430,14 +506,17 @@ class GVisorDriver(RuntimeDriver):
                 f"filesystem image {value}, which is gone; runsc restores it only with that file present")
 
     async def _rearm_envd(self, sandbox_id: str) -> None:
-        """Tell a restored envd to re-register its listening socket (SIGUSR1, ~20 ms).
+        """Tell a restored envd to re-register its listening socket (SIGUSR1, ~9-20 ms
+        of ``runsc kill``); only with :data:`ENVD_REARM`.
 
         runsc (0.0~20240729) resets every TCP connection of a checkpoint
         (``--net-disconnect-ok``); when the image held any, the restored listening
-        socket's existing edge-triggered epoll registration never fires again, so Go's
-        poller never wakes envd's Accept: clients connect and then wait forever. envd
-        re-registers the socket on SIGUSR1 (and by itself within ~1 s otherwise, see
-        envd ``server.RearmListener``). Best effort: a failure is logged, not raised.
+        socket's existing edge-triggered epoll registration never fired again, so Go's
+        poller never woke envd's Accept: clients connected and then waited forever.
+        envd re-registers the socket on SIGUSR1 (and by itself within ~1 s otherwise, see
+        envd ``server.RearmListener``). The pinned build marks every epoll interest
+        ready at restore (gVisor PR 14147), so this is off by default
+        (docs/runtime.md). Best effort: a failure is logged, not raised.
         """
         try:
             rc, _, err = await self._run(["kill", sandbox_id, "USR1"])
@@ -460,7 +539,7 @@ class GVisorDriver(RuntimeDriver):
             return False
 
     async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True,
-                     rootfs_tar: str | None = None) -> None:
+                     rootfs_tar: str | None = None, phases: dict[str, float] | None = None) -> None:
         """Write the bundle and run ``runsc <args>`` (``run`` or ``restore``) in a private
         mount namespace. A cold boot over ``spec.rootfs_upper_tar`` annotates the spec
         with :data:`~.spec.ROOTFS_TAR_PLACEHOLDER` and bind-mounts the real tar over it
@@ -485,15 +564,37 @@ class GVisorDriver(RuntimeDriver):
         if spec.rootfs_upper_tar is not None and not Path(spec.rootfs_upper_tar).is_file():
             raise RuntimeError_(f"filesystem image {spec.rootfs_upper_tar} does not exist")
 
+        self._starts += 1
+        try:
+            await self._start_counted(spec, op, args, sized_tmp, rootfs_tar, phases, envd)
+        finally:
+            self._starts -= 1
+            self._last_start = time.monotonic()
+
+    async def _start_counted(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool,
+                             rootfs_tar: str | None, phases: dict[str, float] | None, envd: Path | None) -> None:
+        """:meth:`_start` after its checks, counted in ``_starts``."""
+        sid = spec.sandbox_id
         self.settings.runsc_root.mkdir(parents=True, exist_ok=True)
         spec.workdir.mkdir(parents=True, exist_ok=True)
+        phases = {} if phases is None else phases
+        t0 = time.perf_counter()
         if self.overlay == "dir":
-            self._overlay_dir(spec.workdir).mkdir(parents=True, exist_ok=True)
+            overlay = self._overlay_dir(spec.workdir)
+            overlay.mkdir(parents=True, exist_ok=True)
             if spec.disk_mb:
+                spares = self.spare_disks
                 try:
-                    await asyncio.to_thread(disk.attach, spec.workdir, self._overlay_dir(spec.workdir), spec.disk_mb)
+                    if (spares is not None and not disk.is_mounted(overlay)
+                            and spares.take_into(spec.workdir, overlay, spec.disk_mb)):
+                        pass  # moved in: a rename and a syscall, no thread hop needed
+                    else:
+                        await asyncio.to_thread(disk.attach, spec.workdir, overlay, spec.disk_mb)
                 except disk.DiskError as e:
                     raise RuntimeError_(f"sandbox {sid}: disk of {spec.disk_mb} MiB: {e}") from e
+                if spares is not None:
+                    self._refill_spares()
+        phases["disk"] = (time.perf_counter() - t0) * 1000
         snippet = _SYSNET_WORKAROUND
         if spec.rootfs_upper_tar is not None:
             placeholder = ocispec.ROOTFS_TAR_PLACEHOLDER
@@ -514,6 +615,7 @@ class GVisorDriver(RuntimeDriver):
             *(["--allow-rootfs-tar-annotation"] if rootfs_tar is not None else []), *args,
         ]  # fmt: skip
         ok = False
+        t1 = time.perf_counter()
         try:
             with open(console, "ab") as out:
                 offset = out.tell()
@@ -533,6 +635,7 @@ class GVisorDriver(RuntimeDriver):
                 log.warning("runsc %s %s failed (exit %s): %s", op, sid, rc, _summarize(full))
                 said = _POINTER.sub("0x…", _summarize(full, limit=400))
                 raise RuntimeError_(f"runsc {op} {sid} failed (exit {rc}): {said or 'no output'}")
+            phases["runsc"] = (time.perf_counter() - t1) * 1000
             ok = True
         finally:
             if not ok:
@@ -952,9 +1055,9 @@ class GVisorDriver(RuntimeDriver):
             bundle = Path(st["bundle"]) if st and st.get("bundle") else bundle
         if ocispec.has_sized_tmp(bundle):  # see restore
             (image_dir / ocispec.SIZED_TMP_MARKER).write_text("1\n")
+        # See restore: the same annotation must be passed again (empty file: none).
         rootfs_tar = ocispec.rootfs_tar_annotation(bundle)
-        if rootfs_tar is not None:  # see restore: the same annotation must be passed again
-            (image_dir / ocispec.ROOTFS_TAR_MARKER).write_text(rootfs_tar + "\n")
+        (image_dir / ocispec.ROOTFS_TAR_MARKER).write_text((rootfs_tar or "") + "\n")
         if not leave_running and not keep_stopped:
             st = st or await self.state(sandbox_id)
             workdir = Path(st["bundle"]).parent if st and st.get("bundle") else None

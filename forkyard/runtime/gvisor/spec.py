@@ -85,7 +85,8 @@ SIZED_TMP_MARKER = "forkyard-sized-tmp"
 
 
 #: File in a checkpoint image naming the :data:`ROOTFS_TAR_ANNOTATION` value its
-#: sandbox was booted with (restore must pass the same annotations).
+#: sandbox was booted with (restore must pass the same annotations); empty when it had
+#: none (so restore need not read ``checkpoint.img``'s header to find out: ~1 ms).
 ROOTFS_TAR_MARKER = "forkyard-rootfs-tar-annotation"
 
 
