@@ -98,8 +98,14 @@ class FastConnections:
         return sock
 
     def take(self, host: str, port: int) -> socket.socket | None:
-        """An idle kept-alive socket to ``host:port`` (one sandbox has many ports: a
-        socket to another one must never serve this request), or None."""
+        """An idle kept-alive socket to ``host:port`` still fit for a request, or None.
+        Only sockets to that port (one sandbox has many ports: a socket to another one
+        must never serve this request). One that is readable while idle is closed
+        instead: the server closed it (a bodyless POST sent there would fail, and is not
+        sent again), or it holds bytes no request asked for — a body longer than its
+        ``Content-Length``, an answer sent ahead — which would be read as the next
+        request's response (httpcore drops such connections the same way:
+        ``AsyncHTTP11Connection.has_expired``)."""
         idle = self._idle.get((host, port))
         while idle:
             sock = idle.pop()
@@ -134,16 +140,15 @@ class FastConnections:
 
 
 def _quiet(sock: socket.socket) -> bool:
-    """True when an idle kept-alive socket has nothing to read: no end (the server
-    closed it) and no bytes nobody asked for (a server that sent more than it announced
-    — they would be read as the next request's answer)."""
+    """True when the connected non-blocking ``sock`` has nothing to read: no byte and
+    no end (looked at with MSG_PEEK, nothing is consumed)."""
     try:
         sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # b"" (closed) or stray bytes
-        return False
     except BlockingIOError:
         return True
     except OSError:
         return False
+    return False
 
 
 def has_no_body(scope) -> bool:
@@ -199,6 +204,8 @@ async def _exchange(loop, sock: socket.socket, conn: h11.Connection,
             continue
         if not isinstance(event, h11.Response):
             raise h11.RemoteProtocolError(f"unexpected response head ({type(event).__name__})")
+        if event.status_code >= 600:  # h11 takes any 3 digits; ASGI servers only know 1xx … 5xx
+            raise h11.RemoteProtocolError(f"response status {event.status_code} is not an HTTP status code")
         return event, buf
 
 
@@ -234,6 +241,10 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
 
     loop = asyncio.get_running_loop()
     method = scope["method"].encode("latin-1")
+    if method == b"CONNECT":
+        # A 2xx answer switches the connection to a tunnel (h11 then only says PAUSED):
+        # not a response this relay can frame.
+        raise NotEligible("CONNECT")
     if not any(k.lower() == b"host" for k, _ in headers):
         headers = [(b"host", f"{host}:{port}".encode()), *headers]
     try:
@@ -265,7 +276,9 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
     chunked = any(k == b"transfer-encoding" for k, _ in resp.headers)
     bodyless = method == b"HEAD" or resp.status_code in (204, 304)
     if length is not None and not chunked and resp.status_code not in (204, 304):
-        out.append((b"content-length", str(length).encode()))  # (a 304's would make uvicorn expect a body)
+        # (A 304 may carry its representation's length, RFC 9110 §8.6; an ASGI server
+        # would wait for that many body bytes: only a HEAD answer keeps it.)
+        out.append((b"content-length", str(length).encode()))
     zero_copy = (zerocopy.EXTENSION in scope.get("extensions", {}) and not bodyless and not chunked
                  and length is not None and length - len(rest) >= SPLICE_MIN_BYTES and len(rest) <= length)
     reusable = False
@@ -282,7 +295,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
                 raise UpstreamCut(f"the client of {what} went away: {e!r}") from None
             reusable = _keeps_alive(resp)
         else:
-            reusable = await _relay_decoded(loop, sock, conn, rest, send, what)
+            reusable = await _relay_decoded(loop, sock, conn, rest, send, what, conns)
     finally:
         if reusable:
             conns.put(sock, host, port)
@@ -290,10 +303,12 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
             sock.close()
 
 
-async def _relay_decoded(loop, sock: socket.socket, conn: h11.Connection, rest: bytes, send, what: str) -> bool:
+async def _relay_decoded(loop, sock: socket.socket, conn: h11.Connection, rest: bytes, send, what: str,
+                         conns: FastConnections) -> bool:
     """Relay the body h11 decodes (chunked, close-delimited, small) as ASGI messages.
     Returns True when the connection may be reused. Raises UpstreamCut when the body
-    ends early."""
+    ends early — also a close-delimited body whose end came from ``conns`` being closed
+    (the sandbox was killed or paused: that end is not the server's)."""
     from forkyard.api.proxy import UpstreamCut
 
     if rest:
@@ -308,6 +323,8 @@ async def _relay_decoded(loop, sock: socket.socket, conn: h11.Connection, rest: 
                 data = await loop.sock_recv(sock, READ_BYTES)
             except OSError as e:
                 raise UpstreamCut(f"{what} ended the response early: {e!r}") from None
+            if not data and conns.closed:
+                raise UpstreamCut(f"{what} went away during the response")
             conn.receive_data(data)  # b"" = the server closed: h11 decides if that ends the body
             continue
         if isinstance(event, h11.Data):
@@ -317,3 +334,5 @@ async def _relay_decoded(loop, sock: socket.socket, conn: h11.Connection, rest: 
             return conn.our_state is h11.DONE and conn.their_state is h11.DONE and not conn.trailing_data[0]
         elif isinstance(event, h11.ConnectionClosed):
             raise UpstreamCut(f"{what} closed the connection in the response")
+        else:  # (PAUSED: a protocol switch; CONNECT and Upgrade never come here)
+            raise UpstreamCut(f"{what} answered with {event!r}, which cannot be relayed")

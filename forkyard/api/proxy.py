@@ -382,7 +382,7 @@ class SandboxProxy:
                 return str(e)
             return None
 
-        client, _, fast = self._pool(sid)
+        client, conns, fast = self._pool(sid)
         message = gone()  # no await since _pool: a kill either ran before this check or will close this pool
         if message is not None:
             await self.forget(sid)
@@ -393,7 +393,7 @@ class SandboxProxy:
                                                                     gone=gone, sandbox_id=sid):
                 return
             await relay_http(client, scope, receive, send, f"http://{host}:{port}", headers,
-                             self.max_body_bytes, what, gone=gone, sandbox_id=sid)
+                             self.max_body_bytes, what, gone=gone, sandbox_id=sid, closed=lambda: conns.closed)
         finally:
             # A request that raced the sandbox's end (resolved before it was killed or
             # paused, pool made after ``forget``) must not leave a pool behind: its
@@ -464,7 +464,8 @@ def connect_end_error(code: str, message: str) -> bytes:
 
 
 async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str, headers: list,
-                     max_body_bytes: int, what: str, gone=None, sandbox_id: str | None = None) -> None:
+                     max_body_bytes: int, what: str, gone=None, sandbox_id: str | None = None,
+                     closed=None) -> None:
     """Stream one HTTP request to ``base`` + the request's path (``headers`` as given:
     the caller has filtered hop-by-hop ones) and stream the answer back — bodies in both
     directions chunk by chunk, so Connect server-streaming works over HTTP/1.1.
@@ -477,6 +478,10 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
     ``unavailable`` end-of-stream error (message from ``gone()`` — str when the sandbox
     is gone, None when it still runs — else a "connection lost" one); any other
     response is aborted (:class:`UpstreamCut`), so the client sees the truncation.
+    ``closed()`` (optional) is True once the client's connections were closed (the
+    sandbox is gone): a body that ends with its connection then did not end by itself.
+    An upstream status outside 100 … 599 gets 502 (an ASGI server has no status line for
+    it).
     """
     url = base + _target_path(scope)
     req_headers = {k.lower(): v for k, v in scope["headers"]}
@@ -524,19 +529,28 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
     except httpx.HTTPError as e:
         return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+    if resp.status_code >= 600:
+        await resp.aclose()
+        return await _send_json(send, 502, f"{what} answered status {resp.status_code}, not an HTTP status code")
     ctype = resp.headers.get("content-type", "")
     frames = _ConnectFrames() if ctype.startswith("application/connect+") else None
     try:
         out_headers = [(k.encode("latin-1"), v.encode("latin-1"))
                        for k, v in resp.headers.multi_items() if k.lower() not in _HOP_OUT]
         length = resp.headers.get("content-length")
-        if length is not None and resp.status_code not in (204, 304):  # raw bytes are relayed: it stays exact
+        chunked = "transfer-encoding" in resp.headers  # (it wins over a Content-Length, RFC 9112 §6.3)
+        # Raw (undecoded) bytes are relayed, so the length stays exact. Not on a 204/304:
+        # no body follows, but an ASGI server would wait for that many bytes.
+        if length is not None and not chunked and resp.status_code not in (204, 304):
             out_headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
         async for chunk in resp.aiter_raw():
             if frames is not None:
                 frames.feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if (closed is not None and closed() and length is None and not chunked
+                and scope["method"] != "HEAD" and resp.status_code not in (204, 304)):
+            raise OSError("the connection was closed under a body that ends with it")
         await send({"type": "http.response.body", "body": b""})
     except (httpx.HTTPError, OSError) as e:
         # The sandbox went away mid-stream (killed, paused, forked: gVisor resets

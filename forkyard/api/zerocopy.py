@@ -48,7 +48,7 @@ _F_SETPIPE_SZ = 1031  # linux/fcntl.h (F_LINUX_SPECIFIC_BASE + 7)
 #: Bytes a TCP source must hold before the loop wakes to splice them (SO_RCVLOWAT):
 #: fewer, larger pieces than the sandbox's netstack delivers (measured with
 #: bench/bench_proxy.py).
-LOWAT_BYTES = 256 * 1024
+LOWAT_BYTES = 64 * 1024
 
 
 class SourceEnded(Exception):
@@ -67,20 +67,35 @@ async def wait_readable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
 
 class _Watch:
     """Readiness of one fd for reading or writing, registered with the event loop once
-    for a whole transfer (not once per wait: that costs two epoll_ctl calls per piece)."""
+    for a whole transfer (not once per wait: that costs two epoll_ctl calls per piece).
+
+    The loop polls level-triggered: a registered fd that is ready calls back on every
+    loop turn until it is not. So a callback that comes while nobody waits on this fd
+    (the transfer waits on its other side: a client that stops reading while the
+    sandbox has more to send) unregisters it, to be registered again by the next
+    :meth:`wait` — else the loop would spin at full CPU for as long as that lasts."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, write: bool):
         self._loop, self._fd, self._write = loop, fd, write
-        self._event = asyncio.Event()
+        self._waiter: asyncio.Future | None = None
         self._on = False
+
+    def _ready(self) -> None:
+        if self._waiter is None:
+            self.close()
+        elif not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def wait(self) -> None:
         """Wait until the fd is ready."""
-        self._event.clear()
+        self._waiter = self._loop.create_future()
         if not self._on:
-            (self._loop.add_writer if self._write else self._loop.add_reader)(self._fd, self._event.set)
+            (self._loop.add_writer if self._write else self._loop.add_reader)(self._fd, self._ready)
             self._on = True
-        await self._event.wait()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
 
     def close(self) -> None:
         """Unregister the fd."""
@@ -162,15 +177,21 @@ class ZeroCopyCycle(RequestResponseCycle):
         if self.disconnected:
             raise OSError("the client disconnected")
         loop = asyncio.get_running_loop()
-        # What uvicorn has buffered (the status line and headers) goes out first. Polled
-        # with a growing pause (0.5 ms … 50 ms): a client that stops reading must not
-        # make this loop spin.
-        pause = 0.0005
-        while self.transport.get_write_buffer_size():
-            if self.transport.is_closing() or self.disconnected:
-                raise OSError("the client connection is closing")
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.05)
+        # What uvicorn has buffered (the status line and headers) goes out first. With
+        # the transport's high-water mark at 0 its protocol stays paused until that
+        # buffer is empty, and uvicorn's flow control wakes this wait then (or when the
+        # connection is lost) — no polling: a client that stops reading must not keep
+        # the loop busy.
+        if self.transport.get_write_buffer_size():
+            low, high = self.transport.get_write_buffer_limits()
+            self.transport.set_write_buffer_limits(high=0, low=0)
+            try:
+                await self.flow.drain()
+            finally:
+                if not self.transport.is_closing():
+                    self.transport.set_write_buffer_limits(high=high, low=low)
+        if self.disconnected or self.transport.is_closing():
+            raise OSError("the client connection is closing")
         sock = self.transport.get_extra_info("socket")
         dst = os.dup(sock.fileno())  # the transport keeps its own fd (and its poll) untouched
         try:
