@@ -42,7 +42,9 @@ def test_capacity_from_env(monkeypatch):
               "FORKYARD_MAX_SANDBOXES"):
         monkeypatch.delenv(k, raising=False)
     c = Capacity.from_env()
-    assert (c.memory_mb, c.vcpus, c.max_sandboxes) == (total - 1024, None, None)
+    assert (c.memory_mb, c.vcpus, c.max_sandboxes) == (total - 1024, None, 125 * os.cpu_count())
+    monkeypatch.setenv("FORKYARD_MAX_SANDBOXES", "0")
+    assert Capacity.from_env().max_sandboxes is None  # 0: no count limit
     monkeypatch.setenv("FORKYARD_RESERVED_MEMORY_MB", "100")
     monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", "2.5")
     monkeypatch.setenv("FORKYARD_CPU_OVERCOMMIT", "3")

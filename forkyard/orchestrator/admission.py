@@ -13,7 +13,11 @@ Capacity (environment):
   it may really use; gVisor's pages are not shared between sandboxes);
 * vCPUs: host cores × ``FORKYARD_CPU_OVERCOMMIT`` — off unless set (CPU is time-shared
   and each sandbox is capped by its own quota; E2B overcommits CPU too);
-* count: ``FORKYARD_MAX_SANDBOXES`` (unset: no count limit).
+* count: ``FORKYARD_MAX_SANDBOXES``, default :data:`SANDBOXES_PER_CORE` × host cores
+  (``0``: no count limit). Idle sandboxes are not free of CPU (measured ~0.13 % of a
+  core each at N=400, bench/bench_density.py): on 2 cores ``commands.run`` stayed within
+  1.5× of its N=1 latency to about N=250 and doubled at N=400, so the default stops an
+  overcommitted node there instead of letting every sandbox slow down.
 * the host itself: a start is refused while the host's ``MemAvailable`` would fall under
   ``FORKYARD_MIN_AVAILABLE_MEMORY_PCT`` (10) % of ``MemTotal`` once the new sandboxes
   took ``FORKYARD_SANDBOX_HOST_MB`` (64) MiB each — what an idle sandbox costs the host
@@ -35,6 +39,10 @@ import os
 from dataclasses import dataclass
 
 from forkyard.orchestrator.errors import OrchestratorError
+
+
+#: Default count limit per host core (see the module doc; docs/runtime.md "Density").
+SANDBOXES_PER_CORE = 125
 
 
 class AtCapacity(OrchestratorError):
@@ -80,8 +88,9 @@ class Capacity:
         mem = int((_host_memory_mb() - reserve) * float(os.environ.get("FORKYARD_MEMORY_OVERCOMMIT", "1.0")))
         cpu = os.environ.get("FORKYARD_CPU_OVERCOMMIT")
         count = os.environ.get("FORKYARD_MAX_SANDBOXES")
+        count_limit = SANDBOXES_PER_CORE * (os.cpu_count() or 1) if count is None or count == "" else int(count)
         return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
-                   max_sandboxes=int(count) if count else None,
+                   max_sandboxes=count_limit or None,
                    min_available_pct=float(os.environ.get("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")),
                    sandbox_host_mb=int(os.environ.get("FORKYARD_SANDBOX_HOST_MB", "64")))
 
