@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -48,20 +47,25 @@ def meminfo() -> dict[str, int]:
     return out
 
 
-def server_pss_kib(runsc_root: Path) -> tuple[int, int]:
-    """(sum of PSS KiB, process count) over runsc processes of ``runsc_root`` — sandbox,
-    gofer — found by their ``--root`` flag."""
-    total = n = 0
+def _runsc_files(runsc_root: Path, name: str):
+    """Text of ``/proc/PID/<name>`` of every runsc process of ``runsc_root`` (sandbox,
+    gofer — found by their ``--root`` flag); processes that vanish are skipped."""
     flag = f"--root={runsc_root}".encode()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
-            if flag not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            m = re.search(r"^Pss:\s+(\d+)", Path(f"/proc/{pid}/smaps_rollup").read_text(), re.M)
+            if flag in Path(f"/proc/{pid}/cmdline").read_bytes():
+                yield Path(f"/proc/{pid}/{name}").read_text()
         except OSError:
             continue
+
+
+def server_pss_kib(runsc_root: Path) -> tuple[int, int]:
+    """(sum of PSS KiB, process count) over runsc processes of ``runsc_root``."""
+    total = n = 0
+    for text in _runsc_files(runsc_root, "smaps_rollup"):
+        m = re.search(r"^Pss:\s+(\d+)", text, re.M)
         if m:
             total += int(m.group(1))
             n += 1
@@ -71,17 +75,9 @@ def server_pss_kib(runsc_root: Path) -> tuple[int, int]:
 def runsc_cpu_ticks(runsc_root: Path) -> int:
     """utime + stime (clock ticks) of the runsc processes of ``runsc_root``, threads
     included (their sentries run the sandboxes, so this is the sandboxes' own CPU)."""
-    flag = f"--root={runsc_root}".encode()
     total = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if flag not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
+    for text in _runsc_files(runsc_root, "stat"):
+        fields = text.rpartition(")")[2].split()
         total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
     return total
 
