@@ -11,9 +11,12 @@ fi
 # Prometheus server (started by the test itself, never as a service: policy-rc.d refuses
 # service starts during the install) and Debian's chromium for Playwright (browser
 # downloads are unreachable; the test passes executable_path).
+# Also docker.io: tests/test_deploy.py starts dockerd through deploy/docker/dockerd.sh and
+# checks the host is left as it was (skipped where dockerd is missing).
 obs_pkgs=()
 command -v prometheus >/dev/null || obs_pkgs+=(prometheus)
 command -v chromium >/dev/null || obs_pkgs+=(chromium)
+command -v dockerd >/dev/null || obs_pkgs+=(docker.io)
 if [ ${#obs_pkgs[@]} -gt 0 ]; then
   had_policy=0; [ -e /usr/sbin/policy-rc.d ] && had_policy=1
   [ $had_policy = 1 ] || { printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; chmod 755 /usr/sbin/policy-rc.d; }
