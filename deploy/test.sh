@@ -41,7 +41,12 @@ MINIO_MODULE=github.com/minio/minio@v0.0.0-20260212201848-7aac2a2c5b7c
 export FORKYARD_MINIO=${FORKYARD_MINIO:-$FORKYARD_TEST_DATA_DIR/bin/minio}
 if [ ! -x "$FORKYARD_MINIO" ]; then
   echo "==> building MinIO for the S3 tests (once): go install $MINIO_MODULE"
-  mkdir -p "$(dirname "$FORKYARD_MINIO")"
+  mkdir -p -m 0700 "$(dirname "$FORKYARD_MINIO")"
   CGO_ENABLED=0 GOBIN="$(dirname "$FORKYARD_MINIO")" go install "$MINIO_MODULE"
+fi
+# Test-only tooling stays root's: the directory 0700, the binary 0700 (also for a cache
+# made before this line existed).
+if [ "$FORKYARD_MINIO" = "$FORKYARD_TEST_DATA_DIR/bin/minio" ]; then
+  chmod 0700 "$(dirname "$FORKYARD_MINIO")" "$FORKYARD_MINIO"
 fi
 exec .venv/bin/python -m pytest -v "$@"
