@@ -280,7 +280,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
         # would wait for that many body bytes: only a HEAD answer keeps it.)
         out.append((b"content-length", str(length).encode()))
     zero_copy = (zerocopy.EXTENSION in scope.get("extensions", {}) and not bodyless and not chunked
-                 and length is not None and length - len(rest) >= SPLICE_MIN_BYTES and len(rest) <= length)
+                 and length is not None and length - len(rest) >= SPLICE_MIN_BYTES)
     reusable = False
     try:
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out})

@@ -523,10 +523,7 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
     except _TooLarge:
         return await _send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
     except httpx.ConnectError as e:
-        if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
-            return await _send_json(send, 502, msg, sandboxId=sandbox_id)
-        extra = {"sandboxId": sandbox_id} if sandbox_id else {}
-        return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
+        return await _connect_failed(send, what, e, refused=True, gone=gone, sandbox_id=sandbox_id)
     except httpx.HTTPError as e:
         return await _send_json(send, 502, f"{what} is not reachable: {e!r}")
     if resp.status_code >= 600:
@@ -575,21 +572,29 @@ async def relay_bodyless(fast: fastpath.FastConnections, scope, send, host: str,
     502 "The sandbox is running but port is not open" (or ``gone()``'s message when the
     sandbox is gone), other failures before the answer 502 naming ``what``; a response
     that ends early is aborted (:class:`UpstreamCut`)."""
-    extra = {"sandboxId": sandbox_id} if sandbox_id else {}
     try:
         await fastpath.relay(fast, scope, send, host, port, headers, _target_path(scope), _HOP_OUT_BYTES, what)
     except fastpath.NotEligible:
         return False
     except (fastpath.RefusedError, ConnectionError) as e:
-        if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
-            await _send_json(send, 502, msg, sandboxId=sandbox_id)
-        elif isinstance(e, fastpath.RefusedError):
-            await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
-        else:
-            await _send_json(send, 502, f"{what} is not reachable: {e!r}")
+        await _connect_failed(send, what, e, refused=isinstance(e, fastpath.RefusedError), gone=gone,
+                              sandbox_id=sandbox_id)
     except (TimeoutError, OSError) as e:
         await _send_json(send, 502, f"{what} is not reachable: {e!r}")
     return True
+
+
+async def _connect_failed(send, what: str, e: BaseException, refused: bool, gone=None,
+                          sandbox_id: str | None = None) -> None:
+    """The 502 of both relays when connecting to the sandbox failed: the sandbox's own
+    "not found" message when ``gone()`` says it is gone, E2B's "The sandbox is running
+    but port is not open" when the port ``refused``, else "``what`` is not reachable"."""
+    if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
+        return await _send_json(send, 502, msg, sandboxId=sandbox_id)
+    if refused:
+        extra = {"sandboxId": sandbox_id} if sandbox_id else {}
+        return await _send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
+    await _send_json(send, 502, f"{what} is not reachable: {e!r}")
 
 
 async def relay_ws(scope, receive, send, base: str, headers: list[tuple[str, str]]) -> None:

@@ -306,13 +306,19 @@ class Gateway:
         secret, with the scheduler's ``placement`` id when the call starts sandboxes it
         placed. The client's ``Host`` goes along, so URLs the node builds from it (the
         template build's signed upload URL) point back at the gateway."""
+        await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
+                         node.url, self._node_headers(scope, placement), self.max_body_bytes,
+                         f"node {node.node_id}")
+
+    def _node_headers(self, scope, placement: str | None) -> list[tuple[bytes, bytes]]:
+        """The client's headers for a node: the API key and our own headers dropped, its
+        ``Host`` kept, the cluster secret and the scheduler's ``placement`` id added."""
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
         headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
         headers.append((SECRET_HEADER.encode(), self.secret.encode()))
         if placement:
             headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
-        await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
-                         node.url, headers, self.max_body_bytes, f"node {node.node_id}")
+        return headers
 
     async def _json_body(self, scope, receive) -> tuple[bytes, dict]:
         chunks, size = [], 0
@@ -374,14 +380,9 @@ class Gateway:
         """The client's REST call (``body`` read already) sent to ``node`` as
         :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
         _Fail(502) when the node cannot be reached."""
-        headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
-        headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
-        headers.append((SECRET_HEADER.encode(), self.secret.encode()))
-        if placement:
-            headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
         try:
             return await self._client(node).request(scope["method"], node.url + _target_path(scope),
-                                                    headers=headers, content=body,
+                                                    headers=self._node_headers(scope, placement), content=body,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
