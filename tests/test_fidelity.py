@@ -626,3 +626,17 @@ def test_urls_with_a_trailing_slash_work(server):
         assert sbx.files.read("/home/user/s.txt") == "x"
     finally:
         sbx.kill()
+
+
+def test_unknown_pause_fields_are_refused_and_state_may_repeat(sandbox, server):
+    """A pause/snapshot body with a field forkyard does not know (e.g. the SDK-side
+    ``mode``) is a 400 naming it, not a memory pause; ``GET /v2/sandboxes`` takes
+    ``state`` as E2B's comma list and as a repeated parameter."""
+    h = {"X-API-Key": server.api_key}
+    for path in (f"/sandboxes/{sandbox.sandbox_id}/pause", f"/sandboxes/{sandbox.sandbox_id}/snapshots"):
+        r = httpx.post(f"{server.url}{path}", json={"mode": "filesystem"}, headers=h, timeout=30)
+        assert r.status_code == 400 and "mode" in r.text, (path, r.status_code, r.text)
+    assert sandbox.is_running()
+    for query in ("state=running,paused", "state=running&state=paused", "state=paused&state=running"):
+        ids = [s["sandboxID"] for s in httpx.get(f"{server.url}/v2/sandboxes?{query}", headers=h, timeout=30).json()]
+        assert sandbox.sandbox_id in ids, query

@@ -114,7 +114,7 @@ async def list_sandboxes_v2(
     request: Request,
     response: Response,
     metadata: str | None = None,
-    state: str | None = None,
+    state: list[str] | None = Query(default=None),
     template: str | None = None,
     order: str | None = Query(default=None, pattern="^(asc|desc)$"),
     next_token: str | None = Query(default=None, alias="nextToken"),
@@ -149,7 +149,7 @@ def _when(name: str, raw: str | None) -> float | None:
     return t.timestamp()
 
 
-def list_page(recs, response: Response, metadata: str | None, state: str | None, template: str | None,
+def list_page(recs, response: Response, metadata: str | None, state: list[str] | str | None, template: str | None,
               order: str | None, next_token: str | None, limit: int,
               started_after: str | None = None, started_before: str | None = None) -> list[dict]:
     """One page of ``GET /v2/sandboxes`` over ``recs`` (shared by node and gateway):
@@ -159,6 +159,8 @@ def list_page(recs, response: Response, metadata: str | None, state: str | None,
     Raises:
         BadRequest: bad state filter, metadata filter, time or nextToken.
     """
+    if isinstance(state, list):  # ?state=a,b (E2B's form) or ?state=a&state=b
+        state = ",".join(state) or None
     states = set((state or "running,paused").split(","))
     if not states <= {"running", "paused"}:
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")

@@ -261,6 +261,8 @@ class SnapshotBody(_Strict):
     """``POST /sandboxes/{id}/snapshots``: optional ``name``; ``memory`` (default true;
     false = a filesystem-only snapshot, E2B's ``mode="filesystem"``)."""
 
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")  # an unknown field is a 400
+
     name: str | None = Field(default=None, max_length=64)
     memory: bool | None = None
 
@@ -269,6 +271,8 @@ class PauseBody(_Strict):
     """``POST /sandboxes/{id}/pause`` (E2B ``SandboxPauseRequest``): ``memory`` (default
     true; false = a filesystem-only pause: resume cold-boots over the saved files) and
     ``requireHealthyGuest`` (default false; true = 503 unless envd answers first)."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="forbid")  # an unknown field is a 400
 
     memory: bool | None = None
     require_healthy_guest: bool | None = Field(default=None, alias="requireHealthyGuest")

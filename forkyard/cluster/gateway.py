@@ -483,7 +483,8 @@ class Gateway:
 
         @app.get("/v2/sandboxes")
         async def list_v2(
-            response: Response, metadata: str | None = None, state: str | None = None, template: str | None = None,
+            response: Response, metadata: str | None = None, state: list[str] | None = Query(default=None),
+            template: str | None = None,
             order: str | None = Query(default=None, pattern="^(asc|desc)$"),
             next_token: str | None = Query(default=None, alias="nextToken"),
             limit: int = Query(default=100, ge=1, le=100),
