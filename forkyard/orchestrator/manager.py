@@ -1202,8 +1202,8 @@ class Orchestrator(LifecycleMixin):
         sandbox's own ``/proc/meminfo``, disk from ``statfs("/")``) with the CPU figures
         measured on the host (:class:`~forkyard.orchestrator.usage.CpuMeter`:
         ``cpu_used_pct`` 0-100 over the sandbox's CPU quota, ``cpu_count`` that quota)
-        and ``disk_total`` capped at the host filesystem holding the sandbox's writable
-        layer (gVisor's overlay reports an unbounded size).
+        and the disk figures of ``statfs("/")`` inside (the sandbox's disk), else — an
+        unbounded overlay (images of older runtimes) — from the host.
 
         Raises:
             NotFound: unknown or not running sandbox.
@@ -1218,8 +1218,12 @@ class Orchestrator(LifecycleMixin):
         cpu = await self._cpu.percent(sandbox_id)
         if cpu is not None:
             m["cpu_used_pct"], m["cpu_count"] = cpu[0], max(1, round(cpu[1]))
-        # Inside, gVisor's overlay reports no real disk figures: take the sandbox's disk
-        # (its writable layer) from the host.
+        # envd's figures are statfs("/") inside, which shows the sandbox's disk (the
+        # runtime bounds the writable layer at disk_mb), so `df /` inside and these agree.
+        # Sandboxes restored from images of older runtimes report an unbounded overlay
+        # there: take their disk (writable layer) from the host instead.
+        if rec.disk_mb and 0 < int(m.get("disk_total") or 0) <= rec.disk_mb << 20:
+            return m
         usage = getattr(self.driver, "disk_usage", None)
         disk = await asyncio.to_thread(usage, self.settings.sandboxes_dir / sandbox_id) if usage else None
         if disk is not None:

@@ -324,11 +324,23 @@ class GVisorDriver(RuntimeDriver):
             flags += ["--debug", f"--debug-log={logdir}/"]
         return flags + self.extra_flags
 
-    def _sandbox_flags(self, workdir: Path) -> list[str]:
+    def _overlay_flag(self, spec: SandboxSpec) -> str:
+        """``--overlay2`` for ``spec``: where the writable layer lives (the one place
+        that chooses its medium, :attr:`overlay`) and how large it is.
+
+        ``size=`` (the sandbox's disk, ``disk_mb`` MiB; none when 0) bounds the
+        overlay's upper tmpfs inside the sentry, and the root overlay reports its upper
+        layer in ``statfs`` (gVisor ``overlay.statFS``, as Linux's ``ovl_statfs``): so
+        ``df /`` inside shows the disk's size and what was written to it, instead of
+        an unbounded 8.0E. The host-side disk (:mod:`.disk`) stays the hard bound.
+        """
         if self.overlay == "dir":
-            overlay = f"root:dir={self._overlay_dir(workdir)}"
+            medium = f"root:dir={self._overlay_dir(spec.workdir)}"
         else:
-            overlay = "root:memory"
+            medium = "root:memory"
+        return f"--overlay2={medium},size={spec.disk_mb}m" if spec.disk_mb else f"--overlay2={medium}"
+
+    def _sandbox_flags(self, spec: SandboxSpec) -> list[str]:
         # --net-disconnect-ok: without it a checkpoint fails as soon as any TCP
         # connection (even one in TIME_WAIT) exists ("endpoint cannot be saved in
         # connected state"); with it such connections are reset on save.
@@ -336,7 +348,7 @@ class GVisorDriver(RuntimeDriver):
             "--network=sandbox",
             "--net-disconnect-ok",
             "--cpu-num-from-quota",
-            f"--overlay2={overlay}",
+            self._overlay_flag(spec),
         ]
 
     @staticmethod
@@ -611,7 +623,7 @@ class GVisorDriver(RuntimeDriver):
         argv = [
             "unshare", "--mount", "--propagation", "private",
             "sh", "-c", snippet,
-            self._runsc(), *self._global_flags(), *self._sandbox_flags(spec.workdir),
+            self._runsc(), *self._global_flags(), *self._sandbox_flags(spec),
             *(["--allow-rootfs-tar-annotation"] if rootfs_tar is not None else []), *args,
         ]  # fmt: skip
         ok = False
