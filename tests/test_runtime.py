@@ -23,6 +23,8 @@ import _hostutil as hu
 from forkyard.config import GUEST_IP
 from forkyard.runtime.base import RuntimeError_, SandboxSpec
 from forkyard.runtime.gvisor import GVisorDriver
+from forkyard.runtime.gvisor import disk as gdisk
+from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.templates.base import build_base, is_protected
 
 
@@ -351,6 +353,35 @@ async def test_stopping_checkpoint_then_restore_same_id(settings, driver, sandbo
         shutil.rmtree(image, ignore_errors=True)
 
 
+@pytest.mark.parametrize("kind", [ocispec.TMP_SIZED, ocispec.TMP_INTERNAL])
+async def test_images_of_older_tmp_kinds_restore_with_their_tmp(settings, driver, sandboxes, nm, kind):
+    """Sandboxes paused before /tmp moved to the disk (issue 18 item 2) resume with the
+    /tmp they had: the image records it (a sized tmpfs, or runsc's own) and restore
+    mounts it so again, files included (runsc refuses other mounts); a new sandbox's
+    /tmp is a directory of its root filesystem."""
+    index = 18 if kind == ocispec.TMP_SIZED else 19
+    spec, slot = sandboxes(index, f"rt-tmp-{kind}")
+    bundle = ocispec.bundle_dir(spec.workdir)
+    await driver._start(spec, "run", ["run", "--detach", f"--bundle={bundle}", spec.sandbox_id], tmp=kind)
+    assert sh(settings, spec.sandbox_id, "df --output=target /tmp | tail -1").strip() == "/tmp"
+    sh(settings, spec.sandbox_id, "echo kept > /tmp/state")
+    image = settings.data_dir / "images" / f"rt-tmp-{kind}"
+    shutil.rmtree(image, ignore_errors=True)
+    try:
+        await driver.checkpoint(spec.sandbox_id, image, leave_running=False)
+        assert ocispec.image_tmp(image) == kind
+        assert nm.allocate(index) == slot
+        await driver.restore(spec, image)
+        assert http_get(slot.outer_ip) == 200
+        assert sh(settings, spec.sandbox_id, "cat /tmp/state; df --output=target /tmp | tail -1").split() == [
+            "kept", "/tmp"]
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+    new, _ = sandboxes(index + 10, f"rt-tmp-new-{kind}")
+    await driver.create(new)
+    assert sh(settings, new.sandbox_id, "df --output=target /tmp | tail -1").strip() == "/"
+
+
 async def test_restore_from_missing_image_fails(settings, driver, sandboxes):
     spec, _ = sandboxes(17, "rt-noimage")
     with pytest.raises(RuntimeError_, match="does not exist"):
@@ -557,12 +588,12 @@ async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes)
         assert drv.spare_disks.hits == 1 and (spec.workdir / "disk.img").is_file()
         assert [line.split()[4] for line in hu.mounts_mentioning(str(overlay))] == [str(overlay)]
         used, total = drv.disk_usage(spec.workdir)
-        assert 0 < used < total <= 64 << 20
+        assert 0 < used < total <= gdisk.image_mb(64) << 20
         assert len(await ready(drv)) == drv.spare_disks.count  # made again
         other, other_slot = sandboxes(36, "rt-spare2", disk_mb=80)
         await drv.create(other)
         assert drv.spare_disks.hits == 1  # another size: made in place
-        assert 64 << 20 < drv.disk_usage(other.workdir)[1] <= 80 << 20
+        assert gdisk.image_mb(64) << 20 < drv.disk_usage(other.workdir)[1] <= gdisk.image_mb(80) << 20
         await drv.destroy(spec.sandbox_id, spec.workdir)
         assert hu.mounts_mentioning(str(spec.workdir)) == []
     finally:

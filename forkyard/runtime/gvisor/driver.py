@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import mmap
 import os
 import re
 import shlex
@@ -231,6 +232,20 @@ def image_rootfs_tar(image_dir: Path) -> str | None:
     return None
 
 
+def runsc_keeps_tmp(runsc: str) -> bool:
+    """Whether the runsc binary has forkyard's patch 0002 (it honours
+    :data:`~.spec.TMP_ANNOTATION`, keeping ``/tmp`` on the rootfs): its name is in the
+    binary. A build from before the patch shares the version string (boot-only patches
+    are left out of it, deploy/runsc/build.sh) but would put its own unsized tmpfs over
+    ``/tmp``. Searches the binary (~100 MB, mapped: 20-80 ms measured); False when
+    unreadable."""
+    try:
+        with open(runsc, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return m.find(ocispec.TMP_ANNOTATION.encode()) >= 0
+    except (OSError, ValueError):
+        return False
+
+
 def read_image_build(image_dir: Path) -> str | None:
     """The build recorded in ``image_dir``, or None for images written before builds
     were recorded (or with an unreadable record)."""
@@ -297,6 +312,12 @@ class GVisorDriver(RuntimeDriver):
         found = shutil.which(settings.runsc)
         self.runsc_path = os.path.realpath(found) if found else None
         self.build = runsc_build(self.runsc_path) if self.runsc_path else ""
+        #: How new sandboxes mount ``/tmp``: on the rootfs when runsc has patch 0002, else
+        #: the sized tmpfs of before (:data:`~.spec.TMP_SIZED`; logged).
+        self.new_tmp = ocispec.TMP_ROOTFS if self.runsc_path and runsc_keeps_tmp(self.runsc_path) else ocispec.TMP_SIZED
+        if self.runsc_path and self.new_tmp != ocispec.TMP_ROOTFS:
+            log.warning("%s lacks forkyard's runsc patch 0002 (deploy/runsc/build.sh): sandboxes get a /tmp "
+                        "tmpfs of a quarter of their memory instead of /tmp on their disk", self.runsc_path)
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md); off with
         #: FORKYARD_REAPER_DAEMON=0.
@@ -443,7 +464,7 @@ class GVisorDriver(RuntimeDriver):
                 removed first.
         """
         bundle = ocispec.bundle_dir(spec.workdir)
-        await self._start(spec, "run", ["run", "--detach", f"--bundle={bundle}", spec.sandbox_id])
+        await self._start(spec, "run", ["run", "--detach", f"--bundle={bundle}", spec.sandbox_id], tmp=self.new_tmp)
 
     async def restore(self, spec: SandboxSpec, image_dir: Path, phases: dict[str, float] | None = None) -> None:
         """Start a new sandbox from a checkpoint image (``runsc restore --detach``).
@@ -477,13 +498,13 @@ class GVisorDriver(RuntimeDriver):
             rootfs_tar = await asyncio.to_thread(image_rootfs_tar, image_dir)
         if rootfs_tar is not None:
             await asyncio.to_thread(self._provide_tar, rootfs_tar)
-        # Images made before /tmp and /dev/shm were sized restore with the mounts they
-        # were made with (a new /tmp mount over a restored one loses its files).
+        # An image restores with the /tmp and /dev/shm mounts it was made with (a new
+        # /tmp mount over a restored one would hide its files): see ocispec.TMP_ROOTFS.
         await self._start(
             spec,
             "restore",
             ["restore", "--detach", f"--image-path={image_dir}", f"--bundle={bundle}", spec.sandbox_id],
-            sized_tmp=(image_dir / ocispec.SIZED_TMP_MARKER).exists(),
+            tmp=ocispec.image_tmp(image_dir),
             rootfs_tar=rootfs_tar,
             phases=phases,
         )
@@ -550,7 +571,7 @@ class GVisorDriver(RuntimeDriver):
         except FileNotFoundError:
             return False
 
-    async def _start(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool = True,
+    async def _start(self, spec: SandboxSpec, op: str, args: list[str], tmp: str,
                      rootfs_tar: str | None = None, phases: dict[str, float] | None = None) -> None:
         """Write the bundle and run ``runsc <args>`` (``run`` or ``restore``) in a private
         mount namespace. A cold boot over ``spec.rootfs_upper_tar`` annotates the spec
@@ -578,12 +599,12 @@ class GVisorDriver(RuntimeDriver):
 
         self._starts += 1
         try:
-            await self._start_counted(spec, op, args, sized_tmp, rootfs_tar, phases, envd)
+            await self._start_counted(spec, op, args, tmp, rootfs_tar, phases, envd)
         finally:
             self._starts -= 1
             self._last_start = time.monotonic()
 
-    async def _start_counted(self, spec: SandboxSpec, op: str, args: list[str], sized_tmp: bool,
+    async def _start_counted(self, spec: SandboxSpec, op: str, args: list[str], tmp: str,
                              rootfs_tar: str | None, phases: dict[str, float] | None, envd: Path | None) -> None:
         """:meth:`_start` after its checks, counted in ``_starts``."""
         sid = spec.sandbox_id
@@ -617,7 +638,7 @@ class GVisorDriver(RuntimeDriver):
             rootfs_tar = str(placeholder)
             snippet = _SYSNET_WITH_TAR.format(tar=shlex.quote(str(Path(spec.rootfs_upper_tar).resolve())),
                                               placeholder=shlex.quote(str(placeholder)))
-        ocispec.write_bundle(spec, self._process_argv(), envd, sized_tmp=sized_tmp, rootfs_tar=rootfs_tar)
+        ocispec.write_bundle(spec, self._process_argv(), envd, tmp=tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
         argv = [
@@ -1065,8 +1086,9 @@ class GVisorDriver(RuntimeDriver):
         if not bundle.is_dir():
             st = await self.state(sandbox_id)
             bundle = Path(st["bundle"]) if st and st.get("bundle") else bundle
-        if ocispec.has_sized_tmp(bundle):  # see restore
-            (image_dir / ocispec.SIZED_TMP_MARKER).write_text("1\n")
+        marker = ocispec.tmp_marker(ocispec.bundle_tmp(bundle))  # see restore
+        if marker is not None:
+            (image_dir / marker).write_text("1\n")
         # See restore: the same annotation must be passed again (empty file: none).
         rootfs_tar = ocispec.rootfs_tar_annotation(bundle)
         (image_dir / ocispec.ROOTFS_TAR_MARKER).write_text((rootfs_tar or "") + "\n")
