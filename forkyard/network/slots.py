@@ -18,7 +18,8 @@ Slot ``N`` (0 ≤ N < 16384) uses the /30 ``OUTER_NET + 4·N`` of the outer rang
   into slots, egress allowed), ``FORKYARD-OUTPUT`` (only root on the host connects to a
   slot: other local users are refused) and nat ``FORKYARD-POSTROUTING`` (masquerade the
   outer range leaving the host).
-* IPv6 is disabled on every slot interface.
+* IPv6 is disabled on every slot interface but the sandbox netns's ``lo`` (``::1``, which
+  runsc copies into the sandbox's loopback).
 
 All netns work runs in short-lived threads that ``setns``/``unshare`` themselves; no
 helper processes except one ``iptables-restore`` per slot. Operations are blocking; call
@@ -215,6 +216,19 @@ def _disable_ipv6_defaults() -> None:
             _sysctl(f"net/ipv6/conf/{scope}/disable_ipv6", "1")
         except FileNotFoundError:  # IPv6 not compiled in
             return
+
+
+def _enable_ipv6_loopback() -> None:
+    """Give ``lo`` of the calling thread's netns its ``::1`` back (after
+    :func:`_disable_ipv6_defaults`, which disables IPv6 on every interface): runsc
+    (``--network=sandbox``) builds the sandbox's loopback from the addresses ``lo`` has
+    in the netns (runsc/sandbox/network.go ``loopbackLink``), so without it binding
+    ``::1`` inside failed with EADDRNOTAVAIL. Loopback traffic never leaves the
+    sandbox; other interfaces stay IPv4-only."""
+    try:
+        _sysctl("net/ipv6/conf/lo/disable_ipv6", "0")
+    except FileNotFoundError:  # IPv6 not compiled in
+        return
 
 
 def _host_nameservers() -> list[str]:
@@ -494,6 +508,7 @@ class NetworkManager:
 
         def repair() -> None:
             _enter_netns(path)
+            _enable_ipv6_loopback()  # slots made before lo kept ::1
             with IPRoute() as ipr:
                 eth0 = ipr.link_lookup(ifname=GUEST_IF)[0]
                 addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=eth0, family=2)]
@@ -513,9 +528,11 @@ class NetworkManager:
         sandbox_path = str(NETNS_DIR / sandbox)
         root_fd = os.open("/proc/self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # 1. sandbox netns: lo up, no IPv6.
+            # 1. sandbox netns: lo up with ::1 (runsc copies lo's addresses into the
+            #    sandbox: servers inside may bind ::1), no IPv6 on any other interface.
             def sandbox_init() -> None:
                 _disable_ipv6_defaults()
+                _enable_ipv6_loopback()
                 with IPRoute() as ipr:
                     ipr.link("set", index=ipr.link_lookup(ifname="lo")[0], state="up")
 
