@@ -33,7 +33,7 @@ from forkyard.templates import sudo as sudo_broker
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 8
+BUILD_VERSION = 9
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [
@@ -57,6 +57,7 @@ PACKAGES = [
     "nano",
     "vim-tiny",
     "build-essential",
+    "python3-dev",  # Python.h: building C extensions (pip wheels with C code, cffi, Cython)
 ]
 #: Installed with apt inside the rootfs after debootstrap (debootstrap's own resolver
 #: cannot configure npm's dependency tree): Node.js with npm, as in E2B's base.
