@@ -147,7 +147,10 @@ async def upload_files(request: Request, files_hash: str, token: str = ""):
     if not builds.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
-    size = await builds.store_upload(files_hash, request.stream(), limit)
+    try:
+        size = await builds.store_upload(files_hash, request.stream(), limit)
+    except unpack.LimitExceeded as e:
+        return _too_large(f"upload refused: {e}")
     return JSONResponse({"size": size}, status_code=201)
 
 

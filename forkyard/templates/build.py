@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import gzip
 import hashlib
 import hmac
 import json
@@ -56,7 +55,7 @@ from forkyard.orchestrator.errors import (
     NotFound,
     OrchestratorError,
 )
-from forkyard.templates import build_envd, registry
+from forkyard.templates import build_envd, registry, unpack
 
 log = logging.getLogger("forkyard.templates.build")
 
@@ -341,8 +340,15 @@ class TemplateBuilds:
     async def store_upload(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Store an uploaded (optionally gzipped) tarball for ``files_hash``; returns its size.
 
+        It is read through once as a stream before it is kept: member paths must stay
+        in the build context, and what it unpacks to must be within the limits of
+        :mod:`forkyard.templates.unpack` (the build sandbox unpacks it; the server only
+        streams it there, never whole in memory).
+
         Raises:
-            BadRequest: body larger than ``max_bytes``, or not a readable tar archive.
+            unpack.LimitExceeded: body larger than ``max_bytes`` (``FORKYARD_MAX_UPLOAD_MB``)
+                or unpacking past a limit (413).
+            BadRequest: not a readable tar archive, or a member path leaves the context.
         """
         dest = self.file_path(files_hash)
         tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(4)}.partial")
@@ -352,21 +358,21 @@ class TemplateBuilds:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
-                        raise BadRequest(f"upload larger than {max_bytes} bytes")
+                        raise unpack.LimitExceeded("FORKYARD_MAX_UPLOAD_MB", f"upload larger than {max_bytes} bytes")
                     f.write(chunk)
             try:
-                await asyncio.to_thread(self._check_tar, tmp)
-            except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-                raise BadRequest(f"upload is not a tar archive: {e}") from e
+                await asyncio.to_thread(self._check_tar, tmp, unpack.Limits.from_settings(self.settings))
+            except (unpack.ArchiveError, ValueError) as e:
+                raise BadRequest(f"upload is not a usable tar archive: {e}") from e
             os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
         return size
 
     @staticmethod
-    def _check_tar(path: Path) -> None:
-        with tarfile.open(path, "r:*") as tf:
-            for m in tf:
+    def _check_tar(path: Path, limits: unpack.Limits) -> None:
+        with open(path, "rb") as f:
+            for m, _ in unpack.members(f, unpack.Meter(limits)):
                 if m.name.startswith("/") or ".." in Path(m.name).parts:
                     raise ValueError(f"unsafe member path {m.name!r}")
 
@@ -511,12 +517,13 @@ class TemplateBuilds:
         return posixpath.normpath(path if path.startswith("/") else posixpath.join(ctx.workdir, path))
 
     @staticmethod
-    def _copy_plan(tar_path: Path, src: str, dest_abs: str, into_dir: bool | None) -> list[tuple[str, str]]:
+    def _copy_plan(tar_path: Path, src: str, dest_abs: str, into_dir: bool | None,
+                   limits: unpack.Limits) -> list[tuple[str, str]]:
         """``(path in the archive, target path)`` pairs for ``COPY src dest`` (Docker
         rules: a directory's entries go into ``dest``; a file goes to ``dest/name`` when
         ``dest`` ends with ``/`` or several sources match, else onto ``dest``)."""
-        with tarfile.open(tar_path, "r:*") as tf:
-            members = {posixpath.normpath(m.name): m.isdir() for m in tf.getmembers()}
+        with open(tar_path, "rb") as f:
+            members = {posixpath.normpath(m.name): m.isdir() for m, _ in unpack.members(f, unpack.Meter(limits))}
         src = posixpath.normpath(src)
 
         def is_dir(n: str) -> bool:
@@ -548,14 +555,22 @@ class TemplateBuilds:
         mode = args[3] if len(args) > 3 and args[3] else None
         tar_path = self.file_path(files_hash)
         dest_abs = self._abs(ctx, dest)
-        plan = await asyncio.to_thread(self._copy_plan, tar_path, src, dest_abs, dest.endswith("/"))
+        limits = unpack.Limits.from_settings(self.settings)
+        try:
+            plan = await asyncio.to_thread(self._copy_plan, tar_path, src, dest_abs, dest.endswith("/"), limits)
+        except (unpack.ArchiveError, unpack.LimitExceeded) as e:
+            raise StepFailed(step, f"step {step}: COPY {src}: the uploaded context cannot be used: {e}") from e
         if not plan:
             raise StepFailed(step, f"step {step}: COPY {src}: no such file in the uploaded context")
         if not await self._user_exists(host, owner):
             raise StepFailed(step, f"step {step}: COPY: unknown user {owner.partition(':')[0]!r}")
-        raw = await asyncio.to_thread(_plain_tar, tar_path)
-        stage = f"/tmp/.forkyard-build-{secrets.token_hex(6)}"
-        await build_envd.upload(self._http, host, f"{stage}.tar", raw, user="root")
+        # On the sandbox's disk, not /tmp: that is a tmpfs of a quarter of its memory.
+        stage = f"/var/tmp/.forkyard-build-{secrets.token_hex(6)}"
+        try:
+            await build_envd.upload(self._http, host, f"{stage}.tar", _plain_tar(tar_path, limits.stream_bytes()),
+                                    user="root")
+        except (unpack.LimitExceeded, build_envd.EnvdError) as e:
+            raise StepFailed(step, f"step {step}: COPY {src}: {e}") from e
         q = shlex.quote
         lines = ["set -e", f"mkdir -p {stage}", f"tar -xf {stage}.tar -C {stage}"]
         targets = []
@@ -705,9 +720,21 @@ class TemplateBuilds:
             (self.builds_dir / f"{b.build_id}.json").unlink(missing_ok=True)
 
 
-def _plain_tar(path: Path) -> bytes:
-    """The tarball at ``path``, gunzipped when compressed."""
-    data = path.read_bytes()
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
-    return data
+async def _plain_tar(path: Path, max_bytes: int) -> AsyncIterator[bytes]:
+    """The tarball at ``path`` as a stream of plain tar chunks (gunzipped as read, in a
+    worker thread; at most ``max_bytes`` of them), never whole in memory.
+
+    Raises:
+        unpack.LimitExceeded: it decompresses to more than ``max_bytes``.
+    """
+    f = await asyncio.to_thread(open, path, "rb")
+    try:
+        stream = unpack.decompressed(f)
+        total = 0
+        while chunk := await asyncio.to_thread(stream.read, 1 << 20):
+            total += len(chunk)
+            if total > max_bytes:
+                raise unpack.LimitExceeded("FORKYARD_MAX_UNPACKED_MB", f"the upload decompresses to more than {max_bytes} bytes")
+            yield chunk
+    finally:
+        f.close()

@@ -13,7 +13,7 @@ import asyncio
 import base64
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from datetime import UTC, datetime
 
 import httpx
@@ -144,19 +144,20 @@ async def run(
         raise EnvdError(f"envd connection failed: {e}") from e
 
 
-async def upload(client: httpx.AsyncClient, host: str, path: str, data: bytes, user: str = "root",
-                 port: int = ENVD_PORT) -> None:
-    """Write ``data`` to ``path`` inside the sandbox (envd ``POST /files``, octet-stream),
-    owned by ``user``.
+async def upload(client: httpx.AsyncClient, host: str, path: str, data: bytes | AsyncIterable[bytes],
+                 user: str = "root", port: int = ENVD_PORT) -> None:
+    """Write ``data`` (bytes, or chunks streamed as they come) to ``path`` inside the
+    sandbox (envd ``POST /files``, octet-stream), owned by ``user``.
 
     Raises:
         EnvdError: envd refused or the connection failed.
     """
     try:
         r = await client.post(f"http://{host}:{port}/files", params={"path": path, "username": user},
-                              content=data, headers={"Content-Type": "application/octet-stream"}, timeout=120.0)
+                              content=data, headers={"Content-Type": "application/octet-stream"},
+                              timeout=httpx.Timeout(120.0, write=600.0))
     except httpx.HTTPError as e:
-        raise EnvdError(f"upload to {path} failed: {e}") from e
+        raise EnvdError(f"upload to {path} failed: {e!r}") from e
     if r.status_code >= 300:
         raise EnvdError(f"upload to {path} failed: HTTP {r.status_code} {r.text[:200]}")
 
