@@ -12,34 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import urllib.parse
 
 import pytest
 
-from _wire import read_head
+from _wire import request as _request
 from conftest import TEST_ROOT
-
-
-def _raw(url: str, method: str, target: str, headers: dict[str, str] | None = None,
-         body: bytes = b"") -> tuple[int, bytes]:
-    """Send one request with ``target`` written verbatim; (status, head + body so far)."""
-    u = urllib.parse.urlsplit(url)
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {u.netloc}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    if body or method in ("POST", "PUT"):
-        lines.append(f"Content-Length: {len(body)}")
-    with socket.create_connection((u.hostname, u.port), timeout=30) as s:
-        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-        data = read_head(s, 30)
-        s.settimeout(5)
-        try:
-            while chunk := s.recv(65536):
-                data += chunk
-        except (socket.timeout, ConnectionResetError):
-            pass
-    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/") else 0
-    return status, data
 
 
 def _key_less_attacks(sid: str) -> list[tuple[str, str]]:
@@ -68,7 +45,7 @@ def _key_less_attacks(sid: str) -> list[tuple[str, str]]:
 
 def _assert_refused(url: str, method: str, target: str, headers: dict, secrets: list[str]) -> None:
     body = json.dumps({"templateID": "base", "timeout": 30}).encode() if method == "POST" else b""
-    status, data = _raw(url, method, target, {"Content-Type": "application/json", **headers}, body)
+    status, data = _request(url, method, target, {"Content-Type": "application/json", **headers}, body)
     for s in secrets:
         assert s.encode() not in data, (url, method, target, status, data[:400])
     assert status == 400, (url, method, target, status, data[:400])
@@ -107,9 +84,9 @@ def test_gateway_refuses_dot_segments_and_encoded_variants(cluster):
             assert api.get(f"/sandboxes/{sid}").status_code == 200
             # The routes themselves still work when spelled plainly (key-less upload
             # route: its own signature check answers, not the path rule).
-            status, _ = _raw(cluster.gateway_url, "PUT", "/template-files/" + "0" * 64 + "?token=x", body=b"x")
+            status, _ = _request(cluster.gateway_url, "PUT", "/template-files/" + "0" * 64 + "?token=x", body=b"x")
             assert status == 403, status
-            status, data = _raw(cluster.gateway_url, "GET", "/v2/sandboxes", {})
+            status, data = _request(cluster.gateway_url, "GET", "/v2/sandboxes", {})
             assert status == 401, data[:300]
         finally:
             api.delete(f"/sandboxes/{sid}")
@@ -129,7 +106,7 @@ def test_node_refuses_dot_segments_and_encoded_variants(cluster):
             for method, target in [("GET", f"/sandboxes/x/../{sid}"), ("GET", "/v2/./sandboxes"),
                                    ("GET", f"/sandboxes//{sid}"), ("GET", f"/sandboxes/{sid}%2f..")]:
                 _assert_refused(node, method, target, key, [token])
-            status, _ = _raw(node, "GET", f"/sandboxes/{sid}", key)
+            status, _ = _request(node, "GET", f"/sandboxes/{sid}", key)
             assert status == 200
         finally:
             api.delete(f"/sandboxes/{sid}")
