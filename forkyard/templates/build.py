@@ -78,7 +78,12 @@ BUILD_SANDBOX_TIMEOUT_S = 3600
 RUN_TIMEOUT_S = 1800
 READY_TIMEOUT_S = 300
 MAX_LOG_ENTRIES = 20000
+#: Characters of log messages one build keeps (the oldest go first), so a step that
+#: prints without end holds at most this much server memory.
+MAX_LOG_BYTES = 16 << 20
 MAX_CONCURRENT_BUILDS = 2
+#: How often a running build checks that its sandbox still exists (s).
+SANDBOX_CHECK_S = 1.0
 STATUS_PAGE_LIMIT = 100
 _LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 
@@ -121,13 +126,26 @@ class BuildRecord:
     logs: list[dict] = field(default_factory=list)
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
-        """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`)."""
+        """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`
+        entries or :data:`MAX_LOG_BYTES` of messages; a message is cut at
+        :data:`build_envd.MAX_LINE_BYTES` characters)."""
+        if len(message) > build_envd.MAX_LINE_BYTES:
+            message = message[: build_envd.MAX_LINE_BYTES]
         entry = {"timestamp": _iso(time.time()), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
         self.logs.append(entry)
-        if len(self.logs) > MAX_LOG_ENTRIES:
-            del self.logs[: len(self.logs) - MAX_LOG_ENTRIES]
+        size = self.__dict__.get("_log_bytes")
+        if size is None:
+            size = sum(len(e.get("message", "")) for e in self.logs[:-1])
+        size += len(message)
+        if len(self.logs) > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES:
+            drop = 0
+            while drop < len(self.logs) - 1 and (len(self.logs) - drop > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES):
+                size -= len(self.logs[drop].get("message", ""))
+                drop += 1
+            del self.logs[:drop]
+        self.__dict__["_log_bytes"] = size  # not a field: never saved
 
 
 class StepFailed(Exception):
@@ -666,7 +684,7 @@ class TemplateBuilds:
                     raise StepFailed("base", f"could not start a sandbox from {base!r}: {e}") from e
                 sid = sbx.id
                 rec.log(f"Build sandbox {sid} started", step="base")
-                await self._run_steps(rec, sid, base, steps, start_cmd, ready_cmd)
+                await self._while_alive(rec, sid, self._run_steps(rec, sid, base, steps, start_cmd, ready_cmd))
                 rec.log("Snapshotting the sandbox", step="finalize")
                 try:
                     meta = await self.orch.snapshot(sid, name=rec.template_id)
@@ -693,6 +711,33 @@ class TemplateBuilds:
                     await asyncio.shield(self.orch.kill(sid))
                 except Exception as e:  # noqa: BLE001
                     log.warning("killing build sandbox %s failed: %s", sid, e)
+
+    async def _while_alive(self, rec: BuildRecord, sid: str, work) -> None:
+        """Run coroutine ``work`` while build sandbox ``sid`` lives; when it goes (killed,
+        died) ``work`` is cancelled and the step fails at once (its envd stream would
+        otherwise wait on a connection into a netns that no longer exists).
+
+        Raises:
+            StepFailed: the sandbox went away (or what ``work`` raised).
+        """
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=SANDBOX_CHECK_S)
+                if task.done():
+                    break
+                try:
+                    self.orch.get(sid)
+                except NotFound as e:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    step = next((x["step"] for x in reversed(rec.logs) if "step" in x), "base")
+                    raise StepFailed(step, f"the build sandbox stopped: {e}") from None
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     def _fail(self, rec: BuildRecord, step: str, message: str) -> None:
         rec.log(message, "error", step)
