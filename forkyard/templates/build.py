@@ -82,6 +82,10 @@ MAX_LOG_ENTRIES = 20000
 #: prints without end holds at most this much server memory.
 MAX_LOG_BYTES = 16 << 20
 MAX_CONCURRENT_BUILDS = 2
+#: How long a COPY upload URL (``GET /templates/{id}/files/{hash}``) stays valid (s);
+#: the SDK uploads right after asking. It is good for one upload: a stored tarball is
+#: never replaced.
+UPLOAD_URL_TTL_S = 3600
 #: How often a running build checks that its sandbox still exists (s).
 SANDBOX_CHECK_S = 1.0
 STATUS_PAGE_LIMIT = 100
@@ -347,13 +351,20 @@ class TemplateBuilds:
             raise BadRequest("files hash must be 64 lower-case hex digits (SHA-256)")
         return self.files_dir / f"{files_hash}.tar"
 
-    def upload_token(self, files_hash: str) -> str:
-        """Signature that authorises an upload of ``files_hash`` without the API key."""
-        return hmac.new(self._secret, files_hash.encode(), hashlib.sha256).hexdigest()
+    def upload_token(self, files_hash: str, now: float | None = None) -> str:
+        """Signature that authorises one upload of ``files_hash`` without the API key
+        until :data:`UPLOAD_URL_TTL_S` from now: ``<expiry unix s>-<HMAC-SHA256 hex>``."""
+        exp = int((time.time() if now is None else now) + UPLOAD_URL_TTL_S)
+        mac = hmac.new(self._secret, f"{files_hash}:{exp}".encode(), hashlib.sha256).hexdigest()
+        return f"{exp}-{mac}"
 
     def check_upload_token(self, files_hash: str, token: str) -> bool:
-        """True when ``token`` is :meth:`upload_token` of ``files_hash``."""
-        return hmac.compare_digest(self.upload_token(files_hash), token or "")
+        """True when ``token`` is an :meth:`upload_token` of ``files_hash`` that has not expired."""
+        exp, _, mac = (token or "").partition("-")
+        if not exp.isdigit() or int(exp) < time.time():
+            return False
+        want = hmac.new(self._secret, f"{files_hash}:{exp}".encode(), hashlib.sha256).hexdigest()
+        return hmac.compare_digest(want, mac)
 
     async def store_upload(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Store an uploaded (optionally gzipped) tarball for ``files_hash``; returns its size.
@@ -367,8 +378,11 @@ class TemplateBuilds:
             unpack.LimitExceeded: body larger than ``max_bytes`` (``FORKYARD_MAX_UPLOAD_MB``)
                 or unpacking past a limit (413).
             BadRequest: not a readable tar archive, or a member path leaves the context.
+            Conflict: ``files_hash`` is stored already (uploads are never replaced).
         """
         dest = self.file_path(files_hash)
+        if dest.exists():
+            raise Conflict(f"files {files_hash} were uploaded already")
         tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(4)}.partial")
         size = 0
         try:
@@ -382,7 +396,10 @@ class TemplateBuilds:
                 await asyncio.to_thread(self._check_tar, tmp, unpack.Limits.from_settings(self.settings))
             except (unpack.ArchiveError, ValueError) as e:
                 raise BadRequest(f"upload is not a usable tar archive: {e}") from e
-            os.replace(tmp, dest)
+            try:
+                os.link(tmp, dest)  # never replaces: the first complete upload of a hash wins
+            except FileExistsError:
+                raise Conflict(f"files {files_hash} were uploaded already") from None
         finally:
             tmp.unlink(missing_ok=True)
         return size
