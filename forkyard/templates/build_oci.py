@@ -392,7 +392,11 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
                     raise ImageImportError(f"layer {layer}: {e}") from e
                 except (tarfile.TarError, EOFError, OSError) as e:
                     raise ImageImportError(f"layer {layer}: {e}") from e
-            _runtime_files(root)
+            try:
+                _runtime_files(root)
+            except (OSError, beneath.EscapeError) as e:  # e.g. /etc a link that resolves to nothing in the image
+                raise ImageImportError(f"cannot add the runtime's files: {e} (a link in the image that does not "
+                                       "resolve inside it?)") from e
         if (tdir / "rootfs").exists():
             raise TemplateExists(f"template {name!r} already exists")
         if disk_mb:  # before the rootfs appears: a usable template has its settings

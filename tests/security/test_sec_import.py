@@ -154,6 +154,8 @@ def test_post_import_fixups_stay_inside_the_rootfs(server, victim):
         name, r = _import(server, _image([_layer([("etc", "sym", target, 0o777), ("bin", "dir", None, 0o755)])]))
         try:
             assert _snapshot(d) == before, (target, r.status_code, r.text)
+            # inside the image that link leads nowhere: a clear 400, not a host path
+            assert r.status_code == 400 and "does not resolve" in r.text, (target, r.status_code, r.text)
         finally:
             _delete(server, name)
 
