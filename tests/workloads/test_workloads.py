@@ -273,20 +273,32 @@ def _served(srv, sbx: Sandbox, port: int, address: str) -> None:
         time.sleep(0.1)
 
 
+def _command(sbx: Sandbox, cmd: str, **kwargs):
+    """``commands.run`` that fails the test with the command's output when it exits
+    non-zero (the SDK's exception message leaves stdout out)."""
+    from e2b.sandbox.commands.command_handle import CommandExitException
+
+    try:
+        return sbx.commands.run(cmd, **kwargs)
+    except CommandExitException as e:
+        failed = e
+    pytest.fail(f"{cmd!r} exited {failed.exit_code}:\n{failed.stdout}\n{failed.stderr}", pytrace=False)
+
+
 def _run_workload(srv, holder: Run, sbx: Sandbox, index: str, tag: str, native: concurrent.futures.Future) -> None:
     """The whole workload in ``sbx``: every step passes, as natively; what earlier runs
     made still works and their servers still answer; then the new servers answer
     through the proxy and one command prints 50 MB."""
     for old, port in holder.runs:
-        r = sbx.commands.run(STILL_WORKS.format(t=old), timeout=120)
-        assert r.exit_code == 0 and r.stdout.split()[-1] == "2", (old, r.stdout, r.stderr)
+        r = _command(sbx, STILL_WORKS.format(t=old), timeout=120)
+        assert r.stdout.split()[-1] == "2", (old, r.stdout, r.stderr)
         for i, address in enumerate(ADDRESSES):
             _served(srv, sbx, port + i, address)
     port = 8100 + 10 * len(holder.runs)
     sbx.files.write("/home/user/workload.sh", SCRIPT)
     t0 = time.monotonic()
-    r = sbx.commands.run("bash ~/workload.sh", envs={"WL_TAG": tag, "WL_INDEX": index, "WL_PORT": str(port)},
-                         timeout=600)
+    r = _command(sbx, "bash ~/workload.sh", envs={"WL_TAG": tag, "WL_INDEX": index, "WL_PORT": str(port)},
+                 timeout=600)
     took = time.monotonic() - t0
     steps = _steps(r.stdout)
     assert r.exit_code == 0 and r.stdout.rstrip().endswith("all ok") and list(steps) == STEPS, r.stdout + r.stderr
