@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from forkyard.api.proxy import route_of
+from forkyard.routing import route_of
 from forkyard.obs import logs, metrics, tracing
 
 log = logging.getLogger("forkyard.access")

@@ -1,26 +1,21 @@
-"""Read-only console data a node serves beyond E2B's API (key required)."""
+"""What the committed snapshots hold: their sizes and the chunks they share (for
+``GET /metrics/snapshots`` and the web console)."""
 
 from __future__ import annotations
 
-import asyncio
 from datetime import datetime, timezone
 
-from fastapi import APIRouter, Depends, Request
-
-from forkyard.api.auth import require_key
-
-router = APIRouter()
-
-#: Most snapshots ``GET /metrics/snapshots`` describes (newest first).
+#: Most snapshots :func:`snapshot_usage` describes (newest first).
 MAX_SNAPSHOTS = 200
 
 
 def snapshot_usage(repo, limit: int = MAX_SNAPSHOTS) -> list[dict]:
-    """Committed snapshots (every kind but transient ``fork`` images), newest first, at
-    most ``limit``: ``{snapshotID, names, kind, sandboxID, templateID, parentImageID,
-    sizeBytes (image bytes, uncompressed), chunks (distinct), sharedChunks (also used by
-    another snapshot), createdAt (RFC 3339)}``. Reads every manifest (cached by the
-    repository after the first read); blocking."""
+    """Committed snapshots of ``repo`` (a :class:`~forkyard.repository.repo.Repository`;
+    every kind but transient ``fork`` images), newest first, at most ``limit``:
+    ``{snapshotID, names, kind, sandboxID, templateID, parentImageID, sizeBytes (image
+    bytes, uncompressed), chunks (distinct), sharedChunks (also used by another
+    snapshot), createdAt (RFC 3339)}``. Reads every manifest (cached by the repository
+    after the first read); blocking."""
     manifests = [m for m in repo.manifests() if m.meta.get("kind") != "fork"]
     hashes = {m.snapshot_id: m.chunk_hashes() for m in manifests}
     refs: dict[str, int] = {}
@@ -43,11 +38,3 @@ def snapshot_usage(repo, limit: int = MAX_SNAPSHOTS) -> list[dict]:
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-@router.get("/metrics/snapshots", dependencies=[Depends(require_key)])
-async def snapshots(request: Request):
-    """Snapshots in the repository with their sizes and how many chunks they share with
-    other snapshots (:func:`snapshot_usage`; for the console). forkyard's own endpoint."""
-    repo = request.app.state.orchestrator.snapshots.repo
-    return await asyncio.to_thread(snapshot_usage, repo)
