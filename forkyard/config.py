@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkyard.ids import NAME
+
 #: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
 ENVD_PORT = 49983
 #: envd version we report; the E2B SDK gates features on it (e2b/envd/versions.py).
@@ -63,7 +65,7 @@ def _env_cidrs(name: str) -> list[str] | None:
 #: ``FORKYARD_POOL`` when unset: two idle ``base`` sandboxes (~20-40 MiB of host memory
 #: each, 2 × the default memory limit held in admission; docs/runtime.md).
 DEFAULT_POOL = "base:2"
-_POOL_ENTRY = re.compile(r"^([a-z0-9][a-z0-9_-]{0,63}):(\d{1,3})$")
+_POOL_ENTRY = re.compile(rf"^({NAME}):(\d{{1,3}})$")
 #: Most pooled sandboxes per template (a typo such as ``base:200`` should not start 200).
 POOL_MAX_PER_TEMPLATE = 64
 

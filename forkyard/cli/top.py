@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
 import typer
 from rich.console import Group
@@ -19,6 +19,7 @@ from rich.text import Text
 
 from forkyard.cli._common import JSON_OPT, ago, fail, human_bytes, out, print_json, run
 from forkyard.client import AsyncForkyard
+from forkyard.ids import rfc3339
 
 #: ``forkyard top``; :mod:`forkyard.cli.main` adds it to the ``forkyard`` app.
 commands = typer.Typer()
@@ -46,7 +47,7 @@ async def snapshot(c: AsyncForkyard, limit: int) -> dict:
 
     usages = await asyncio.gather(*(usage(s) for s in sandboxes))
     return {"nodes": node, "sandboxes": [{**s.to_json(), "usage": u} for s, u in zip(sandboxes, usages)],
-            "time": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
+            "time": rfc3339(time.time())}
 
 
 def _sort_key(sort: str):

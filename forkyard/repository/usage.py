@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from forkyard.ids import rfc3339
 
 #: Most snapshots :func:`snapshot_usage` describes (newest first).
 MAX_SNAPSHOTS = 200
@@ -31,10 +31,7 @@ def snapshot_usage(repo, limit: int = MAX_SNAPSHOTS) -> list[dict]:
             "sandboxID": m.meta.get("source_sandbox_id"), "templateID": m.meta.get("template_id"),
             "parentImageID": m.meta.get("parent_image_id"), "sizeBytes": m.meta.get("size_bytes", 0),
             "chunks": len(hs), "sharedChunks": sum(1 for h in hs if refs[h] > 1),
-            "createdAt": _iso(m.meta.get("created_at") or 0),
+            "createdAt": rfc3339(m.meta.get("created_at") or 0),
         })
     return out
 
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.ids import is_name
 from forkyard.templates import base as base_tmpl
 from forkyard.templates import registry
 
@@ -290,7 +291,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         TemplateExists: a template ``name`` is already built here.
         ImageImportError: bad name, unreadable image, unsupported layers (zstd).
     """
-    if not registry._NAME.match(name or ""):
+    if not is_name(name):
         raise ImageImportError(f"invalid template name {name!r}")
     tdir = settings.templates_dir / name
     if (tdir / "rootfs").exists() or (tdir / registry.MARKER).exists():
@@ -349,7 +350,7 @@ def remove_imported(settings: Settings, name: str) -> None:
     Raises:
         ImageImportError: ``name`` is not an imported template.
     """
-    if not registry._NAME.match(name or "") or not is_imported(settings, name):
+    if not is_name(name) or not is_imported(settings, name):
         raise ImageImportError(f"{name!r} is not an imported template")
     tdir = settings.templates_dir / name
     (tdir / registry.MARKER).unlink(missing_ok=True)
