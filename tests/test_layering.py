@@ -69,3 +69,44 @@ def test_a_circle_closed_by_a_function_level_import_is_found(tmp_path):
     (root / "src" / "circ" / "a.py").write_text("class A:\n    pass\n")
     p = _lint("--config", str(root / ".importlinter"), cwd=root, pythonpath=root / "src")
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+#: ``os.environ`` reads outside forkyard/config.py that are still to move there (issue 20
+#: step 2, "settings": after the runtime, cluster and request-path work lands), per file.
+#: cli/, client/ and obs/ read none any more. A new read anywhere else fails the test
+#: below; so does a count that went down without this list following.
+ENV_READS_TO_MOVE = {
+    "api/auth.py": 1,                 # FORKYARD_API_KEY
+    "api/limits.py": 3,               # FORKYARD_HEADER_TIMEOUT_S, _MAX_CONNECTIONS(_PER_CLIENT)
+    "cluster/agent.py": 1,            # FORKYARD_NODE_MAX_SANDBOXES
+    "cluster/config.py": 3,           # FORKYARD_CLUSTER_SECRET(_FILE), _REDIS_URL, _SCHEDULER_URL
+    "cluster/scheduler.py": 1,        # FORKYARD_ORPHAN_MOVE_S
+    "cluster/types.py": 1,            # FORKYARD_HEARTBEAT_TIMEOUT_S
+    "orchestrator/admission.py": 6,   # FORKYARD_RESERVED_MEMORY_MB, _MEMORY_OVERCOMMIT, ...
+    "orchestrator/holds.py": 1,       # FORKYARD_TEST_HOLD_DIR
+    "orchestrator/lifecycle.py": 1,   # FORKYARD_FORK_PARALLELISM
+    "orchestrator/manager.py": 3,     # FORKYARD_SPARE_SLOTS, _PAUSED_RETENTION_S, _FORK_IMAGE_TTL_S
+    "repository/config.py": 1,        # FORKYARD_REPO, _S3_*, _CACHE_BYTES, _GC_GRACE_S, AWS_* (env=os.environ)
+    "runtime/gvisor/driver.py": 4,    # FORKYARD_SPARE_DISKS, _ENVD_REARM, _RUNSC_DEBUG, _REAPER_DAEMON
+    "runtime/gvisor/reaper.py": 1,    # not a setting: hands the environment to the daemon it spawns
+}
+
+
+def test_settings_are_read_in_config_py():
+    """Every ``os.environ``/``os.getenv`` in forkyard/ is in config.py, or in the list
+    above of reads still to move."""
+    import ast
+    from collections import Counter
+
+    reads: Counter[str] = Counter()
+    package = ROOT / "forkyard"
+    for path in package.rglob("*.py"):
+        rel = str(path.relative_to(package))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr in ("environ", "environb", "getenv")
+                    and isinstance(node.value, ast.Name) and node.value.id == "os") \
+                    or (isinstance(node, ast.ImportFrom) and node.module == "os"
+                        and any(a.name in ("environ", "environb", "getenv") for a in node.names)):
+                reads[rel] += 1
+    reads.pop("config.py", None)
+    assert dict(reads) == ENV_READS_TO_MOVE

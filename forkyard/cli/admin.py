@@ -27,6 +27,7 @@ from forkyard.client.config import (
     resolve,
     write_config_file,
 )
+from forkyard.config import ClientSettings
 
 #: ``auth`` and ``doctor``; :mod:`forkyard.cli.main` adds them to the ``forkyard`` app.
 commands = typer.Typer()
@@ -76,8 +77,9 @@ def auth(
     except OSError as e:
         fail(f"cannot write {path}: {e}", "set FORKYARD_CONFIG to a writable path")
     out.print(f"saved {url} and the API key to {path} (mode 0600)", highlight=False)
-    for var in ("FORKYARD_URL", "E2B_API_URL", "E2B_API_KEY"):
-        if os.environ.get(var):
+    env = ClientSettings()
+    for var, value in (("FORKYARD_URL", env.url), ("E2B_API_URL", env.e2b_api_url), ("E2B_API_KEY", env.e2b_api_key)):
+        if value:
             err.print(f"[yellow]note:[/yellow] {var} is set in your environment and overrides the file")
 
 

@@ -12,6 +12,7 @@ import typer
 
 from forkyard.cli._common import fail
 from forkyard.cli.serve import run_node, setup_logging
+from forkyard.config import ClusterSettings
 
 #: The scheduler and gateway commands; :mod:`forkyard.cli.main` adds them to the app.
 commands = typer.Typer()
@@ -59,7 +60,8 @@ def node(
         return
     from forkyard.cluster.agent import default_max_sandboxes
 
-    sched = scheduler or os.environ.get("FORKYARD_SCHEDULER_URL")
+    env = ClusterSettings()
+    sched = scheduler or env.scheduler_url
     cluster = None
     if sched:
         try:
@@ -67,8 +69,8 @@ def node(
         except ValueError:
             fail("FORKYARD_NODE_MAX_SANDBOXES must be a whole number")
         cluster = {"scheduler": sched.rstrip("/"), "secret": _secret(),
-                   "node_id": node_id or os.environ.get("FORKYARD_NODE_ID") or socket.gethostname(),
-                   "advertise_url": advertise_url or os.environ.get("FORKYARD_ADVERTISE_URL"),
+                   "node_id": node_id or env.node_id or socket.gethostname(),
+                   "advertise_url": advertise_url or env.advertise_url,
                    "max_sandboxes": max_sbx}
         if host in ("0.0.0.0", "::") and not cluster["advertise_url"]:
             fail("listening on all addresses: give --advertise-url (FORKYARD_ADVERTISE_URL), the URL "

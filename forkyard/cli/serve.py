@@ -92,10 +92,10 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
         print(f"forkyard node {cluster['node_id']} on {url} (advertised as {advertise}), "
               f"scheduler {cluster['scheduler']}, up to {cluster['max_sandboxes']} sandboxes", flush=True)
     else:
-        key_src = "FORKYARD_API_KEY" if _env_key() else str(settings.api_key_file)
+        key_src = "FORKYARD_API_KEY" if settings.api_key else str(settings.api_key_file)
         # Plain prints: rich would wrap the export line at 80 columns when logged to a file.
         print(f"forkyard API {url}   (API key: {key_src})", flush=True)
-        key_expr = "$FORKYARD_API_KEY" if _env_key() else f"$(cat {settings.api_key_file})"
+        key_expr = "$FORKYARD_API_KEY" if settings.api_key else f"$(cat {settings.api_key_file})"
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY={key_expr}", flush=True)
     # Keep-alive longer than clients' pool expiry (httpx: 5 s, the e2b SDK's default):
     # with equal timeouts the server may close a connection the client is reusing.
@@ -168,9 +168,3 @@ class _BuildProgress:
                 return
             line = f"{line}   ({self.quiet} package steps so far)"
         err.print(f"  [dim]{line}[/dim]", highlight=False, soft_wrap=True)
-
-
-def _env_key() -> bool:
-    import os
-
-    return bool(os.environ.get("FORKYARD_API_KEY"))
