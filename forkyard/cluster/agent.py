@@ -30,13 +30,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.proxy import route_of
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NodeReport
 from forkyard.ids import is_name, is_sandbox_id
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.node")
 
