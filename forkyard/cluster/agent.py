@@ -356,8 +356,6 @@ class NodeAgent:
         return router
 
 
-
-
 def _record(body: dict) -> SandboxRecord:
     """A :class:`SandboxRecord` from its published dict (unknown keys ignored), checked
     before anything uses it: its id names host paths (work dir, runsc state) and its

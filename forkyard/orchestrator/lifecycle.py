@@ -721,7 +721,6 @@ class LifecycleMixin:
         from ``image_dir`` (staged) or, when None, from the repository / node cache;
         each gets ``egress`` (the source's policy on a local fork).
         Records ``children`` and the slowest child's ``slot``/``runtime``/``envd`` (ms)."""
-
         now = time.time()
         kids = []
         for _ in range(count):

@@ -57,10 +57,9 @@ def read_entries(path: Path) -> list[dict]:
         level = "error" if _ERROR.search(message) else ("info" if fields["source"] == "envd" else "warn")
         if fields.get("event") == "ended" and not message.endswith("exit status 0"):
             level = "warn"
-        out.append({"timestampUnixMs": last_ms, "timestamp": rfc3339(last_ms / 1000, "milliseconds"), "level": level,
-                    "message": message, "fields": fields})
+        out.append({"timestampUnixMs": last_ms, "timestamp": rfc3339(last_ms / 1000, "milliseconds"),
+                    "level": level, "message": message, "fields": fields})
     return out
-
 
 
 def select(entries: list[dict], cursor_ms: int | None, limit: int, direction: str = "forward",
