@@ -143,6 +143,15 @@ class Settings:
             (``FORKYARD_OUTER_NET``, 10.209.0.0/16).
         max_upload_mb: largest request body the proxy forwards to a sandbox
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
+        max_unpacked_mb / max_unpacked_files / max_unpacked_file_mb: what one untrusted
+            archive — an imported image (its layers together), a build ``COPY`` upload,
+            later a pulled image — may unpack to (:mod:`forkyard.templates.unpack`):
+            bytes, sparse files at their apparent size (``FORKYARD_MAX_UNPACKED_MB``,
+            16384: an upload at ``FORKYARD_MAX_UPLOAD_MB`` gzipped about 4:1, as image
+            layers are); entries (``FORKYARD_MAX_UNPACKED_FILES``, 1000000: large
+            images hold 50k–500k); one file (``FORKYARD_MAX_UNPACKED_FILE_MB``, 8192).
+            Past one the call answers 413 naming the setting. E2B has no such settings
+            (its builds run in VMs with their own disks).
         domain: public sandbox domain (``FORKYARD_DOMAIN``, e.g. ``sbx.example.com`` with
             a wildcard DNS record ``*.sbx.example.com`` pointing at this server or the
             gateway; may carry a ``:port``). Returned as ``domain`` by create/connect, so
@@ -194,6 +203,11 @@ class Settings:
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
+    max_unpacked_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_MB", "16384")))
+    max_unpacked_files: int = field(
+        default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILES", "1000000")))
+    max_unpacked_file_mb: int = field(
+        default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILE_MB", "8192")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))

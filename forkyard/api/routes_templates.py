@@ -32,7 +32,7 @@ from forkyard.api.auth import require_key
 from forkyard.config import ENVD_VERSION
 from forkyard.ids import rfc3339
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
-from forkyard.templates import build_oci, registry
+from forkyard.templates import build_oci, registry, unpack
 from forkyard.templates.build import TemplateBuilds
 
 
@@ -49,6 +49,12 @@ async def _lifespan(app: FastAPI):
 
 router = APIRouter(lifespan=_lifespan)
 authed = [Depends(require_key)]
+
+
+def _too_large(message: str) -> JSONResponse:
+    """413 ``{code, message}``: an upload or what it unpacks to is past a limit (the
+    message names the setting)."""
+    return JSONResponse({"code": 413, "message": message}, status_code=413, headers={"Connection": "close"})
 
 
 def _builds(request: Request) -> TemplateBuilds:
@@ -142,7 +148,10 @@ async def upload_files(request: Request, files_hash: str, token: str = ""):
     if not builds.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
-    size = await builds.store_upload(files_hash, request.stream(), limit)
+    try:
+        size = await builds.store_upload(files_hash, request.stream(), limit)
+    except unpack.LimitExceeded as e:
+        return _too_large(f"upload refused: {e}")
     return JSONResponse({"size": size}, status_code=201)
 
 
@@ -235,7 +244,7 @@ async def import_template(request: Request, name: str = Query(...),
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise BadRequest(f"image larger than {limit} bytes")
+                    return _too_large(f"image larger than {limit} bytes (limit: FORKYARD_MAX_UPLOAD_MB)")
                 f.write(chunk)
         if size == 0:
             raise BadRequest("empty body: send the image tarball")
@@ -245,6 +254,8 @@ async def import_template(request: Request, name: str = Query(...),
             raise Conflict(str(e)) from e
         except build_oci.ImageImportError as e:
             raise BadRequest(str(e)) from e
+        except unpack.LimitExceeded as e:
+            return _too_large(f"image refused: {e}")
     finally:
         tmp.unlink(missing_ok=True)
     return JSONResponse(next(e for e in template_entries(request) if e["templateID"] == t.template_id),

@@ -213,6 +213,13 @@ def metrics_token() -> str | None:
     return None
 
 
+#: Headers a reverse proxy or TLS terminator adds (RFC 7239 ``Forwarded``, the
+#: de-facto ``X-Forwarded-*``/``X-Real-IP``, RFC 9110 ``Via``): their presence means the
+#: loopback peer is a proxy. One that adds none of them (a TCP-level terminator) needs
+#: ``FORKYARD_METRICS_TOKEN`` set.
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "via")
+
+
 def _loopback(host: str | None) -> bool:
     try:
         return host is not None and ipaddress.ip_address(host).is_loopback
@@ -225,9 +232,14 @@ def scrape_allowed(headers: dict[str, str], client_host: str | None, token: str 
 
     Allowed with ``Authorization: Bearer <token>`` where the token is the metrics token
     or the API key, or with ``X-API-Key: <API key>``. Without any credentials it is
-    allowed only from a loopback address and only while no metrics token is set (a
-    Prometheus on the same host). Metrics hold no ids, keys or tokens either way.
+    allowed only from a loopback address, only while no metrics token is set (a
+    Prometheus on the same host), and only for a request no proxy relayed: one with a
+    forwarding header (:data:`PROXY_HEADERS`) came through a TLS terminator or proxy on
+    the same host, from anywhere (issue 25, item 7). Metrics hold no ids, keys or
+    tokens either way.
     """
+    if any(h in headers for h in PROXY_HEADERS):
+        client_host = None  # relayed: the loopback peer is the proxy, not the client
     offered = []
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":
