@@ -154,7 +154,7 @@ def mirror_host() -> str:
 
 
 def nameserver() -> str:
-    from forkyard.templates.base import host_nameservers
+    from forkyard.guest.files import host_nameservers
 
     servers = host_nameservers()
     assert servers, "host has no usable nameserver"

@@ -45,6 +45,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from forkyard.config import GUEST_GATEWAY, GUEST_IP, GUEST_PREFIXLEN, Settings
+from forkyard.guest.files import host_nameservers
 from forkyard.network.base import Slot
 
 log = logging.getLogger(__name__)
@@ -231,13 +232,6 @@ def _enable_ipv6_loopback() -> None:
         return
 
 
-def _host_nameservers() -> list[str]:
-    """IPv4 resolvers sandboxes use (the ones the template's resolv.conf names)."""
-    from forkyard.templates.base import host_nameservers
-
-    return [ns for ns in host_nameservers() if ":" not in ns]
-
-
 def _iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(["iptables", "-w", *args], capture_output=True, text=True)
     if check and proc.returncode != 0:
@@ -327,7 +321,7 @@ class NetworkManager:
                 ["-i", hif, "-o", hif, "-j", "DROP"],
                 # DNS to the host's resolvers (which may sit in a private range) ...
                 *[["-i", hif, "-d", ns, "-p", proto, "--dport", "53", "-j", "ACCEPT"]
-                  for ns in _host_nameservers() for proto in ("udp", "tcp")],
+                  for ns in host_nameservers() for proto in ("udp", "tcp")],
                 # ... but no other private, link-local (metadata), CGNAT or documentation
                 # address: the host's network neighbours are not the sandbox's business.
                 *[["-i", hif, "-d", net, "-j", "DROP"] for net in self.blocked_egress],

@@ -28,9 +28,10 @@ import secrets
 import time
 from pathlib import Path
 
+from forkyard.guest import envd
 from forkyard.ids import is_name, new_sandbox_id
 from forkyard.obs import metrics
-from forkyard.orchestrator import envd_client, timing
+from forkyard.orchestrator import timing
 from forkyard.orchestrator.holds import hold
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound, Unavailable
 from forkyard.orchestrator.store import SandboxRecord
@@ -290,7 +291,7 @@ class LifecycleMixin:
             rec = self._running(sandbox_id)
             if require_healthy:
                 try:
-                    await envd_client.wait_healthy(self._http, self.target(sandbox_id, 0)[0], 2.0)
+                    await envd.wait_healthy(self._http, self.target(sandbox_id, 0)[0], 2.0)
                 except TimeoutError as e:
                     raise Unavailable(f"envd of sandbox {sandbox_id} does not answer; not paused (it keeps running)") from e
             sid = new_snapshot_id()

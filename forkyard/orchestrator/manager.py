@@ -21,11 +21,12 @@ from pathlib import Path
 import httpx
 
 from forkyard.config import Settings
+from forkyard.guest import envd
 from forkyard.ids import is_sandbox_id, new_sandbox_id, rfc3339
 from forkyard.network.base import Slot
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
-from forkyard.orchestrator import envd_client, timing
+from forkyard.orchestrator import timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.hot import HotPaused, available_memory_pct
@@ -202,7 +203,7 @@ class Orchestrator(LifecycleMixin):
             log.warning("sandbox %s not adoptable: %s", rec.id, e)
             return False
         try:
-            await envd_client.wait_healthy(self._http, slot.outer_ip, 10.0)
+            await envd.wait_healthy(self._http, slot.outer_ip, 10.0)
         except TimeoutError as e:
             # Its processes run: keep it (killing would lose its state); the client
             # sees envd errors and can kill it.
@@ -511,7 +512,7 @@ class Orchestrator(LifecycleMixin):
                 disk_mb=tmpl.disk_mb or self.settings.default_disk_mb,  # as a cold create's
             )
             await self.driver.create(spec)
-            await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+            await envd.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             await self.driver.alive(e.sandbox_id)  # caches its pid: the hand-out's check is a kill(0)
         except BaseException:
             await asyncio.shield(self._pool_destroy(e))
@@ -576,8 +577,8 @@ class Orchestrator(LifecycleMixin):
                 raise CreateFailed(f"pooled sandbox {e.sandbox_id} is no longer running")
             if rec.egress:  # before anything of the caller's runs in it
                 await asyncio.to_thread(self.network.set_egress, e.slot.index, EgressPolicy.from_json(rec.egress))
-            await envd_client.init(self._http, e.slot.outer_ip, rec.env_vars, rec.envd_access_token, None,
-                                   default_user="user")
+            await envd.init(self._http, e.slot.outer_ip, env_vars=rec.env_vars, access_token=rec.envd_access_token,
+                            default_user="user")
         except BaseException as err:
             log.warning("hand-out of pooled sandbox %s failed: %r", e.sandbox_id, err)
             await asyncio.shield(self._pool_destroy(e))
@@ -661,11 +662,11 @@ class Orchestrator(LifecycleMixin):
                 user = rec.default_user or user or "user"
                 workdir = (rec.default_workdir or workdir) if cold else None
                 # A cold-booted envd holds no token yet: nothing to prove.
-                await envd_client.init(self._http, slot.outer_ip, rec.env_vars, rec.envd_access_token,
-                                       None if cold else old_token, default_user=user,
-                                       wait_s=ENVD_READY_TIMEOUT_S, default_workdir=workdir)
+                await envd.init(self._http, slot.outer_ip, env_vars=rec.env_vars, access_token=rec.envd_access_token,
+                                current_token=None if cold else old_token, default_user=user,
+                                default_workdir=workdir, wait_s=ENVD_READY_TIMEOUT_S)
             else:
-                await envd_client.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
+                await envd.wait_healthy(self._http, slot.outer_ip, ENVD_READY_TIMEOUT_S)
             phases["envd"] = (time.perf_counter() - t2) * 1000
         except BaseException as e:
             log.warning("start of %s failed: %r", rec.id, e)
@@ -1200,8 +1201,8 @@ class Orchestrator(LifecycleMixin):
         rec = self.get(sandbox_id)
         host, _ = self.target(sandbox_id, 0)
         try:
-            m = await envd_client.get_json(self._http, host, "/metrics", rec.envd_access_token)
-        except httpx.HTTPError as e:
+            m = await envd.get_json(self._http, host, "/metrics", rec.envd_access_token)
+        except envd.EnvdError as e:
             raise CreateFailed(f"envd of sandbox {sandbox_id} did not answer /metrics: {e}") from e
         cpu = await self._cpu.percent(sandbox_id)
         if cpu is not None:

@@ -47,6 +47,7 @@ from pathlib import Path
 import httpx
 
 from forkyard.config import ENVD_PORT, Settings
+from forkyard.guest import envd
 from forkyard.ids import is_name, rfc3339
 from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
 from forkyard.orchestrator.errors import (
@@ -55,7 +56,7 @@ from forkyard.orchestrator.errors import (
     NotFound,
     OrchestratorError,
 )
-from forkyard.templates import build_envd, registry, unpack
+from forkyard.templates import registry, unpack
 
 log = logging.getLogger("forkyard.templates.build")
 
@@ -127,9 +128,9 @@ class BuildRecord:
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
         """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`
         entries or :data:`MAX_LOG_BYTES` of messages; a message is cut at
-        :data:`build_envd.MAX_LINE_BYTES` characters)."""
-        if len(message) > build_envd.MAX_LINE_BYTES:
-            message = message[: build_envd.MAX_LINE_BYTES]
+        :data:`envd.MAX_LINE_BYTES` characters)."""
+        if len(message) > envd.MAX_LINE_BYTES:
+            message = message[: envd.MAX_LINE_BYTES]
         entry = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
@@ -514,9 +515,9 @@ class TemplateBuilds:
                 rec.log(line, "info" if stream == "stdout" else "warn", step)
 
         try:
-            rc = await build_envd.run(self._http, host, cmd, user=user or ctx.user, envs=ctx.envs,
-                                      cwd=cwd or ctx.workdir, on_line=sink, timeout_s=timeout_s)
-        except (build_envd.EnvdError, TimeoutError) as e:
+            rc = await envd.run(self._http, host, cmd, user=user or ctx.user, envs=ctx.envs,
+                                cwd=cwd or ctx.workdir, on_line=sink, timeout_s=timeout_s)
+        except (envd.EnvdError, TimeoutError) as e:
             raise StepFailed(step, f"step {step}: {e}") from e
         return rc, tail
 
@@ -524,9 +525,9 @@ class TemplateBuilds:
         """Run a helper script as root in ``/``; raise with its output on failure."""
         tail: list[str] = []
         try:
-            rc = await build_envd.run(self._http, host, script, user="root", cwd="/",
-                                      on_line=lambda s, line: tail.append(line), timeout_s=RUN_TIMEOUT_S)
-        except (build_envd.EnvdError, TimeoutError) as e:
+            rc = await envd.run(self._http, host, script, user="root", cwd="/",
+                                on_line=lambda s, line: tail.append(line), timeout_s=RUN_TIMEOUT_S)
+        except (envd.EnvdError, TimeoutError) as e:
             raise StepFailed(step, f"step {step}: {e}") from e
         if rc != 0:
             for line in tail[-20:]:
@@ -539,8 +540,8 @@ class TemplateBuilds:
             return True
         script = f'while IFS=: read -r n rest; do [ "$n" = {shlex.quote(name)} ] && exit 0; done < /etc/passwd; exit 1'
         try:
-            return await build_envd.run(self._http, host, script, user="root", cwd="/", timeout_s=30) == 0
-        except (build_envd.EnvdError, TimeoutError):
+            return await envd.run(self._http, host, script, user="root", cwd="/", timeout_s=30) == 0
+        except (envd.EnvdError, TimeoutError):
             return False
 
     def _abs(self, ctx: _Ctx, path: str) -> str:
@@ -597,9 +598,9 @@ class TemplateBuilds:
         # On the sandbox's disk, not /tmp: that is a tmpfs of a quarter of its memory.
         stage = f"/var/tmp/.forkyard-build-{secrets.token_hex(6)}"
         try:
-            await build_envd.upload(self._http, host, f"{stage}.tar", _plain_tar(tar_path, limits.stream_bytes()),
-                                    user="root")
-        except (unpack.LimitExceeded, build_envd.EnvdError) as e:
+            await envd.upload(self._http, host, f"{stage}.tar", _plain_tar(tar_path, limits.stream_bytes()),
+                              user="root")
+        except (unpack.LimitExceeded, envd.EnvdError) as e:
             raise StepFailed(step, f"step {step}: COPY {src}: {e}") from e
         q = shlex.quote
         lines = ["set -e", f"mkdir -p {stage}", f"tar -xf {stage}.tar -C {stage}"]
@@ -655,8 +656,9 @@ class TemplateBuilds:
         # finalize: defaults for the sandboxes created from this template
         rec.log("Finalizing: env, user and workdir become the template's defaults", step="finalize")
         try:
-            await build_envd.init(self._http, host, env_vars=ctx.envs, default_user=ctx.user, default_workdir=ctx.workdir)
-        except build_envd.EnvdError as e:
+            await envd.init(self._http, host, env_vars=ctx.envs, default_user=ctx.user, default_workdir=ctx.workdir,
+                            timeout_s=10.0)
+        except envd.EnvdError as e:
             raise StepFailed("finalize", str(e)) from e
         sbx = self.orch.get(sid)
         sbx.env_vars = dict(ctx.envs)
@@ -665,9 +667,9 @@ class TemplateBuilds:
         if start_cmd:
             rec.log(f"Running start command: {start_cmd}", step="finalize")
             try:
-                await build_envd.run(self._http, host, start_cmd, user=ctx.user, envs=ctx.envs, cwd=ctx.workdir,
-                                     background=True)
-            except build_envd.EnvdError as e:
+                await envd.run(self._http, host, start_cmd, user=ctx.user, envs=ctx.envs, cwd=ctx.workdir,
+                               background=True)
+            except envd.EnvdError as e:
                 raise StepFailed("finalize", f"start command failed to start: {e}") from e
         if ready_cmd:
             rec.log(f"Waiting for ready command: {ready_cmd}", step="finalize")

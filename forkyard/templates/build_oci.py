@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.guest.files import host_nameservers, hosts_file
 from forkyard.ids import is_name
 from forkyard.templates import base as base_tmpl
 from forkyard.templates import beneath, registry, unpack
@@ -304,14 +305,14 @@ def _runtime_files(root: beneath.Root) -> None:
         for name, text, keep_link in (
                 ("passwd", "root:x:0:0:root:/root:/bin/sh\n", False),
                 ("group", "root:x:0:\n", False),
-                ("hosts", base_tmpl.hosts_file(base_tmpl.DEFAULT_HOSTNAME), True),
+                ("hosts", hosts_file(base_tmpl.DEFAULT_HOSTNAME), True),
                 ("hostname", base_tmpl.DEFAULT_HOSTNAME + "\n", True)):
             if _resolves(root, f"etc/{name}") or (keep_link and beneath.Root.lstat(etc, name) is not None):
                 continue
             beneath.Root.write_file(etc, name, text.encode())
         resolv = beneath.Root.lstat(etc, "resolv.conf")
         if resolv is None or stat.S_ISLNK(resolv.st_mode):
-            servers = "".join(f"nameserver {s}\n" for s in base_tmpl.host_nameservers())
+            servers = "".join(f"nameserver {s}\n" for s in host_nameservers())
             beneath.Root.write_file(etc, "resolv.conf", servers.encode())
     finally:
         os.close(etc)

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from forkyard.templates.base import USER_NAME, USER_UID
-from forkyard.templates.sudo import BROKER_PATH
+from forkyard.guest.sudo import BROKER_PATH
 
 #: gid of group ``sudo`` in Debian's base-passwd (the broker admits its members).
 SUDO_GID = 27

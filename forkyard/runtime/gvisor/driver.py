@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from forkyard.config import Settings
+from forkyard.guest.sudo import BROKER_PATH
 from forkyard.runtime.base import (ExportTooLarge, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
                                    SandboxSpec)
 from forkyard.runtime.gvisor import disk
@@ -58,10 +59,9 @@ _SYSNET_WITH_TAR = ('mount -t tmpfs -o size=4k,mode=0555 forkyard-sysnet /proc/s
 #: that mean nothing to a client.
 _POINTER = re.compile(r"0x[0-9a-f]{6,}")
 _NOT_FOUND = ("does not exist", "not found", "no such file")
-#: Started next to init when present (see forkyard.templates.sudo): gVisor ignores
+#: Started next to init when present (see :mod:`forkyard.guest.sudo`): gVisor ignores
 #: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
-SUDO_BROKER = "/usr/local/lib/forkyard/sudo-broker"
-_BROKER_LAUNCH = f'[ -x {SUDO_BROKER} ] && {SUDO_BROKER} & exec "$@"'
+_BROKER_LAUNCH = f'[ -x {BROKER_PATH} ] && {BROKER_PATH} & exec "$@"'
 START_TIMEOUT_S = 60.0
 COMMAND_TIMEOUT_S = 30.0
 #: Disks kept made ahead of demand by a node (``FORKYARD_SPARE_DISKS``; see

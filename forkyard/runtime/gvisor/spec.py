@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from forkyard.guest.files import hosts_file
 from forkyard.runtime.base import SandboxSpec
-from forkyard.templates.base import hosts_file
 
 #: Where the envd binary appears inside every sandbox.
 ENVD_GUEST_PATH = "/usr/local/bin/envd"
