@@ -68,18 +68,19 @@ class Orchestrator(LifecycleMixin):
 
     Args:
         settings: node settings (paths, limits).
-        driver: runtime driver (gVisor).
+        driver: runtime driver (:func:`forkyard.node.build_orchestrator` picks it).
         network: slot manager with ``setup_host()``, ``allocate(i) -> Slot``,
             ``release(i)``, ``existing_indexes()`` (blocking calls, run in threads).
         store: SQLite store.
+        snapshots: the snapshot repository and this node's staging and cache.
     """
 
-    def __init__(self, settings: Settings, driver: RuntimeDriver, network, store: Store):
+    def __init__(self, settings: Settings, driver: RuntimeDriver, network, store: Store, snapshots: SnapshotStore):
         self.settings = settings
         self.driver = driver
         self.network = network
         self.store = store
-        self.snapshots = SnapshotStore(settings.data_dir / "snapshots")
+        self.snapshots = snapshots
         self._slots: dict[str, Slot] = {}
         self._slot_lock = asyncio.Lock()
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
