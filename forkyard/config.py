@@ -183,6 +183,18 @@ class Settings:
             ``TEMPLATE:N,…``; ``off`` or ``0`` disables): sandboxes started ahead so a
             create is a hand-out (:mod:`forkyard.orchestrator.pool`); never in a cluster
             (E2B has no such setting: its orchestrator starts every sandbox on demand).
+        spare_slots: network slots kept built ahead of demand (``FORKYARD_SPARE_SLOTS``,
+            16): a start takes one instead of spending ~25 ms of CPU creating a netns,
+            veths and NAT rules (E2B's orchestrator keeps a similar pool of slots).
+        paused_retention_s: how long a paused sandbox is kept before it and its image
+            are deleted (``FORKYARD_PAUSED_RETENTION_S``, 30 days).
+        fork_image_ttl_s: in a cluster, a ``fork`` image older than this is deleted by
+            any node's image GC (``FORKYARD_FORK_IMAGE_TTL_S``, 3600): the gateway
+            deletes each once the fork's children run, so an older one was left by a
+            gateway that died mid-fork.
+        fork_parallelism: restores a fork runs at once (``FORKYARD_FORK_PARALLELISM``,
+            16). Measured on 2 cores, fork ×16: 4 → ~1.91 s, 8 → ~1.77–1.99 s, 16 →
+            ~1.80 s (bench/bench_lifecycle.py).
     """
 
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
@@ -217,6 +229,11 @@ class Settings:
     hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
     hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))
     pool: dict[str, int] = field(default_factory=lambda: parse_pool(os.environ.get("FORKYARD_POOL", DEFAULT_POOL)))
+    spare_slots: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_SPARE_SLOTS", "16")))
+    paused_retention_s: int = field(
+        default_factory=lambda: int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600))))
+    fork_image_ttl_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600")))
+    fork_parallelism: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16")))
     #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
     #: keeps one in :attr:`api_key_file`).
     api_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_API_KEY") or None, repr=False)

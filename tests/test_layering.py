@@ -84,8 +84,6 @@ ENV_READS_TO_MOVE = {
     "cluster/types.py": 1,            # FORKYARD_HEARTBEAT_TIMEOUT_S
     "orchestrator/admission.py": 6,   # FORKYARD_RESERVED_MEMORY_MB, _MEMORY_OVERCOMMIT, ...
     "orchestrator/holds.py": 1,       # FORKYARD_TEST_HOLD_DIR
-    "orchestrator/lifecycle.py": 1,   # FORKYARD_FORK_PARALLELISM
-    "orchestrator/manager.py": 3,     # FORKYARD_SPARE_SLOTS, _PAUSED_RETENTION_S, _FORK_IMAGE_TTL_S
     "repository/config.py": 1,        # FORKYARD_REPO, _S3_*, _CACHE_BYTES, _GC_GRACE_S, AWS_* (env=os.environ)
     "runtime/gvisor/driver.py": 4,    # FORKYARD_SPARE_DISKS, _ENVD_REARM, _RUNSC_DEBUG, _REAPER_DAEMON
     "runtime/gvisor/reaper.py": 1,    # not a setting: hands the environment to the daemon it spawns

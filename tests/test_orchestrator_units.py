@@ -423,10 +423,11 @@ async def test_pool_stop_waits_for_a_boot_in_flight_and_refills_no_more():
     assert b.booted == ["p1"] and p.ids() == []  # a stopped pool starts nothing
 
 
-# ---- pure parts of lifecycle / manager -----------------------------------------------------
+# ---- pure parts of images / staging -------------------------------------------------------
 def test_lifecycle_guest_defaults_staged_memory_and_ids(tmp_path):
-    from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, guest_defaults, staged_memory
-    from forkyard.orchestrator.manager import new_sandbox_id
+    from forkyard.ids import new_sandbox_id
+    from forkyard.orchestrator.images import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, guest_defaults
+    from forkyard.orchestrator.staging import staged_memory
     from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta
 
     meta = SnapshotMeta("s", "snapshot", "base", "src", 1, 512,

@@ -46,7 +46,7 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
 
     from forkyard.node import build_node
     from forkyard.repository.errors import RepositoryConfigError
-    from forkyard.templates import registry
+    from forkyard.orchestrator import images
 
     try:
         settings = Settings()
@@ -64,7 +64,7 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     if build_base:
         from forkyard.templates.base import build_base as build
 
-        if registry.resolve(settings, "base") is None:
+        if images.resolve(settings, "base") is None:
             err.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
         try:  # cached: returns at once when an up-to-date build exists
             build(settings, progress=_BuildProgress())

@@ -49,14 +49,15 @@ import httpx
 from forkyard.config import ENVD_PORT, Settings
 from forkyard.guest import envd
 from forkyard.ids import is_name, rfc3339
-from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
+from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import (
     BadRequest,
     Conflict,
     NotFound,
     OrchestratorError,
 )
-from forkyard.templates import registry, unpack
+from forkyard.orchestrator.images import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
+from forkyard.templates import unpack
 
 log = logging.getLogger("forkyard.templates.build")
 
@@ -308,7 +309,7 @@ class TemplateBuilds:
         for t in tags or []:
             if t not in DEFAULT_TAGS:
                 raise BadRequest(f"tag {t!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
-        if registry.resolve(self.settings, base) is not None:
+        if images.resolve(self.settings, base) is not None:
             raise BadRequest(f"{base!r} is a rootfs template on this node; choose another name")
         meta = self.orch.snapshots.find(base)
         if meta is not None and meta.metadata.get(TEMPLATE_KEY) != base:
@@ -323,7 +324,7 @@ class TemplateBuilds:
             raise BadRequest("memoryMB must be between 128 and 8192")
         if disk_mb is not None:
             try:
-                registry.check_disk_mb(self.settings, disk_mb)
+                images.check_disk_mb(self.settings, disk_mb)
             except ValueError as e:
                 raise BadRequest(str(e)) from None
         rec = BuildRecord(build_id=str(uuid.uuid4()), template_id=base, status="waiting",
@@ -417,7 +418,7 @@ class TemplateBuilds:
             if not isinstance(tmpl, str):
                 raise BadRequest("fromTemplate must be a string")
             name = tmpl.partition(":")[0]
-            if registry.resolve(self.settings, name) or self.orch.snapshots.find(name):
+            if images.resolve(self.settings, name) or self.orch.snapshots.find(name):
                 return name
             raise BadRequest(f"base template {tmpl!r} not found")
         if image is None:
@@ -430,7 +431,7 @@ class TemplateBuilds:
         if repo in BASE_IMAGES or repo.startswith("docker.io/library/") and repo[18:] in BASE_IMAGES:
             return "base"
         short = repo.rsplit("/", 1)[-1]
-        if is_name(short) and (registry.resolve(self.settings, short) or self.orch.snapshots.find(short)):
+        if is_name(short) and (images.resolve(self.settings, short) or self.orch.snapshots.find(short)):
             return short
         raise BadRequest(f"image {image!r} is not available: registry pulls are not supported here; "
                          "import it first (POST /templates/import) or use fromTemplate")
