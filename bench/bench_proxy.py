@@ -7,7 +7,7 @@ keep-alive client connection per path) so all see the same machine load:
 
 * ``direct`` — straight to the sandbox's outer address (the raw operation);
 * ``proxy`` — through the proxy as clients send it: a GET without a body takes the
-  fast path (forkyard.api.fastpath: the body is spliced socket to socket);
+  fast path (forkyard.relay.fastpath: the body is spliced socket to socket);
 * ``proxy, general relay`` — the same GET with ``Content-Length: 0``, which sends it
   through the general relay (h11 + asyncio, bodies copied through Python): what every
   GET cost before the fast path.

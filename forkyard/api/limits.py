@@ -9,7 +9,7 @@ Two layers:
   uvicorn itself arms no timer before a connection's first response, so an idle or
   slow-header connection would otherwise be held forever.
 * :class:`RestGuard` — ASGI middleware in front of the REST app: refuses an ambiguous
-  path (:func:`forkyard.api.paths.path_problem`, 400), checks the API key
+  path (:func:`forkyard.relay.paths.path_problem`, 400), checks the API key
   (or cluster secret) from the headers *before any body byte is read*, caps each
   route's body (413 with a message, from ``Content-Length`` at once, else while
   reading) and times out a body that stops arriving (408).
@@ -32,7 +32,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.paths import path_problem
+from forkyard.relay.paths import path_problem
 
 log = logging.getLogger("forkyard.limits")
 
@@ -63,7 +63,7 @@ def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_b
                           max_conns_per_client: int = MAX_CONNS_PER_CLIENT, base: type = HttpToolsProtocol) -> type:
     """A uvicorn ``http=`` protocol class (httptools-based: ``base`` is uvicorn's
     ``HttpToolsProtocol`` or a subclass, e.g.
-    :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`) with the bounds above."""
+    :class:`forkyard.relay.zerocopy.ZeroCopyHttpToolsProtocol`) with the bounds above."""
     per_client: dict[str, int] = {}
 
     class GuardedHttpToolsProtocol(base):
@@ -179,7 +179,7 @@ def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_b
 
 def uvicorn_limits(zero_copy: bool = False) -> dict:
     """Keyword arguments for ``uvicorn.run``: the guarded protocol (with ``zero_copy``,
-    over :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`: the sandbox proxy's
+    over :class:`forkyard.relay.zerocopy.ZeroCopyHttpToolsProtocol`: the sandbox proxy's
     spliced response bodies) and a global bound on
     open connections + running requests (beyond it uvicorn answers 503). Settings:
     ``FORKYARD_MAX_CONNECTIONS`` (4096), ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT``
@@ -197,7 +197,7 @@ def uvicorn_limits(zero_copy: bool = False) -> dict:
 
 
 def _zero_copy_protocol() -> type:
-    from forkyard.api.zerocopy import ZeroCopyHttpToolsProtocol
+    from forkyard.relay.zerocopy import ZeroCopyHttpToolsProtocol
 
     return ZeroCopyHttpToolsProtocol
 
