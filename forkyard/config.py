@@ -8,6 +8,8 @@ absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 * :class:`ClusterSettings`: how ``forkyard node`` joins a cluster.
 * :class:`ObsSettings`: logs, tracing and the metrics token (node, gateway, scheduler).
 * :class:`ClientSettings`: where :mod:`forkyard.client` and the CLI find a server.
+* :class:`ProxySettings`: bounds on client connections of every HTTP server.
+* :class:`RepositorySettings`: where snapshots are committed, the node cache's bound.
 
 Each is read when it is made (``Settings()`` …), so a process that changes its
 environment sees the change at the next one. Secrets are kept out of their ``repr``.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -236,7 +239,7 @@ class Settings:
     fork_parallelism: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16")))
     #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
     #: keeps one in :attr:`api_key_file`).
-    api_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_API_KEY") or None, repr=False)
+    api_key: str | None = field(default_factory=lambda: api_key_from_env(), repr=False)
 
     @property
     def public_domain(self) -> str:
@@ -340,3 +343,75 @@ class ClientSettings:
     data_dir: str = field(default_factory=lambda: _env("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
     config_file: str = field(default_factory=lambda: _env("FORKYARD_CONFIG"))
     xdg_config_home: str = field(default_factory=lambda: _env("XDG_CONFIG_HOME"))
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Bounds on client connections of every HTTP server forkyard runs (node, gateway:
+    :func:`forkyard.api.limits.uvicorn_limits`).
+
+    Attributes:
+        header_timeout_s: ``FORKYARD_HEADER_TIMEOUT_S`` (20): a request head must be
+            complete this long after the connection opened or the previous response (s;
+            nginx's ``client_header_timeout`` default is 60 s).
+        max_connections_per_client: ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT`` (1024): open
+            connections one client address may hold (raise it on a node behind a busy
+            gateway, whose traffic all comes from one address).
+        max_connections: ``FORKYARD_MAX_CONNECTIONS`` (4096): open connections + running
+            requests in all; beyond it uvicorn answers 503.
+    """
+
+    header_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEADER_TIMEOUT_S", "20")))
+    max_connections_per_client: int = field(
+        default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", "1024")))
+    max_connections: int = field(default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS", "4096")))
+
+
+@dataclass(frozen=True)
+class RepositorySettings:
+    """Where snapshots are committed and how big the node's cache may grow, as given in
+    the environment (:class:`forkyard.repository.config.RepoConfig` checks them and opens
+    the backend). Read from ``env`` when given (tests), else the process environment.
+
+    Attributes:
+        repo: ``FORKYARD_REPO``: a directory or ``s3://bucket/prefix`` ("" when unset:
+            the node's own ``<data>/snapshots/repository``).
+        s3_endpoint / s3_region: ``FORKYARD_S3_ENDPOINT`` / ``FORKYARD_S3_REGION``
+            (required for ``s3://``; no default region on purpose).
+        access_key / secret_key: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
+            (required for ``s3://``; nothing else is consulted: no profiles, no instance
+            metadata).
+        cache_bytes: ``FORKYARD_CACHE_BYTES`` as given (None when unset: 10 GiB).
+        gc_grace_s: ``FORKYARD_GC_GRACE_S`` as given (None when unset: 3600 s).
+    """
+
+    repo: str = ""
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    access_key: str = field(default="", repr=False)
+    secret_key: str = field(default="", repr=False)
+    cache_bytes: str | None = None
+    gc_grace_s: str | None = None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> RepositorySettings:
+        """The settings in ``env`` (default: the process environment)."""
+        env = os.environ if env is None else env
+        return cls(repo=env.get("FORKYARD_REPO", ""), s3_endpoint=env.get("FORKYARD_S3_ENDPOINT", ""),
+                   s3_region=env.get("FORKYARD_S3_REGION", ""), access_key=env.get("AWS_ACCESS_KEY_ID", ""),
+                   secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""), cache_bytes=env.get("FORKYARD_CACHE_BYTES"),
+                   gc_grace_s=env.get("FORKYARD_GC_GRACE_S"))
+
+
+def api_key_from_env() -> str | None:
+    """``FORKYARD_API_KEY`` as given, None when unset or empty (the node then keeps its
+    key in :attr:`Settings.api_key_file`)."""
+    return os.environ.get("FORKYARD_API_KEY") or None
+
+
+def hold_dir() -> Path | None:
+    """``FORKYARD_TEST_HOLD_DIR``: where tests arm the orchestrator's hold points
+    (:mod:`forkyard.orchestrator.holds`); None (the default) turns them off. Read at each
+    call, so a test can arm a server it started with the variable set."""
+    d = os.environ.get("FORKYARD_TEST_HOLD_DIR")
+    return Path(d) if d else None
