@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings  # noqa: E402
-from forkyard.network.slots import NetworkManager  # noqa: E402
+from forkyard.network.slots import NetnsNetwork  # noqa: E402
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
 from forkyard.runtime.gvisor.driver import GVisorDriver  # noqa: E402
 
@@ -49,7 +49,7 @@ class Raw:
     def __init__(self, rootfs: Path, fan: list[int]):
         self.rootfs = rootfs
         self.settings = Settings(data_dir=DATA / "raw")
-        self.net = NetworkManager(self.settings, outer_net=os.environ.get("FORKYARD_BENCH_RAW_NET", "10.122.0.0/16"),
+        self.net = NetnsNetwork(self.settings, outer_net=os.environ.get("FORKYARD_BENCH_RAW_NET", "10.122.0.0/16"),
                                   prefix=os.environ.get("FORKYARD_BENCH_RAW_PREFIX", "fbr"))
         self.drv = GVisorDriver(self.settings)
         self.server_drv = GVisorDriver(Settings(data_dir=DATA / "server"))
@@ -87,7 +87,7 @@ class Raw:
 
     def _spec(self, j: int) -> SandboxSpec:
         sid = self.ids[j]
-        return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, netns_path=self.slots[j].netns_path, vcpus=2,
+        return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, network=self.slots[j].attachment, vcpus=2,
                            memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
 
     async def _envd_answers(self, j: int) -> None:

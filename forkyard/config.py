@@ -167,7 +167,7 @@ class Settings:
         blocked_egress: IPv4 CIDRs no sandbox may reach whatever its egress policy
             (``FORKYARD_BLOCKED_EGRESS``, comma-separated; None = the built-in list of
             private, link-local/metadata, CGNAT, documentation and multicast ranges in
-            :data:`forkyard.network.slots.BLOCKED_EGRESS`). Replacing it lets sandboxes
+            :data:`forkyard.network.firewall.BLOCKED_EGRESS`). Replacing it lets sandboxes
             reach e.g. a private package mirror.
         tls_cert / tls_key: PEM certificate (chain) and key files (``FORKYARD_TLS_CERT``,
             ``FORKYARD_TLS_KEY``): when both are set the server speaks HTTPS only on its

@@ -15,7 +15,7 @@ from typing import Any
 
 from forkyard.api.app import create_app
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 from forkyard.orchestrator.manager import Orchestrator
 from forkyard.orchestrator.store import Store
 from forkyard.repository.snapshots import SnapshotStore
@@ -47,7 +47,10 @@ def build_orchestrator(settings: Settings) -> Orchestrator:
         RepositoryConfigError: unusable repository settings (the message names them).
     """
     driver = GVisorDriver(settings)
-    network = NetworkManager(settings, outer_net=settings.outer_net, prefix=settings.net_prefix)
+    network = NetnsNetwork(settings, outer_net=settings.outer_net, prefix=settings.net_prefix)
+    if network.attachment is not driver.attachment:  # a pairing error of this file, not a setting
+        raise TypeError(f"{type(driver).__name__} takes {driver.attachment.__name__} slots, "
+                        f"{type(network).__name__} makes {network.attachment.__name__}")
     store = Store(settings.db_path)
     return Orchestrator(settings, driver, network, store, SnapshotStore(settings.data_dir / "snapshots"))
 

@@ -384,9 +384,9 @@ def test_server_default_auto_pause_setting(server, tmp_path):
     finally:
         srv.kill_all()
         srv.stop()
-        from forkyard.network.slots import NetworkManager
+        from forkyard.network.slots import NetnsNetwork
 
-        NetworkManager(None, outer_net=f"10.{176 + conftest.SLOT}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
+        NetnsNetwork(None, outer_net=f"10.{176 + conftest.SLOT}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
 
 
 # ---- URL-addressed features --------------------------------------------------------------
@@ -593,9 +593,9 @@ def test_tls_listener_serves_sandbox_urls(server, tmp_path):
             srv.kill_all()
         finally:
             srv.stop()
-            from forkyard.network.slots import NetworkManager
+            from forkyard.network.slots import NetnsNetwork
 
-            NetworkManager(None, outer_net=outer, prefix=prefix).teardown_host()
+            NetnsNetwork(None, outer_net=outer, prefix=prefix).teardown_host()
 
 
 # ---- base template parity ------------------------------------------------------------------

@@ -21,6 +21,7 @@ import pytest
 
 import _hostutil as hu
 from forkyard.config import GUEST_IP
+from forkyard.network.base import NetnsAttachment
 from forkyard.runtime.base import RuntimeError_, SandboxSpec
 from forkyard.runtime.gvisor import GVisorDriver
 from forkyard.runtime.gvisor import disk as gdisk
@@ -72,7 +73,7 @@ async def sandboxes(settings, nm, base_rootfs):
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             rootfs=base_rootfs,
-            netns_path=slot.netns_path,
+            network=slot.attachment,
             vcpus=1,
             memory_mb=256,
             hostname="e2b.local",
@@ -262,7 +263,7 @@ async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_pat
     not_a_netns = tmp_path / "not-a-netns"
     not_a_netns.write_text("")
     with pytest.raises(RuntimeError_) as err:
-        await driver.create(replace(spec, netns_path=str(not_a_netns)))
+        await driver.create(replace(spec, network=NetnsAttachment(str(not_a_netns))))
     assert f"runsc run {spec.sandbox_id} failed" in str(err.value)
     assert str(not_a_netns) in str(err.value)  # runsc's own words name the bad netns
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
@@ -270,7 +271,7 @@ async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_pat
     with pytest.raises(RuntimeError_, match="does not exist in rootfs"):
         await GVisorDriver(settings, init_argv=["/nonexistent/init"]).create(spec)
     with pytest.raises(RuntimeError_, match="network namespace"):
-        await driver.create(replace(spec, netns_path="/run/netns/ft-missing"))
+        await driver.create(replace(spec, network=NetnsAttachment("/run/netns/ft-missing")))
     with pytest.raises(RuntimeError_, match="rootfs"):
         await driver.create(replace(spec, rootfs=Path("/nonexistent-rootfs")))
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)

@@ -272,7 +272,7 @@ class Creator:
             e.slot = slot
             workdir = self.starter.fresh_workdir(e.sandbox_id)
             spec = SandboxSpec(
-                sandbox_id=e.sandbox_id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
+                sandbox_id=e.sandbox_id, rootfs=tmpl.rootfs, network=slot.attachment,
                 vcpus=e.vcpus, memory_mb=e.memory_mb, hostname=HOSTNAME, workdir=workdir,
                 disk_mb=tmpl.disk_mb or self.settings.default_disk_mb,  # as a cold create's
             )

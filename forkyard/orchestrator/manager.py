@@ -37,6 +37,7 @@ import httpx
 
 from forkyard.config import Settings
 from forkyard.guest import envd
+from forkyard.network.base import Network
 from forkyard.network.egress import EgressPolicy
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.create import Creator
@@ -71,8 +72,8 @@ class Orchestrator:
     Args:
         settings: node settings (paths, limits).
         driver: runtime driver (:func:`forkyard.node.build_orchestrator` picks it).
-        network: slot manager with ``setup_host()``, ``allocate(i) -> Slot``,
-            ``release(i)``, ``existing_indexes()`` (blocking calls, run in threads).
+        network: the node's network slots (:class:`~forkyard.network.base.Network`;
+            blocking calls, run in threads).
         store: SQLite store.
         snapshots: the snapshot repository and this node's staging and cache.
 
@@ -89,7 +90,8 @@ class Orchestrator:
     #: How often forkyard's iptables jumps are checked to still come first (s).
     FIREWALL_CHECK_S = 5.0
 
-    def __init__(self, settings: Settings, driver: RuntimeDriver, network, store: Store, snapshots: SnapshotStore):
+    def __init__(self, settings: Settings, driver: RuntimeDriver, network: Network, store: Store,
+                 snapshots: SnapshotStore):
         self.settings = settings
         self.driver = driver
         self.network = network
@@ -137,13 +139,12 @@ class Orchestrator:
         self.pool.refill()
 
     async def _firewall_loop(self) -> None:
-        """Every :data:`FIREWALL_CHECK_S`, move forkyard's iptables jumps back ahead of
-        rules other software inserted later (``NetworkManager.ensure_jumps_first``)."""
-        ensure = getattr(self.network, "ensure_jumps_first", None)
-        while ensure is not None:
+        """Every :data:`FIREWALL_CHECK_S`, move forkyard's firewall rules back ahead of
+        rules other software inserted later (:meth:`Network.ensure_jumps_first`)."""
+        while True:
             await asyncio.sleep(self.FIREWALL_CHECK_S)
             try:
-                await asyncio.to_thread(ensure)
+                await asyncio.to_thread(self.network.ensure_jumps_first)
             except Exception as e:  # noqa: BLE001 — retried at the next tick
                 log.error("checking the firewall order failed: %s", e)
 

@@ -108,7 +108,7 @@ class Starter:
             phases["slot"] = (t1 - t0) * 1000
             workdir = self.fresh_workdir(rec.id)
             spec = SandboxSpec(
-                sandbox_id=rec.id, rootfs=tmpl.rootfs, netns_path=slot.netns_path,
+                sandbox_id=rec.id, rootfs=tmpl.rootfs, network=slot.attachment,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname=HOSTNAME, workdir=workdir,
                 disk_mb=rec.disk_mb,
             )

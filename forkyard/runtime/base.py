@@ -2,7 +2,8 @@
 
 A driver owns the isolation boundary (gVisor now; QEMU/Firecracker later). It never
 touches the database or the network slots: the orchestrator allocates a network slot,
-passes its netns path in :class:`SandboxSpec`, and records state. Commands and files go
+passes its attachment (:attr:`SandboxSpec.network`, of the kind the driver takes:
+:attr:`RuntimeDriver.attachment`) in :class:`SandboxSpec`, and records state. Commands and files go
 through envd (started by the driver as the sandbox's init process), never through the
 driver.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from forkyard.network.base import NetnsAttachment
 
 
 class RuntimeError_(Exception):
@@ -56,8 +59,9 @@ class SandboxSpec:
         sandbox_id: forkyard sandbox id (also the runtime container id).
         rootfs: template rootfs directory, shared read-only by all its sandboxes;
             writes land in a per-sandbox writable layer that the driver owns.
-        netns_path: path of the network namespace the sandbox must run in
-            (e.g. ``/var/run/netns/fy-3-s``).
+        network: the network slot's attachment the sandbox joins (for a driver whose
+            :attr:`RuntimeDriver.attachment` is :class:`NetnsAttachment`: the network
+            namespace it must run in, e.g. ``/run/netns/fy3s``).
         vcpus: CPU limit in cores.
         memory_mb: memory limit in MiB.
         hostname: hostname seen inside the sandbox.
@@ -71,7 +75,7 @@ class SandboxSpec:
 
     sandbox_id: str
     rootfs: Path
-    netns_path: str
+    network: NetnsAttachment
     vcpus: int
     memory_mb: int
     hostname: str
@@ -106,6 +110,9 @@ class RuntimeDriver(abc.ABC):
     #: in every checkpoint image, and a restore of an image of another build raises
     #: :class:`RuntimeMismatch`. Empty when unknown.
     build: str = ""
+    #: The kind of network attachment it runs sandboxes on (:attr:`SandboxSpec.network`);
+    #: the composition root pairs it with a network whose slots carry that kind.
+    attachment: type = NetnsAttachment
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> None:

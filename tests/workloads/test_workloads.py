@@ -200,7 +200,8 @@ def _steps(out: str) -> dict[str, int]:
 def wl_server(base_template, index, tmp_path_factory):
     """A forkyard server whose sandboxes may reach the index's /29 (and nothing else of
     the documentation ranges); the e2b SDK is pointed at it for the module."""
-    from forkyard.network.slots import BLOCKED_EGRESS, NetworkManager
+    from forkyard.network.firewall import BLOCKED_EGRESS
+    from forkyard.network.slots import NetnsNetwork
 
     blocked = []
     for net in map(ipaddress.ip_network, BLOCKED_EGRESS):
@@ -229,7 +230,7 @@ def wl_server(base_template, index, tmp_path_factory):
         finally:
             srv.stop()
             conftest.stop_reaper(srv.data_dir / "runsc")
-            NetworkManager(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
+            NetnsNetwork(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
         left = conftest.host_leftovers(srv.data_dir / "runsc")
         netns = _sh("ip", "netns", "list").stdout.split()
         assert left["runsc"] == [] and left["mounts"] == [] and not [n for n in netns if n.startswith(PREFIX)], left

@@ -450,13 +450,14 @@ class GVisorDriver(RuntimeDriver):
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def create(self, spec: SandboxSpec) -> None:
-        """Start sandbox ``spec.sandbox_id`` with init (envd) as root, in ``spec.netns_path``.
+        """Start sandbox ``spec.sandbox_id`` with init (envd) as root, in the network
+        namespace of ``spec.network``.
 
         Uses ``runsc run --detach`` (measured faster than ``create`` + ``start``: one
         runsc invocation instead of two). Returns when runsc reports the container started.
         The slot's ``eth0`` must carry the guest address: runsc moves the address and
         routes into the sandbox, so a slot whose sandbox stopped must be re-``allocate``d
-        before it serves another sandbox (``NetworkManager.allocate`` restores them).
+        before it serves another sandbox (``NetnsNetwork.allocate`` restores them).
 
         Raises:
             RuntimeError_: bad spec (missing rootfs/netns/envd), the id already exists,
@@ -580,8 +581,8 @@ class GVisorDriver(RuntimeDriver):
         sid = spec.sandbox_id
         if not Path(spec.rootfs).is_dir():
             raise RuntimeError_(f"rootfs {spec.rootfs} is not a directory")
-        if not os.path.exists(spec.netns_path):
-            raise RuntimeError_(f"network namespace {spec.netns_path} does not exist")
+        if not os.path.exists(spec.network.netns_path):
+            raise RuntimeError_(f"network namespace {spec.network.netns_path} does not exist")
         envd: Path | None = Path(self.settings.envd_binary)
         if not envd.is_file():
             if self.init_argv[0] == ocispec.ENVD_GUEST_PATH:

@@ -244,7 +244,7 @@ def build_spec(
         "linux": {
             "namespaces": [
                 {"type": "pid"},
-                {"type": "network", "path": spec.netns_path},
+                {"type": "network", "path": spec.network.netns_path},
                 {"type": "ipc"},
                 {"type": "uts"},
                 {"type": "mount"},
