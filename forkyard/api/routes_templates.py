@@ -136,8 +136,8 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str):
     builds = _builds(request)
     if not builds.known_template(template_id):
         raise NotFound(f"template {template_id!r} not found")
-    path = builds.file_path(files_hash)
-    url = str(request.base_url).rstrip("/") + f"/template-files/{files_hash}?token={builds.upload_token(files_hash)}"
+    path = builds.uploads.file_path(files_hash)
+    url = str(request.base_url).rstrip("/") + f"/template-files/{files_hash}?token={builds.uploads.upload_token(files_hash)}"
     return JSONResponse({"present": path.exists(), "url": url}, status_code=201)
 
 
@@ -145,12 +145,12 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str):
 async def upload_files(request: Request, files_hash: str, token: str = ""):
     """Receive a COPY tarball (signed URL from the route above; no API key)."""
     builds = _builds(request)
-    builds.file_path(files_hash)
-    if not builds.check_upload_token(files_hash, token):
+    builds.uploads.file_path(files_hash)
+    if not builds.uploads.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
     try:
-        size = await builds.store_upload(files_hash, request.stream(), limit)
+        size = await builds.uploads.store_upload(files_hash, request.stream(), limit)
     except unpack.LimitExceeded as e:
         return _too_large(f"upload refused: {e}")
     return JSONResponse({"size": size}, status_code=201)
