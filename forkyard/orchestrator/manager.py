@@ -222,6 +222,37 @@ class Orchestrator:
                 "pool": self.pool.describe(), "poolSlots": sorted(self.pool.slot_indexes()),
                 "poolSandboxes": self.pool.ids(), "spareDisks": self.driver.spare_mounts()}
 
+    # ---- for the cluster agent: the node's rows and what it reports ----------------
+    @property
+    def runtime_build(self) -> str:
+        """The runtime build this node runs (:attr:`RuntimeDriver.build`; "" when
+        unknown): nodes of a cluster must run the same one for images to move."""
+        return self.driver.build
+
+    def records(self) -> list[SandboxRecord]:
+        """Every row, also of sandboxes being created or killed (:meth:`list` hides those)."""
+        return self.store.all()
+
+    def record(self, sandbox_id: str) -> SandboxRecord | None:
+        """The row of ``sandbox_id`` in whatever state, or None."""
+        return self.store.get(sandbox_id)
+
+    def on_record_change(self, listener) -> None:
+        """Call ``listener(sandbox_id)`` after every write or delete of a row (on the
+        writer's thread; it must be quick and never raise): a cluster node mirrors its
+        rows to the cluster through it."""
+        self.store.listeners.append(listener)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bound of this node's image cache (bytes, ``FORKYARD_CACHE_BYTES``)."""
+        return self.snapshots.cache.limit_bytes
+
+    def cached_snapshots(self) -> list[str]:
+        """Ids of the images this node's cache holds (placement prefers such a node for
+        a restore of one)."""
+        return self.snapshots.cache.image_ids()
+
     def repository_metrics(self) -> dict:
         """Snapshot repository and node-cache metrics (cache hits/misses, bytes fetched
         and uploaded, GC); see :meth:`SnapshotStore.metrics` for the shape."""
