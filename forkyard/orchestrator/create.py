@@ -15,6 +15,7 @@ import httpx
 from forkyard.config import Settings
 from forkyard.guest import envd
 from forkyard.ids import new_sandbox_id
+from forkyard.network.base import Network
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
 from forkyard.orchestrator import images, timing
@@ -55,7 +56,7 @@ class Creator:
             user sandboxes).
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, network,
+    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, network: Network,
                  snapshots: SnapshotStore, capacity: Capacity, slots: SlotAllocator, starter: Starter,
                  teardown: Teardown, http: httpx.AsyncClient):
         self.settings = settings

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass, field
 
 from forkyard.config import Settings
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
@@ -44,6 +45,7 @@ def check_timeout(timeout_s: int | None) -> int:
     return timeout_s
 
 
+@dataclass(eq=False, repr=False)
 class Expiry:
     """Timeouts and the loop that enforces them.
 
@@ -57,16 +59,14 @@ class Expiry:
         gc: image GC (run every minute in a cluster).
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, pool: WarmPool,
-                 pauser: Pauser, teardown: Teardown, gc: ImageGC):
-        self.settings = settings
-        self.table = table
-        self.driver = driver
-        self.pool = pool
-        self.pauser = pauser
-        self.teardown = teardown
-        self.gc = gc
-        self._expiring: set[str] = set()
+    settings: Settings
+    table: SandboxTable
+    driver: RuntimeDriver
+    pool: WarmPool
+    pauser: Pauser
+    teardown: Teardown
+    gc: ImageGC
+    _expiring: set[str] = field(default_factory=set, init=False)
 
     # ---- changing timeouts --------------------------------------------------------
     async def set_timeout(self, sandbox_id: str, timeout_s: int) -> SandboxRecord:

@@ -14,6 +14,7 @@ import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
+from dataclasses import dataclass
 
 from forkyard.config import Settings
 from forkyard.ids import new_sandbox_id
@@ -34,6 +35,7 @@ MAX_FORKS = 100
 FORK_DEFAULT_TIMEOUT_S = 15
 
 
+@dataclass(eq=False, repr=False)
 class Forker:
     """Forks sandboxes.
 
@@ -47,14 +49,12 @@ class Forker:
             ``AtCapacity``) before anything is checkpointed.
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, snapshots: SnapshotStore, stager: Stager,
-                 starter: Starter, admit: Callable[[int, int, int], None]):
-        self.settings = settings
-        self.table = table
-        self.snapshots = snapshots
-        self.stager = stager
-        self.starter = starter
-        self.admit = admit
+    settings: Settings
+    table: SandboxTable
+    snapshots: SnapshotStore
+    stager: Stager
+    starter: Starter
+    admit: Callable[[int, int, int], None]
 
     @metrics.timed("fork")
     async def fork(self, sandbox_id: str, count: int = 1, timeout_s: int | None = None) -> list[SandboxRecord | Exception]:

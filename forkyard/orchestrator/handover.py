@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 from forkyard.config import Settings
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
@@ -19,6 +20,7 @@ from forkyard.repository.snapshots import SnapshotStore
 log = logging.getLogger("forkyard.orchestrator")
 
 
+@dataclass(eq=False, repr=False)
 class Handover:
     """Sandboxes and images moving between nodes.
 
@@ -29,11 +31,10 @@ class Handover:
         teardown: removes a forgotten sandbox that still runs here.
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, snapshots: SnapshotStore, teardown: Teardown):
-        self.settings = settings
-        self.table = table
-        self.snapshots = snapshots
-        self.teardown = teardown
+    settings: Settings
+    table: SandboxTable
+    snapshots: SnapshotStore
+    teardown: Teardown
 
     async def adopt(self, rec: SandboxRecord) -> SandboxRecord:
         """Take over a paused sandbox whose node is gone or draining (its state is a

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 
@@ -36,6 +37,7 @@ from forkyard.runtime.base import RuntimeDriver
 log = logging.getLogger("forkyard.orchestrator")
 
 
+@dataclass(eq=False, repr=False)
 class Pauser:
     """Pauses sandboxes.
 
@@ -48,14 +50,12 @@ class Pauser:
         http: the client envd calls go through (``require_healthy``).
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, stager: Stager,
-                 teardown: Teardown, http: httpx.AsyncClient):
-        self.settings = settings
-        self.table = table
-        self.driver = driver
-        self.stager = stager
-        self.teardown = teardown
-        self.http = http
+    settings: Settings
+    table: SandboxTable
+    driver: RuntimeDriver
+    stager: Stager
+    teardown: Teardown
+    http: httpx.AsyncClient
 
     @metrics.timed("pause")
     async def pause(self, sandbox_id: str, require_healthy: bool = False, only_if=None,

@@ -10,11 +10,13 @@ import asyncio
 import logging
 import shutil
 import time
+from dataclasses import dataclass
 
 import httpx
 
 from forkyard.config import Settings
 from forkyard.guest import envd
+from forkyard.network.base import Network
 from forkyard.orchestrator.image_gc import ImageGC
 from forkyard.orchestrator.spare_slots import MAX_SLOTS, SlotAllocator
 from forkyard.orchestrator.staging import PAUSE_MARKER, Stager, meta_for, staged_memory
@@ -30,6 +32,7 @@ log = logging.getLogger("forkyard.orchestrator")
 CHECKPOINT_WAIT_S = 60
 
 
+@dataclass(eq=False, repr=False)
 class Reconciler:
     """Reconciles persisted sandboxes with what runs, once at start.
 
@@ -47,19 +50,16 @@ class Reconciler:
         http: the client envd calls go through.
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, network,
-                 snapshots: SnapshotStore, stager: Stager, teardown: Teardown, slots: SlotAllocator,
-                 gc: ImageGC, http: httpx.AsyncClient):
-        self.settings = settings
-        self.table = table
-        self.driver = driver
-        self.network = network
-        self.snapshots = snapshots
-        self.stager = stager
-        self.teardown = teardown
-        self.slots = slots
-        self.gc = gc
-        self.http = http
+    settings: Settings
+    table: SandboxTable
+    driver: RuntimeDriver
+    network: Network
+    snapshots: SnapshotStore
+    stager: Stager
+    teardown: Teardown
+    slots: SlotAllocator
+    gc: ImageGC
+    http: httpx.AsyncClient
 
     async def _adoptable(self, rec: SandboxRecord, live_ids: set[str]) -> bool:
         if rec.id not in live_ids or rec.slot is None:

@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from dataclasses import dataclass
 
 from forkyard.obs import metrics
 from forkyard.orchestrator import timing
@@ -28,6 +29,7 @@ from forkyard.runtime.base import RuntimeDriver
 log = logging.getLogger("forkyard.orchestrator")
 
 
+@dataclass(eq=False, repr=False)
 class Resumer:
     """Resumes paused sandboxes.
 
@@ -42,15 +44,13 @@ class Resumer:
             ``AtCapacity``).
     """
 
-    def __init__(self, table: SandboxTable, driver: RuntimeDriver, snapshots: SnapshotStore, starter: Starter,
-                 teardown: Teardown, gc: ImageGC, admit: Callable[[int, int], None]):
-        self.table = table
-        self.driver = driver
-        self.snapshots = snapshots
-        self.starter = starter
-        self.teardown = teardown
-        self.gc = gc
-        self.admit = admit
+    table: SandboxTable
+    driver: RuntimeDriver
+    snapshots: SnapshotStore
+    starter: Starter
+    teardown: Teardown
+    gc: ImageGC
+    admit: Callable[[int, int], None]
 
     @metrics.timed("resume")
     async def resume(self, sandbox_id: str, timeout_s: int | None = None,

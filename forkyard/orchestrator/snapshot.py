@@ -4,6 +4,7 @@ a filesystem-only export), committed as a reusable ``snapshot`` image (usable as
 """
 
 from __future__ import annotations
+from dataclasses import dataclass
 
 from forkyard.config import Settings
 from forkyard.ids import is_name
@@ -16,6 +17,7 @@ from forkyard.orchestrator.state import SandboxTable
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore, new_snapshot_id
 
 
+@dataclass(eq=False, repr=False)
 class Snapshotter:
     """Takes, lists and deletes user snapshots.
 
@@ -26,11 +28,10 @@ class Snapshotter:
         snapshots: the repository.
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, stager: Stager, snapshots: SnapshotStore):
-        self.settings = settings
-        self.table = table
-        self.stager = stager
-        self.snapshots = snapshots
+    settings: Settings
+    table: SandboxTable
+    stager: Stager
+    snapshots: SnapshotStore
 
     @metrics.timed("snapshot")
     async def snapshot(self, sandbox_id: str, name: str | None = None, memory: bool = True) -> SnapshotMeta:

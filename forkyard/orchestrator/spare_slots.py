@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from forkyard.network.base import Slot
+from forkyard.network.base import Network, Slot
 from forkyard.obs import metrics
 from forkyard.orchestrator.errors import CreateFailed
 from forkyard.orchestrator.state import SandboxTable
@@ -39,7 +39,8 @@ class SlotAllocator:
         next_index: where the round-robin search for a free index starts.
     """
 
-    def __init__(self, table: SandboxTable, network, spare_count: int, held_elsewhere: Callable[[], set[int]]):
+    def __init__(self, table: SandboxTable, network: Network, spare_count: int,
+                 held_elsewhere: Callable[[], set[int]]):
         self.table = table
         self.network = network
         self.spare_count = spare_count

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from dataclasses import dataclass
 
 from forkyard.config import Settings
 from forkyard.obs import metrics
@@ -55,6 +56,7 @@ def meta_for(rec: SandboxRecord, kind: str, snapshot_id: str,
     )
 
 
+@dataclass(eq=False, repr=False)
 class Stager:
     """Stages images of running sandboxes and commits them.
 
@@ -64,10 +66,9 @@ class Stager:
         snapshots: staging directories and the repository.
     """
 
-    def __init__(self, settings: Settings, driver: RuntimeDriver, snapshots: SnapshotStore):
-        self.settings = settings
-        self.driver = driver
-        self.snapshots = snapshots
+    settings: Settings
+    driver: RuntimeDriver
+    snapshots: SnapshotStore
 
     async def stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
         """``runsc checkpoint`` of ``rec`` into a fresh staging directory (image in

@@ -12,12 +12,14 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 
 from forkyard.config import Settings
 from forkyard.guest import envd
 from forkyard.ids import is_sandbox_id
+from forkyard.network.base import Network
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
 from forkyard.orchestrator import images
@@ -37,6 +39,7 @@ ENVD_READY_TIMEOUT_S = 20.0
 HOSTNAME = "e2b.local"
 
 
+@dataclass(eq=False, repr=False)
 class Starter:
     """Starts sandboxes.
 
@@ -51,16 +54,14 @@ class Starter:
         http: the client envd calls go through (no keep-alive: slot addresses are reused).
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, network,
-                 snapshots: SnapshotStore, slots: SlotAllocator, teardown: Teardown, http: httpx.AsyncClient):
-        self.settings = settings
-        self.table = table
-        self.driver = driver
-        self.network = network
-        self.snapshots = snapshots
-        self.slots = slots
-        self.teardown = teardown
-        self.http = http
+    settings: Settings
+    table: SandboxTable
+    driver: RuntimeDriver
+    network: Network
+    snapshots: SnapshotStore
+    slots: SlotAllocator
+    teardown: Teardown
+    http: httpx.AsyncClient
 
     def fresh_workdir(self, sandbox_id: str) -> Path:
         """An empty runtime work directory for ``sandbox_id`` (a stale one is removed).

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+from dataclasses import dataclass
 
 from forkyard.config import Settings
 from forkyard.ids import is_sandbox_id
+from forkyard.network.base import Network
 from forkyard.obs import metrics
 from forkyard.orchestrator.image_gc import ImageGC
 from forkyard.orchestrator.logs import read_entries
@@ -21,6 +23,7 @@ from forkyard.runtime.base import RuntimeDriver
 log = logging.getLogger("forkyard.orchestrator")
 
 
+@dataclass(eq=False, repr=False)
 class Teardown:
     """Removes sandboxes and everything they hold.
 
@@ -33,14 +36,12 @@ class Teardown:
         gc: told which pause images a kill made garbage.
     """
 
-    def __init__(self, settings: Settings, table: SandboxTable, driver: RuntimeDriver, network,
-                 snapshots: SnapshotStore, gc: ImageGC):
-        self.settings = settings
-        self.table = table
-        self.driver = driver
-        self.network = network
-        self.snapshots = snapshots
-        self.gc = gc
+    settings: Settings
+    table: SandboxTable
+    driver: RuntimeDriver
+    network: Network
+    snapshots: SnapshotStore
+    gc: ImageGC
 
     async def destroy(self, sandbox_id: str, slot_index: int | None) -> None:
         """Destroy runtime state, network slot and workdir; never raises."""
