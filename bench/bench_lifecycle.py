@@ -106,7 +106,8 @@ class Raw:
         restored envd answers ``/health`` (ms); the restored sandboxes are destroyed.
         ``phases`` (k = 1) receives the driver's phases and ``envd`` (ms)."""
         t = time.perf_counter()
-        await asyncio.gather(*(self.drv.restore(self._spec(j), image or self.img, phases=phases) for j in range(k)))
+        await asyncio.gather(*(self.drv.create(self._spec(j), self.drv.image_at(image or self.img), phases=phases)
+                               for j in range(k)))
         t1 = time.perf_counter()
         await asyncio.gather(*(self._envd_answers(j) for j in range(k)))
         ms = (time.perf_counter() - t) * 1000
@@ -129,7 +130,7 @@ class Raw:
         """Raw pause and resume: restore the last checkpoint into a raw sandbox (untimed),
         then a stopping checkpoint of it (``pause``) and a restore of that image until
         envd answers (``resume``), ms; ``phases`` receives the resume's phases."""
-        await self.drv.restore(self._spec(0), self.img)
+        await self.drv.create(self._spec(0), self.drv.image_at(self.img))
         await self._envd_answers(0)
         stopped = self.settings.data_dir / "img-stopped"
         shutil.rmtree(stopped, ignore_errors=True)

@@ -96,7 +96,7 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
         net.release(0)
         for i in range(forks):
             kid, kslot = spec(f"kid{i}", 1)
-            await drv.restore(kid, out / "c0")
+            await drv.create(kid, drv.image_at(out / "c0"))
             _wait_http(f"http://{kslot.outer_ip}:49983/health")
             sh(kid.sandbox_id, f"head -c 64K /dev/urandom > /root/kid{i}")
             await drv.checkpoint(kid.sandbox_id, out / f"fork{i}", leave_running=False)

@@ -10,6 +10,7 @@ absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 * :class:`ClientSettings`: where :mod:`forkyard.client` and the CLI find a server.
 * :class:`ProxySettings`: bounds on client connections of every HTTP server.
 * :class:`RepositorySettings`: where snapshots are committed, the node cache's bound.
+* :class:`GVisorSettings`: the gVisor driver's tunables.
 
 Each is read when it is made (``Settings()`` …), so a process that changes its
 environment sees the change at the next one. Secrets are kept out of their ``repr``.
@@ -415,3 +416,32 @@ def hold_dir() -> Path | None:
     call, so a test can arm a server it started with the variable set."""
     d = os.environ.get("FORKYARD_TEST_HOLD_DIR")
     return Path(d) if d else None
+
+
+@dataclass(frozen=True)
+class GVisorSettings:
+    """Tunables of the gVisor driver (:class:`forkyard.runtime.gvisor.GVisorDriver`); the
+    binary and its state directory are the node's (:attr:`Settings.runsc`,
+    :attr:`Settings.runsc_root`).
+
+    Attributes:
+        spare_disks: ``FORKYARD_SPARE_DISKS`` (16): per-sandbox disks of the node's default
+            size kept made ahead of demand (as many as a fork restores at once,
+            ``FORKYARD_FORK_PARALLELISM``: fork ×16 measured 1.07x of raw with 16 spares,
+            1.13-1.22x with 4); ~2 MB of host disk, one loop device and one mount each.
+        envd_rearm: ``FORKYARD_ENVD_REARM=1``: nudge every restored envd with SIGUSR1
+            (``runsc kill``, ~9-20 ms per restore) so it re-registers its listener. Off
+            by default: the epoll bug it works around (gVisor issue 13920) is fixed in the
+            pinned build (gVisor PR 14147), and envd's accept poll still bounds a missed
+            wake-up to 1 s (docs/runtime.md).
+        runsc_debug: ``FORKYARD_RUNSC_DEBUG=1``: runsc logs debug output under
+            ``<data>/runsc-debug/``.
+        reaper_daemon: ``FORKYARD_REAPER_DAEMON`` (on; ``0`` turns it off): sandboxes start
+            under the node's reaper daemon, which reaps them at once also after a server
+            restart (docs/runtime.md).
+    """
+
+    spare_disks: int = field(default_factory=lambda: int(_env("FORKYARD_SPARE_DISKS", "16")))
+    envd_rearm: bool = field(default_factory=lambda: _env("FORKYARD_ENVD_REARM", "0") == "1")
+    runsc_debug: bool = field(default_factory=lambda: _env("FORKYARD_RUNSC_DEBUG") == "1")
+    reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")

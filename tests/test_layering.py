@@ -81,7 +81,6 @@ ENV_READS_TO_MOVE = {
     "cluster/scheduler.py": 1,        # FORKYARD_ORPHAN_MOVE_S
     "cluster/types.py": 1,            # FORKYARD_HEARTBEAT_TIMEOUT_S
     "orchestrator/admission.py": 6,   # FORKYARD_RESERVED_MEMORY_MB, _MEMORY_OVERCOMMIT, ...
-    "runtime/gvisor/driver.py": 4,    # FORKYARD_SPARE_DISKS, _ENVD_REARM, _RUNSC_DEBUG, _REAPER_DAEMON
     "runtime/gvisor/reaper.py": 1,    # not a setting: hands the environment to the daemon it spawns
 }
 

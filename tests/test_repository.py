@@ -131,7 +131,7 @@ class Rig:
         await self.stop(src.sandbox_id)
         for i in range(FORKS):
             kid, kslot = self.spec(f"{PREFIX}-kid{i}", 2)
-            await self.driver.restore(kid, self.images / "c0")
+            await self.driver.create(kid, self.driver.image_at(self.images / "c0"))
             _http_ok(kslot.outer_ip)
             self.sh(kid.sandbox_id, f"head -c 65536 /dev/urandom > /root/kid{i}")
             await self.driver.checkpoint(kid.sandbox_id, self.images / f"fork{i}", leave_running=True)
@@ -502,7 +502,7 @@ async def test_runsc_restores_from_materialized_s3_image(rig, make_store, s3_end
     path = await asyncio.to_thread(node.image, meta.snapshot_id)
     try:
         kid, slot = rig.spec(f"{PREFIX}-e2e", 3)
-        await rig.driver.restore(kid, path)
+        await rig.driver.create(kid, rig.driver.image_at(path))
     finally:
         node.release(meta.snapshot_id)
     try:

@@ -316,7 +316,7 @@ async def test_checkpoint_and_fork(settings, driver, sandboxes, nm):
         restore_ms = []
         for kid, _ in kids:
             t = time.perf_counter()
-            await driver.restore(kid, image)
+            await driver.create(kid, driver.image_at(image))
             restore_ms.append(1000 * (time.perf_counter() - t))
         for kid, slot in kids:
             assert await driver.is_running(kid.sandbox_id)
@@ -345,7 +345,7 @@ async def test_stopping_checkpoint_then_restore_same_id(settings, driver, sandbo
 
         assert nm.allocate(16) == slot  # puts the guest address back on eth0
         t = time.perf_counter()
-        await driver.restore(spec, image)
+        await driver.create(spec, driver.image_at(image))
         resume_ms = 1000 * (time.perf_counter() - t)
         assert http_get(slot.outer_ip) == 200
         assert sh(settings, spec.sandbox_id, "cat /root/state").strip() == "kept"
@@ -372,7 +372,7 @@ async def test_images_of_older_tmp_kinds_restore_with_their_tmp(settings, driver
         await driver.checkpoint(spec.sandbox_id, image, leave_running=False)
         assert ocispec.image_tmp(image) == kind
         assert nm.allocate(index) == slot
-        await driver.restore(spec, image)
+        await driver.create(spec, driver.image_at(image))
         assert http_get(slot.outer_ip) == 200
         assert sh(settings, spec.sandbox_id, "cat /tmp/state; df --output=target /tmp | tail -1").split() == [
             "kept", "/tmp"]
@@ -386,7 +386,7 @@ async def test_images_of_older_tmp_kinds_restore_with_their_tmp(settings, driver
 async def test_restore_from_missing_image_fails(settings, driver, sandboxes):
     spec, _ = sandboxes(17, "rt-noimage")
     with pytest.raises(RuntimeError_, match="does not exist"):
-        await driver.restore(spec, settings.data_dir / "images" / "nope")
+        await driver.create(spec, driver.image_at(settings.data_dir / "images" / "nope"))
 
 
 # --------------------------------------------------------------------------- timing
@@ -519,7 +519,7 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
         await envd_driver.checkpoint(src.sandbox_id, image, leave_running=True)
         ckpt_ms = 1000 * (time.perf_counter() - t)
         t = time.perf_counter()
-        await envd_driver.restore(kid, image)
+        await envd_driver.create(kid, envd_driver.image_at(image))
         restore_ms = 1000 * (time.perf_counter() - t)
 
         t = time.perf_counter()
@@ -559,14 +559,14 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
 
 
 async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes):
-    """A node keeps disks made ahead (``start_spares``): a start of that size moves one
+    """A node keeps disks made ahead (``prepare``): a start of that size moves one
     in (its disk is then an ordinary one: a mount at its workdir, destroyed with it), the
     spares are made again, a start of another size makes its own, and a later
-    ``start_spares`` (a restarted node) or ``stop_spares`` removes every spare mount."""
+    ``prepare`` (a restarted node) or ``shutdown`` removes every spare mount."""
     drv = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
     root = settings.data_dir / "spare-disks"
     leftover = GVisorDriver(settings, init_argv=hu.HTTP_INIT)  # a "crashed" earlier node's spares
-    await leftover.start_spares(64)
+    await leftover.prepare(64)
 
     async def ready(d: GVisorDriver) -> list[str]:
         deadline = time.time() + 30
@@ -576,7 +576,7 @@ async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes)
 
     assert len(await ready(leftover)) == leftover.spare_disks.count > 0
     try:
-        await drv.start_spares(64)  # removes the leftovers first
+        await drv.prepare(64)  # removes the leftovers first
         spares = await ready(drv)
         assert len(spares) == drv.spare_disks.count
         assert sorted(line.split()[4] for line in hu.mounts_mentioning(str(root))) == sorted(spares)
@@ -598,6 +598,6 @@ async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes)
         await drv.destroy(spec.sandbox_id, spec.workdir)
         assert hu.mounts_mentioning(str(spec.workdir)) == []
     finally:
-        await drv.stop_spares()
+        await drv.shutdown()
         leftover.spare_disks = None  # its spares were removed by drv's start
     assert hu.mounts_mentioning(str(root)) == [] and not root.exists()

@@ -116,7 +116,7 @@ class Orchestrator:
         self.pool = creator.pool
         self._stager = stager = Stager(settings, driver, snapshots)
         self._pauser = pauser = Pauser(settings, table, driver, stager, teardown, http)
-        self._resumer = Resumer(table, driver, snapshots, starter, teardown, gc, creator.admit)
+        self._resumer = Resumer(table, driver, snapshots, starter, teardown, gc, creator.admit, stager)
         self._snapshotter = Snapshotter(settings, table, stager, snapshots)
         self._forker = Forker(settings, table, snapshots, stager, starter, creator.admit)
         self._expiry = Expiry(settings, table, driver, self.pool, pauser, teardown, gc)
@@ -135,7 +135,7 @@ class Orchestrator:
         self._ttl_task = asyncio.create_task(self._expiry.loop(), name="ttl")
         self._firewall_task = asyncio.create_task(self._firewall_loop(), name="firewall")
         self._slots.refill()
-        await self.driver.start_spares(self.settings.default_disk_mb)
+        await self.driver.prepare(self.settings.default_disk_mb)
         self.pool.refill()
 
     async def _firewall_loop(self) -> None:
@@ -161,7 +161,7 @@ class Orchestrator:
             await self._pauser.drop_hot(sandbox_id)
         await self._gc.wait(60)
         await self._slots.stop()  # finishes the slot it is building, then removes the spares
-        await self.driver.stop_spares()
+        await self.driver.shutdown()
         if self._firewall_task:
             self._firewall_task.cancel()
         if self._ttl_task:
@@ -322,8 +322,7 @@ class Orchestrator:
         # there: take their disk (writable layer) from the host instead.
         if rec.disk_mb and 0 < int(m.get("disk_total") or 0) <= rec.disk_mb << 20:
             return m
-        usage = getattr(self.driver, "disk_usage", None)
-        disk = await asyncio.to_thread(usage, self.settings.sandboxes_dir / sandbox_id) if usage else None
+        disk = await asyncio.to_thread(self.driver.disk_usage, self.settings.sandboxes_dir / sandbox_id)
         if disk is not None:
             m["disk_used"], m["disk_total"] = disk
         else:

@@ -19,7 +19,7 @@ from forkyard.guest import envd
 from forkyard.network.base import Network
 from forkyard.orchestrator.image_gc import ImageGC
 from forkyard.orchestrator.spare_slots import MAX_SLOTS, SlotAllocator
-from forkyard.orchestrator.staging import PAUSE_MARKER, Stager, meta_for, staged_memory
+from forkyard.orchestrator.staging import PAUSE_MARKER, Stager, meta_for
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.orchestrator.teardown import Teardown
@@ -177,7 +177,7 @@ class Reconciler:
             if rec.state == "pausing":
                 if not (staging / "image").is_dir() or not any((staging / "image").iterdir()):
                     continue
-                if not staged_memory(staging):
+                if not self.stager.staged_memory(staging):
                     # A filesystem-only pause stops nothing before its reply: the
                     # sandbox still exists (frozen or running) and is re-adopted.
                     continue
@@ -191,7 +191,7 @@ class Reconciler:
                 store.put(rec)
             try:
                 await self.stager.commit(staging, meta_for(rec, "pause", rec.image_id,
-                                                           memory=staged_memory(staging)), keep_on_error=True)
+                                                           memory=self.stager.staged_memory(staging)), keep_on_error=True)
                 log.info("committed the interrupted pause of sandbox %s", rec.id)
             except Exception as e:  # noqa: BLE001
                 log.error("committing the interrupted pause of %s failed (kept staged): %s", rec.id, e)

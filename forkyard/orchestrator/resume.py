@@ -18,7 +18,7 @@ from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import BadRequest, Conflict, CreateFailed, NotFound
 from forkyard.orchestrator.expiry import check_timeout
 from forkyard.orchestrator.image_gc import ImageGC
-from forkyard.orchestrator.staging import PAUSE_MARKER, meta_for, staged_memory
+from forkyard.orchestrator.staging import PAUSE_MARKER, Stager, meta_for
 from forkyard.orchestrator.start import Starter
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
@@ -42,6 +42,7 @@ class Resumer:
         gc: told which pause images a resume made garbage.
         admit: ``admit(vcpus, memory_mb)``: admission of the resumed sandbox (raises
             ``AtCapacity``).
+        stager: says what kind an image staged here is.
     """
 
     table: SandboxTable
@@ -51,6 +52,7 @@ class Resumer:
     teardown: Teardown
     gc: ImageGC
     admit: Callable[[int, int], None]
+    stager: Stager
 
     @metrics.timed("resume")
     async def resume(self, sandbox_id: str, timeout_s: int | None = None,
@@ -131,7 +133,7 @@ class Resumer:
         staging = self.snapshots.staging_path(rec.image_id or "-")
         if rec.image_id and (staging / PAUSE_MARKER).is_file():
             log.warning("resuming %s from its image staged on this node", rec.id)
-            return (meta_for(rec, "pause", rec.image_id, memory=staged_memory(staging)),
+            return (meta_for(rec, "pause", rec.image_id, memory=self.stager.staged_memory(staging)),
                     staging / "image")
         image = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
         if image is None:
@@ -204,7 +206,7 @@ class Resumer:
         from a filesystem-only image (False)."""
         staging = self.snapshots.staging_path(rec.image_id or "-")
         if rec.image_id and (staging / PAUSE_MARKER).is_file():
-            return staged_memory(staging)
+            return self.stager.staged_memory(staging)
         meta = await asyncio.to_thread(self.snapshots.get, rec.image_id or "")
         return meta is None or meta.memory
 

@@ -21,20 +21,13 @@ from forkyard.orchestrator.errors import Conflict, CreateFailed
 from forkyard.orchestrator.images import SNAPSHOT_KEY
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.repository.errors import RepositoryError
-from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, SnapshotStore
-from forkyard.runtime.base import ExportTooLarge, RuntimeDriver
+from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
+from forkyard.runtime.base import ExportTooLarge, ImageKind, RuntimeDriver
 
 log = logging.getLogger("forkyard.orchestrator")
 
 #: File in a pause's staging directory: the checkpoint finished, the image is complete.
 PAUSE_MARKER = "checkpointed"
-
-
-def staged_memory(staging: Path) -> bool:
-    """Whether the image staged under ``staging`` is a checkpoint (True) or a
-    filesystem-only image (False: it holds :data:`ROOTFS_TAR`, or its temporary name)."""
-    image = staging / "image"
-    return not ((image / ROOTFS_TAR).exists() or (image / f"{ROOTFS_TAR}.tmp").exists())
 
 
 class FsImageTooLarge(Conflict):
@@ -69,6 +62,12 @@ class Stager:
     settings: Settings
     driver: RuntimeDriver
     snapshots: SnapshotStore
+
+    def staged_memory(self, staging: Path) -> bool:
+        """Whether the image staged under ``staging`` (in ``<it>/image``, possibly still
+        being written) is a checkpoint (True) or a filesystem-only image (False); the
+        driver reads it from its files (:meth:`RuntimeDriver.image_at`)."""
+        return self.driver.image_at(staging / "image").kind is ImageKind.CHECKPOINT
 
     async def stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
         """``runsc checkpoint`` of ``rec`` into a fresh staging directory (image in
@@ -110,8 +109,8 @@ class Stager:
                 "lays them back inside it); pause with memory instead (the sandbox keeps running)")
 
     async def stage_fs(self, rec: SandboxRecord, snapshot_id: str, thaw: bool) -> Path:
-        """Filesystem-only image of ``rec`` into a fresh staging directory
-        (``<it>/image/`` :data:`ROOTFS_TAR`): the sandbox is frozen, its writable layer
+        """Filesystem-only image of ``rec`` into a fresh staging directory (``<it>/image``,
+        :meth:`RuntimeDriver.export_filesystem`): the sandbox is frozen, its writable layer
         exported, and — when ``thaw`` (snapshot) — continued; a pause leaves it frozen
         for the teardown. Records ``scan`` (the look for files too large, see
         :meth:`fs_image_limit`), ``freeze`` and ``export`` (ms) for ``Server-Timing``.
@@ -139,7 +138,7 @@ class Stager:
             frozen = True
             t1 = time.perf_counter()
             timing.record("freeze", (t1 - t0) * 1000)
-            size = await self.driver.export_rootfs(rec.id, staging / "image" / ROOTFS_TAR, max_bytes=limit)
+            size = await self.driver.export_filesystem(rec.id, staging / "image", max_bytes=limit)
             timing.record("export", (time.perf_counter() - t1) * 1000)
             metrics.FS_IMAGE_BYTES.observe(size)
         except BaseException as e:

@@ -28,7 +28,7 @@ from forkyard.orchestrator.spare_slots import SlotAllocator
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.orchestrator.teardown import Teardown
-from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta, SnapshotStore
+from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
 
 log = logging.getLogger("forkyard.orchestrator")
@@ -113,29 +113,21 @@ class Starter:
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname=HOSTNAME, workdir=workdir,
                 disk_mb=rec.disk_mb,
             )
+            # A filesystem-only image is a cold boot of the template with the saved
+            # writable layer laid over it (new boot id; processes do not survive); a
+            # checkpoint is a restore. The driver reads which from the image directory.
+            restore_phases = phases if image is not None and image.memory else None
             if image is None:
                 await self.driver.create(spec)
-            elif not image.memory:
-                # Filesystem-only image: a cold boot of the template with the saved
-                # writable layer laid over it (new boot id; processes do not survive).
-                if image_dir is not None:
-                    spec.rootfs_upper_tar = image_dir / ROOTFS_TAR
-                    await self.driver.create(spec)
-                else:
-                    path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
-                    try:
-                        spec.rootfs_upper_tar = path / ROOTFS_TAR
-                        await self.driver.create(spec)
-                    finally:
-                        self.snapshots.release(image.snapshot_id)
             elif image_dir is not None:
-                await self.driver.restore(spec, image_dir, phases=phases)
+                await self.driver.create(spec, self.driver.image_at(image_dir), phases=restore_phases)
             else:
                 # Materializes the image from the repository when this node lacks it.
                 path = await asyncio.to_thread(self.snapshots.image, image.snapshot_id)
-                phases["image"] = (time.perf_counter() - t1) * 1000
+                if image.memory:
+                    phases["image"] = (time.perf_counter() - t1) * 1000
                 try:
-                    await self.driver.restore(spec, path, phases=phases)
+                    await self.driver.create(spec, self.driver.image_at(path), phases=restore_phases)
                 finally:
                     self.snapshots.release(image.snapshot_id)
             t2 = time.perf_counter()

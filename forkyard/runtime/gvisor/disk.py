@@ -21,17 +21,20 @@ pause/resume and fork work unchanged: each restore gets a fresh disk.
 :class:`SpareDisks` makes disks ahead of demand (a node keeps a few of its default
 size, made and mounted while nothing starts): a start then takes one with a rename and
 one ``mount(MS_MOVE)`` (well under 1 ms) instead of ~12-17 ms of ``mkfs`` and a loop
-mount on its critical path (measured on resume: docs/runtime.md).
+mount on its critical path (measured on resume: docs/runtime.md); :class:`SpareKeeper`
+makes them in the background while no start needs the host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("forkyard.runtime.disk")
@@ -272,3 +275,45 @@ class SpareDisks:
                 subprocess.run(["umount", "-l", str(path)], capture_output=True)
         except OSError as e:
             log.warning("unmounting %s failed: %s", path, e)
+
+
+class SpareKeeper:
+    """Fills :class:`SpareDisks` in the background, one disk at a time, each only while
+    ``busy()`` is False (no start in flight nor just ended: they need the CPU now; spares
+    are for the next one).
+
+    Args:
+        spares: the disks to keep made.
+        busy: whether starts need the host now.
+    """
+
+    def __init__(self, spares: SpareDisks, busy: Callable[[], bool]):
+        self.spares = spares
+        self.busy = busy
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+
+    def refill(self) -> None:
+        """Start making disks until enough are ready (no-op while that runs)."""
+        if not self._stopped and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._fill(), name="spare-disks")
+
+    async def _fill(self) -> None:
+        while not self._stopped and self.spares.wanted():
+            # Also not right after a start: its caller still waits for that sandbox's envd.
+            while self.busy():
+                await asyncio.sleep(0.05)
+            try:
+                await asyncio.to_thread(self.spares.fill, True)
+            except (DiskError, OSError) as e:
+                log.warning("making a spare disk failed: %s; starts make their own", e)
+                return
+
+    async def stop(self) -> None:
+        """Stop making disks (the one being made is finished) and remove the ready ones.
+        Never raises."""
+        self._stopped = True
+        if self._task is not None:
+            await asyncio.wait([self._task])
+            self._task = None
+        await asyncio.to_thread(self.spares.clear)
