@@ -50,8 +50,11 @@ def value(server, sbx, set_to: int | None = None) -> int:
 
 
 def with_counter(sbx) -> None:
+    """Start the counter server in ``sbx``. ``timeout=0``: envd ends a command at its
+    request's deadline (the SDK's default 60 s, as on E2B), also in fork children restored
+    after it; a test that runs longer than that would find the counter killed."""
     sbx.files.write("/home/user/counter.py", COUNTER)
-    sbx.commands.run("python3 /home/user/counter.py", background=True)
+    sbx.commands.run("python3 /home/user/counter.py", background=True, timeout=0)
 
 
 def state_of(server, sandbox_id: str) -> str | None:
