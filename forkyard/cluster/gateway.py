@@ -17,7 +17,16 @@ number of gateways can run behind a load balancer. What goes where:
 * everything else (templates, snapshots, repository metrics) → one node (the lowest id
   that is up), since templates and snapshots live in the shared repository.
 
-Calls to nodes carry the cluster secret instead of the user's API key.
+Calls to nodes carry the cluster secret instead of the user's API key. Sandbox answers
+carry the gateway's own ``domain`` (``FORKYARD_DOMAIN``, else ``localhost:PORT``), so the
+SDKs' ``get_host()`` comes back here.
+
+**Outages** (issue 19): a node counts as gone only once the scheduler declared it down
+(:mod:`.liveness`), never because its heartbeats are late — they are late whenever the
+scheduler or Redis is away. While Redis is down, routing goes on from the last bindings
+seen and by asking the nodes (:mod:`.routing`); creates, moves and listings answer 503.
+A paused sandbox whose node does not answer is moved at once (the scheduler checks the
+node first), and a ``connect``/``resume`` a draining node refuses is resumed elsewhere.
 """
 
 from __future__ import annotations
@@ -39,9 +48,11 @@ from forkyard.api import fastpath, schemas
 from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestrator_only, relay_bodyless, relay_http,
                                 relay_ws, route_of)
 from forkyard.api.routes_sandboxes import filter_records, list_page
-from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
+from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
+from forkyard.cluster.routing import RouteBook, ask_nodes
+from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import NODE_UP, NodeInfo
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, NODE_UP, NodeInfo
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -50,6 +61,13 @@ log = logging.getLogger("forkyard.gateway")
 
 _SCOPED = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})(/.*)?$")
 _FORK = re.compile(r"^/sandboxes/([a-z0-9]{1,64})/fork$")
+#: Calls that may resume a sandbox (retried on another node when a draining node refuses).
+_WAKE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})/(?:connect|resume)$")
+#: How often a connect/resume is sent again after a draining node refused it.
+WAKE_ATTEMPTS = 3
+#: Redis state younger than this (s) may still miss bindings (it lost its data; nodes
+#: publish theirs again within a heartbeat): an unknown sandbox is first asked of the nodes.
+FRESH_STATE_S = HEARTBEAT_TIMEOUT_S + 2 * HEARTBEAT_INTERVAL_S
 #: Largest JSON body the gateway itself parses (create, fork): bytes.
 MAX_JSON_BODY = 1 << 20
 #: How long resolved node lists / sandbox owners are reused for sandbox traffic (s).
@@ -90,21 +108,27 @@ class Gateway:
 
     Args:
         store: cluster state (Redis).
-        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        scheduler_url: the scheduler's base URL (several replicas: comma-separated);
+            secret: the cluster secret.
         api_key: the users' API key (``X-API-Key``), the same on every node.
         max_body_bytes: largest body forwarded to a sandbox or node (uploads), bytes.
+        domain: the ``domain`` sandbox answers carry (``host[:port]``; None: the
+            node's own, which bypasses the gateway).
     """
 
     def __init__(self, store: ClusterStore, scheduler_url: str, secret: str, api_key: str,
-                 max_body_bytes: int = 4 << 30):
+                 max_body_bytes: int = 4 << 30, domain: str | None = None):
         self.store, self.secret, self.api_key = store, secret, api_key
         self.max_body_bytes = max_body_bytes
-        self.sched = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
-                                       timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False)
+        self.domain = domain
+        self.sched = SchedulerClient(scheduler_url, secret, timeout_s=30.0)
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._fast: dict[str, fastpath.FastConnections] = {}  # per node URL: bodyless sandbox traffic
         self._nodes: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._owners: dict[str, tuple[float, NodeInfo]] = {}
+        #: last known bindings and nodes, for routing while Redis is away (.routing)
+        self.book = RouteBook()
+        self._ask = httpx.AsyncClient(trust_env=False)
         self.api = self._rest_app()
 
     # ---- plumbing ---------------------------------------------------------------------
@@ -124,29 +148,44 @@ class Gateway:
         for fast in self._fast.values():
             fast.close()
         await self.sched.aclose()
+        await self._ask.aclose()
         await self.store.aclose()
 
-    async def nodes(self, fresh: bool = False) -> dict[str, NodeInfo]:
-        """Registered nodes by id (reused for :data:`NODES_TTL_S` unless ``fresh``)."""
+    async def nodes(self, fresh: bool = False, stale_ok: bool = True) -> dict[str, NodeInfo]:
+        """Registered nodes by id (reused for :data:`NODES_TTL_S` unless ``fresh``).
+        While Redis cannot be read, the last list read (``stale_ok``).
+
+        Raises:
+            ClusterStoreUnavailable: Redis failed and no list was read before.
+        """
         ts, nodes = self._nodes
         if fresh or time.monotonic() - ts > NODES_TTL_S:
-            nodes = {n.node_id: n for n in await self.store.nodes()}
+            try:
+                nodes = {n.node_id: n for n in await self.store.nodes()}
+            except ClusterStoreUnavailable:
+                if not (stale_ok and self.book.nodes):
+                    raise
+                return self.book.nodes
             self._nodes = (time.monotonic(), nodes)
+            self.book.remember_nodes(nodes)
         return nodes
 
     async def any_node(self) -> NodeInfo:
-        """The node that serves cluster-wide calls: the lowest id that is up."""
-        now = time.time()
-        for nid, n in sorted((await self.nodes()).items()):
-            if n.status == NODE_UP and n.alive(now):
-                return n
+        """The node that serves cluster-wide calls: the lowest id that is up (heard
+        from lately if any is; a silent one is not declared gone)."""
+        nodes = sorted((await self.nodes()).items())
+        for want_alive in (True, False):
+            for _, n in nodes:
+                if n.status == NODE_UP and (n.alive() or not want_alive):
+                    return n
         raise _Fail(503, "no node is up in the cluster; start `forkyard node --scheduler URL` on a host")
 
     async def _schedule(self, body: dict) -> dict:
         try:
-            r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing())
+            r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing(), idempotent=False)
         except httpx.HTTPError as e:
-            raise _Fail(503, f"scheduler unreachable ({e!r}); retry shortly") from e
+            raise _Fail(503, f"scheduler unreachable ({e!r}): creates, forks and moves to another node wait "
+                             "for it; running sandboxes are still served; retry shortly") from e
         if r.status_code != 200:
             try:
                 msg = r.json().get("message", r.text)
@@ -168,37 +207,98 @@ class Gateway:
 
     # ---- ownership ----------------------------------------------------------------------
     async def owner(self, sandbox_id: str, move: bool = True) -> NodeInfo:
-        """The node serving ``sandbox_id``. A paused sandbox whose node is down or
-        draining is moved first when ``move`` (the scheduler rebinds it atomically), and
-        a paused sandbox is always adopted by the node it is bound to before a REST call
+        """The node serving ``sandbox_id``. A paused sandbox whose node is declared down
+        or draining is moved first when ``move`` (the scheduler rebinds it atomically),
+        and a paused sandbox is always adopted by the node it is bound to before a REST call
         goes there (idempotent: a node that has it already keeps it) — so a move whose
-        adopt never happened (a gateway died in between) heals on the next call.
+        adopt never happened (a gateway died in between) heals on the next call; a paused
+        sandbox whose node does not answer that adopt is moved at once. Without Redis the
+        last known owner, or the node that says it holds it (:mod:`.routing`).
 
         Raises:
             _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
         """
-        b = await self.store.binding(sandbox_id)
+        try:
+            b = await self.store.binding(sandbox_id)
+        except ClusterStoreUnavailable as e:
+            return await self._owner_without_store(sandbox_id, e)
         if b is None:
-            why = await self.store.death(sandbox_id)  # its node said why it died, if it did
-            raise _Fail(404, f"sandbox {sandbox_id!r} not found" + (f": {why}" if why else ""))
-        nodes = await self.nodes()
-        now = time.time()
-        node = nodes.get(b.node_id)
-        if node is not None and node.alive(now) and (node.status == NODE_UP or b.state != "paused"):
+            return await self._unbound(sandbox_id)
+        self.book.remember(sandbox_id, b.node_id, b.state)
+        node = (await self.nodes()).get(b.node_id)
+        if node is not None and not node.declared_down and (node.status == NODE_UP or b.state != "paused"):
             if b.state == "paused" and move:
-                await self._adopt(node, b)
+                try:
+                    await self._adopt(node, b)
+                except _Fail as e:
+                    if e.status != 502:
+                        raise
+                    return await self._move(b, unreachable=True)
             return node
         if b.state != "paused":
             raise _Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
         if not move:
             raise _Fail(404, f"sandbox {sandbox_id!r} is paused")
-        out = await self._schedule({"kind": "resume", "sandboxID": sandbox_id})
+        return await self._move(b)
+
+    async def _move(self, b, unreachable: bool = False) -> NodeInfo:
+        """Resume-place paused binding ``b`` on another node (the scheduler decides: its
+        node is down or draining, or — ``unreachable`` — does not answer it either) and
+        have the target adopt it."""
+        out = await self._schedule({"kind": "resume", "sandboxID": b.sandbox_id, "unreachable": unreachable})
         target_id = out["placements"][0]["nodeID"]
         target = (await self.nodes(fresh=True)).get(target_id)
-        if target is None or not target.alive(now):
-            raise _Fail(503, f"sandbox {sandbox_id!r} is paused on node {target_id}, which is unreachable; retry shortly")
+        if target is None or target.declared_down:
+            raise _Fail(503, f"sandbox {b.sandbox_id!r} is paused on node {target_id}, which is unreachable; "
+                             "retry shortly")
+        if target_id == b.node_id and unreachable:
+            raise _Fail(503, f"node {target_id} holding paused sandbox {b.sandbox_id} did not answer this gateway "
+                             "but answers the scheduler; retry shortly")
         await self._adopt(target, b)
+        self.book.remember(b.sandbox_id, target_id, b.state)
         return target
+
+    async def _unbound(self, sandbox_id: str) -> NodeInfo:
+        """No binding: 404 with the cause a node recorded, unless Redis's state is young
+        (it lost its data: nodes are publishing theirs again) and a node holds it."""
+        why = await self.store.death(sandbox_id)  # its node said why it died, if it did
+        if why is None:
+            age = await self.store.state_age()
+            if age is None or age < FRESH_STATE_S:
+                found = await self._ask_nodes(sandbox_id)
+                if found is not None:
+                    return found
+        self.book.forget(sandbox_id)
+        raise _Fail(404, f"sandbox {sandbox_id!r} not found" + (f": {why}" if why else ""))
+
+    async def _owner_without_store(self, sandbox_id: str, err: ClusterStoreUnavailable) -> NodeInfo:
+        """Redis cannot be read: the owner last seen, else the node that says it holds
+        ``sandbox_id``.
+
+        Raises:
+            _Fail: 503 when neither is known.
+        """
+        route = self.book.last(sandbox_id)
+        if route is not None and route.node_id in self.book.nodes:
+            return self.book.nodes[route.node_id]
+        found = await self._ask_nodes(sandbox_id)
+        if found is not None:
+            return found
+        raise _Fail(503, f"{err}; no node this gateway knows holds sandbox {sandbox_id}; retry when it is back")
+
+    async def _ask_nodes(self, sandbox_id: str) -> NodeInfo | None:
+        """The node (of those last known, not declared down) that holds ``sandbox_id``."""
+        try:
+            nodes = await self.nodes()
+        except ClusterStoreUnavailable:
+            return None
+        got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id, self.secret)
+        if got is None:
+            return None
+        node, info = got
+        self.book.remember(sandbox_id, node.node_id, str(info.get("state", "running")))
+        log.info("sandbox %s found by asking the nodes: node %s", sandbox_id, node.node_id)
+        return node
 
     async def _adopt(self, node: NodeInfo, b) -> None:
         r = await self._node_call(node, "POST", "/cluster/adopt", b.record)
@@ -207,10 +307,25 @@ class Gateway:
                                        f"{b.sandbox_id}: {r.text[:300]}")
 
     async def _proxy_owner(self, sandbox_id: str) -> NodeInfo:
+        """The node to relay ``sandbox_id``'s traffic to: its binding's node unless that
+        one is declared down (a paused sandbox's own node answers for it, as a single
+        node does). Without Redis, the owner last seen or asked (:meth:`owner`)."""
         hit = self._owners.get(sandbox_id)
         if hit is not None and time.monotonic() - hit[0] < OWNER_TTL_S:
             return hit[1]
-        node = await self.owner(sandbox_id, move=False)
+        try:
+            b = await self.store.binding(sandbox_id)
+        except ClusterStoreUnavailable as e:
+            node = await self._owner_without_store(sandbox_id, e)
+        else:
+            if b is None:
+                node = await self._unbound(sandbox_id)
+            else:
+                self.book.remember(sandbox_id, b.node_id, b.state)
+                node = (await self.nodes()).get(b.node_id)
+                if node is None or node.declared_down:
+                    raise _Fail(404, f"sandbox {sandbox_id!r} " + ("is paused" if b.state == "paused" else
+                                                                   f"not found (its node {b.node_id} is down)"))
         if len(self._owners) > 10_000:
             self._owners.clear()
         self._owners[sandbox_id] = (time.monotonic(), node)
@@ -260,10 +375,15 @@ class Gateway:
         m = _FORK.match(path)
         if m and method == "POST":
             return await self._fork(m.group(1), scope, receive, send)
+        m = _WAKE.match(path)
+        if m and method == "POST":
+            return await self._wake(m.group(1), scope, receive, send)
         m = _SCOPED.match(path)
         if m:
             node = await self.owner(m.group(1))
             self._owners.pop(m.group(1), None)
+            if method == "GET" and m.group(2) is None:  # the sandbox's details: our domain in them
+                return await self._reply(send, await self._call_as_client(node, scope, b"", None))
             return await self._forward(node, scope, receive, send)
         return await self._forward(await self.any_node(), scope, receive, send)
 
@@ -370,11 +490,45 @@ class Gateway:
                 break
             log.info("node %s refused a create (503: %s); placing it again", node.node_id, r.text[:200])
             refused.append(node.node_id)
+        await self._reply(send, r)
+
+    async def _wake(self, sandbox_id: str, scope, receive, send):
+        """``connect``/``resume``: to the owner; a draining node refuses it (409 with
+        :data:`~.config.DRAINING_HEADER`) once the sandbox is paused there, and it is
+        then moved and sent again — never resumed on the draining node."""
+        raw, _ = await self._json_body(scope, receive)
+        for attempt in range(WAKE_ATTEMPTS):
+            node = await self.owner(sandbox_id)
+            self._owners.pop(sandbox_id, None)
+            r = await self._call_as_client(node, scope, raw, None)
+            if r.status_code != 409 or DRAINING_HEADER not in r.headers:
+                break
+            log.info("node %s is draining: sandbox %s resumes elsewhere", node.node_id, sandbox_id)
+        await self._reply(send, r)
+
+    def _with_domain(self, content: bytes) -> bytes:
+        """A node's JSON answer with every sandbox's ``domain`` made the gateway's."""
+        if not self.domain or b'"domain"' not in content:
+            return content
+        try:
+            data = json.loads(content)
+        except ValueError:
+            return content
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            for d in (item, item.get("sandbox") if isinstance(item, dict) else None):
+                if isinstance(d, dict) and "domain" in d:
+                    d["domain"] = self.domain
+        return json.dumps(data).encode()
+
+    async def _reply(self, send, r: httpx.Response) -> None:
+        """Send a node's buffered answer ``r`` to the client (the gateway's domain in it)."""
+        body = self._with_domain(r.content)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.multi_items()
                    if k.lower() not in _HOP_OUT]
-        headers.append((b"content-length", str(len(r.content)).encode()))
+        headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": r.content})
+        await send({"type": "http.response.body", "body": body})
 
     async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None) -> httpx.Response:
         """The client's REST call (``body`` read already) sent to ``node`` as
@@ -400,7 +554,7 @@ class Gateway:
         plan = (await self._schedule({"kind": "fork", "sandboxID": sandbox_id, "count": fb.count,
                                       "vcpus": int(b.record.get("vcpus", 2))}))["placements"]
         if len(plan) == 1 and plan[0]["nodeID"] == node.node_id:
-            return await self._forward(node, scope, receive, send, body=raw, placement=plan[0].get("placementID"))
+            return await self._reply(send, await self._call_as_client(node, scope, raw, plan[0].get("placementID")))
         here = [p for p in plan if p["nodeID"] == node.node_id]
         local = sum(p["count"] for p in here)
         log.info("fork of %s (%d) spread over nodes: %s", sandbox_id, fb.count,
@@ -438,20 +592,25 @@ class Gateway:
         except _Fail as e:
             log.warning("fork image %s of %s not deleted: %s", image, sandbox_id, e)
         headers = {"Server-Timing": r.headers["server-timing"]} if "server-timing" in r.headers else None
+        results = json.loads(self._with_domain(json.dumps(results).encode()))
         await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
 
     # ---- REST served by the gateway itself ------------------------------------------------
-    async def _records(self) -> list[SandboxRecord]:
-        """Every sandbox a client can see, cluster-wide: bindings whose node is alive,
-        and paused ones whatever their node."""
-        nodes = await self.nodes()
-        now = time.time()
-        out = []
+    async def _records(self) -> tuple[list[SandboxRecord], dict[str, str]]:
+        """Every sandbox a client can see, cluster-wide: bindings whose node is not
+        declared down, and paused ones whatever their node; and ``{id: node id}``.
+
+        Raises:
+            ClusterStoreUnavailable: listing needs Redis (503).
+        """
+        nodes = await self.nodes(stale_ok=False)
+        out, where = [], {}
         for b in await self.store.bindings():
             n = nodes.get(b.node_id)
-            if b.state == "paused" or (n is not None and n.alive(now)):
+            if b.state == "paused" or (n is not None and not n.declared_down):
                 out.append(_record(b.record))
-        return out
+                where[b.sandbox_id] = b.node_id
+        return out, where
 
     def _rest_app(self) -> FastAPI:
         gw = self
@@ -477,9 +636,16 @@ class Gateway:
             ok = await gw.store.ping()
             return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
 
+        def with_nodes(items: list[dict], where: dict[str, str]) -> list[dict]:
+            for item in items:  # which node holds it (forkyard ls shows it; SDKs ignore it)
+                item["nodeID"] = where.get(item["sandboxID"])
+            return items
+
         @app.get("/sandboxes")
         async def list_v1(metadata: str | None = None):
-            return [schemas.sandbox_listed(r) for r in filter_records(await gw._records(), metadata, {"running"}, None)]
+            recs, where = await gw._records()
+            return with_nodes([schemas.sandbox_listed(r) for r in filter_records(recs, metadata, {"running"}, None)],
+                              where)
 
         @app.get("/v2/sandboxes")
         async def list_v2(
@@ -491,17 +657,17 @@ class Gateway:
             started_after: str | None = Query(default=None, alias="startedAfter"),
             started_before: str | None = Query(default=None, alias="startedBefore"),
         ):
-            return list_page(await gw._records(), response, metadata, state, template, order, next_token, limit,
-                             started_after, started_before)
+            recs, where = await gw._records()
+            return with_nodes(list_page(recs, response, metadata, state, template, order, next_token, limit,
+                                        started_after, started_before), where)
 
         @app.get("/metrics/node")
         @app.get("/metrics/cluster")
         async def cluster_metrics():
-            now = time.time()
-            nodes = await gw.nodes(fresh=True)
-            recs = await gw._records()
+            nodes = await gw.nodes(fresh=True, stale_ok=False)
+            recs, _ = await gw._records()
             paused = sum(1 for r in recs if r.state == "paused")
             return {"sandboxes": {"running": len(recs) - paused, "paused": paused},
-                    "nodes": [n.to_dict(now) for _, n in sorted(nodes.items())]}
+                    "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
 
         return app
