@@ -982,6 +982,43 @@ class Orchestrator(LifecycleMixin):
             self.store.delete(rec.id)
         self._locks.pop(sandbox_id, None)
 
+    def pause_committed(self, rec: SandboxRecord) -> bool:
+        """Whether paused ``rec``'s image is in the repository, so another node can
+        resume it: False while its commit runs, or when a failed commit left it staged
+        on this node (:meth:`commit_staged_pauses` tries again). True for anything not
+        paused."""
+        if rec.state != "paused" or not rec.image_id:
+            return True
+        if rec.id in self._pending:
+            return False
+        return not (self.snapshots.staging_path(rec.image_id) / PAUSE_MARKER).is_file()
+
+    async def commit_staged_pauses(self) -> int:
+        """Commit again the images of paused sandboxes that a failed commit left staged
+        on this node (the repository was down during their pause); each committed row is
+        written again (a cluster node republishes it: it can now resume elsewhere).
+        Stops at the first failure (the repository still refuses). Returns how many
+        were committed."""
+        done = 0
+        for rec in self.store.all():
+            if rec.state != "paused" or self.pause_committed(rec):
+                continue
+            async with self._locks[rec.id]:
+                cur = self.store.get(rec.id)
+                if cur is None or cur.state != "paused" or cur.image_id != rec.image_id or self.pause_committed(cur):
+                    continue
+                staging = self.snapshots.staging_path(cur.image_id)
+                try:
+                    await self._commit(staging, self._meta_for(cur, "pause", cur.image_id,
+                                                               memory=staged_memory(staging)), keep_on_error=True)
+                except Exception as e:  # noqa: BLE001 — kept staged; the caller tries later
+                    log.warning("committing the staged pause image of %s failed again: %s", cur.id, e)
+                    break
+                log.info("committed the staged pause image of %s", cur.id)
+                self.store.put(cur)
+                done += 1
+        return done
+
     async def delete_image(self, snapshot_id: str) -> bool:
         """Delete a ``fork`` image exported for other nodes' children (the gateway
         calls this once they all run). Returns False when there is no such fork image."""
