@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 
 SCHEDULER_OPT = typer.Option(None, "--scheduler", help="Scheduler URL (FORKYARD_SCHEDULER_URL, "
-                                                       "default http://127.0.0.1:9090).")
+                                                       "default http://127.0.0.1:9090; replicas comma-separated).")
 REDIS_OPT = typer.Option(None, "--redis", help="Redis URL (FORKYARD_REDIS_URL, default redis://127.0.0.1:6379/0).")
 
 
@@ -26,9 +26,14 @@ def _secret() -> str:
 
 
 def _scheduler(url: str | None) -> str:
-    from forkyard.cluster.config import scheduler_url
+    """The scheduler URL(s), comma-separated (``--scheduler`` or the setting)."""
+    from forkyard.cli.main import _fail
+    from forkyard.cluster.config import ClusterConfigError, scheduler_url, scheduler_urls
 
-    return (url or scheduler_url()).rstrip("/")
+    try:
+        return ",".join(scheduler_urls(url)) if url else scheduler_url()
+    except ClusterConfigError as e:
+        _fail(str(e))
 
 
 def register(app: typer.Typer) -> None:
@@ -63,6 +68,8 @@ def register(app: typer.Typer) -> None:
         sched = scheduler or os.environ.get("FORKYARD_SCHEDULER_URL")
         cluster = None
         if sched:
+            _need_shared_repo()
+            sched = _scheduler(sched)
             try:
                 max_sbx = default_max_sandboxes()
             except ValueError:
@@ -77,11 +84,16 @@ def register(app: typer.Typer) -> None:
         _run_node(host, port, data_dir, build_base, log_level, cluster)
 
     @node_app.command("drain")
-    def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT):
+    def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT,
+              wait: bool = typer.Option(False, "--wait", help="Wait until the node has paused its sandboxes; "
+                                                              "exit 1 if some still run there (their pause failed)."),
+              timeout: float = typer.Option(600, help="With --wait: give up after this many seconds (exit 2).")):
         """Stop placing sandboxes on NODE_ID and pause its running sandboxes to the shared
         repository; they resume on other nodes when next connected."""
         _call(scheduler, "POST", f"/v1/nodes/{node_id}/drain")
-        print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused")
+        print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused", flush=True)
+        if wait:
+            raise typer.Exit(_wait_drained(scheduler, node_id, timeout))
 
     @node_app.command("undrain")
     def undrain(node_id: str = typer.Argument(..., help="Node to put back in service."),
@@ -103,7 +115,8 @@ def register(app: typer.Typer) -> None:
         t = Table("node", "status", "url", "heartbeat", "running", "paused", "max", "load1")
         for n in nodes:
             r = n["report"]
-            t.add_row(n["nodeID"], n["status"], n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
+            status = n["status"] + (" (silent)" if n.get("silent") and n["status"] != "down" else "")
+            t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
                       str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
         Console().print(t)
 
@@ -166,8 +179,10 @@ def register(app: typer.Typer) -> None:
         if data_dir:
             settings.data_dir = data_dir.resolve()
         key = load_or_create_key(settings.api_key_file)
+        # Sandbox answers carry the gateway's domain, so the SDKs' get_host() comes here.
+        domain = settings.domain or f"localhost:{port}"
         gw = Gateway(ClusterStore(redis or redis_url()), _scheduler(scheduler), secret, key,
-                     max_body_bytes=settings.max_upload_mb << 20)
+                     max_body_bytes=settings.max_upload_mb << 20, domain=domain)
         url = f"http://{host}:{port}"
         print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
         print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
@@ -196,18 +211,61 @@ def _redacted(url: str) -> str:
     return url
 
 
+def _need_shared_repo() -> None:
+    """A cluster node needs the shared repository (FORKYARD_REPO): with a node-local one a
+    paused sandbox resumes only on its own node, which E2B users do not expect. Refused
+    unless FORKYARD_ALLOW_LOCAL_REPO=1."""
+    from forkyard.cli.main import _fail
+
+    if os.environ.get("FORKYARD_REPO", "").strip():
+        return
+    if os.environ.get("FORKYARD_ALLOW_LOCAL_REPO") == "1":
+        print("warning: FORKYARD_REPO is unset: this node keeps snapshots in its own data dir, so its paused "
+              "sandboxes resume only here and a drain or its death strands them", flush=True)
+        return
+    _fail("a cluster node needs the snapshot repository all nodes share: set FORKYARD_REPO (s3://BUCKET/PREFIX "
+          "with FORKYARD_S3_ENDPOINT, or a directory mounted at the same path on every node). "
+          "FORKYARD_ALLOW_LOCAL_REPO=1 runs with a node-local one (paused sandboxes then resume only on this node).")
+
+
+def _wait_drained(scheduler: str | None, node_id: str, timeout_s: float) -> int:
+    """Poll the node list until ``node_id`` reports its drain done; print the outcome.
+    Returns the exit code: 0 drained, 1 some still run there, 2 timed out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        node = next((n for n in _call(scheduler, "GET", "/v1/nodes") if n["nodeID"] == node_id), None)
+        r = node["report"] if node else {}
+        if node is not None and node["status"] == "draining" and r.get("drain_done"):
+            if r.get("running", 0) == 0:
+                print(f"node {node_id} is drained: {r.get('paused', 0)} paused sandbox(es), none running", flush=True)
+                return 0
+            print(f"node {node_id} finished draining but {r['running']} sandbox(es) still run there (their pause "
+                  "failed: see the node's log)", flush=True)
+            return 1
+        if time.monotonic() > deadline:
+            print(f"node {node_id} has not finished draining after {timeout_s:.0f} s "
+                  f"({r.get('running', '?')} still running)", flush=True)
+            return 2
+        time.sleep(0.5)
+
+
 def _call(scheduler: str | None, method: str, path: str):
     import httpx
 
     from forkyard.cli.main import _fail
     from forkyard.cluster.config import SECRET_HEADER
 
-    base = _scheduler(scheduler)
-    try:
-        r = httpx.request(method, base + path, headers={SECRET_HEADER: _secret()}, timeout=10, trust_env=False)
-    except httpx.HTTPError as e:
-        _fail(f"scheduler at {base} is not reachable ({e}); is `forkyard scheduler` running? "
-              "(--scheduler / FORKYARD_SCHEDULER_URL)")
+    bases = _scheduler(scheduler).split(",")
+    for i, base in enumerate(bases):
+        try:
+            r = httpx.request(method, base + path, headers={SECRET_HEADER: _secret()}, timeout=10, trust_env=False)
+            break
+        except httpx.HTTPError as e:
+            if i == len(bases) - 1:
+                _fail(f"scheduler at {_scheduler(scheduler)} is not reachable ({e}); is `forkyard scheduler` "
+                      "running? (--scheduler / FORKYARD_SCHEDULER_URL)")
     if r.status_code != 200:
         try:
             msg = r.json().get("message", r.text)
