@@ -132,6 +132,28 @@ async def test_declaration_uses_redis_time_and_rechecks_atomically(redis_url):  
         assert not (await store.node("n0")).declared_down
         foreign, missing, _ = await store.reconcile("n0", {"run0", "pau0"})
         assert foreign == ["run0"] and missing == []
+        # ... unless it paused it meanwhile (cut off): a paused sandbox is never dropped
+        await store.heartbeat("n0", "http://n0", NodeReport(), now=now - 30)
+        await store.publish("n0", [{"id": "run1", "state": "running"}], [])
+        assert await store.mark_down("n0", healthy_since=now - 60, timeout_s=5) == ["run1"]
+        foreign, missing, _ = await store.reconcile("n0", {"run1", "pau0"}, paused={"run1", "pau0"})
+        assert foreign == [] and missing == ["run1"] and not await store.is_gone("run1")
+    finally:
+        await store.aclose()
+
+
+async def test_a_node_that_announced_a_restart_is_not_declared_in_its_grace(redis_url):  # noqa: F811
+    store = ClusterStore(redis_url)
+    try:
+        now = await store.now()
+        await store.heartbeat("n0", "http://n0", NodeReport(), now=now - 30)
+        await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+        assert await store.announce_restart("n0", 60)
+        assert await store.mark_down("n0", healthy_since=now - 60, timeout_s=5) is None
+        assert (await store.node("n0")).grace_until > now + 50
+        assert await store.announce_restart("n0", 0)  # its grace is over
+        assert await store.mark_down("n0", healthy_since=now - 60, timeout_s=5) == ["run0"]
+        assert not await store.announce_restart("nobody", 60)
     finally:
         await store.aclose()
 

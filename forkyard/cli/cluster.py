@@ -1,4 +1,4 @@
-"""Cluster commands: ``forkyard node`` (run / drain / ls), ``forkyard scheduler``,
+"""Cluster commands: ``forkyard node`` (run / drain / undrain / ls / which), ``forkyard scheduler``,
 ``forkyard gateway``. Settings: :mod:`forkyard.cluster.config`."""
 
 from __future__ import annotations
@@ -119,6 +119,22 @@ def register(app: typer.Typer) -> None:
             t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
                       str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
         Console().print(t)
+
+    @node_app.command("which")
+    def which(sandbox_ids: list[str] = typer.Argument(..., help="Sandbox ids."), scheduler: str = SCHEDULER_OPT,
+              as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+        """Which node holds each sandbox (and its state there), from the cluster's bindings."""
+        rows = []
+        for sid in sandbox_ids:
+            b = _call(scheduler, "GET", f"/v1/sandboxes/{sid}", missing_ok=True)
+            rows.append({"sandboxID": sid, "nodeID": b["nodeID"] if b else None, "state": b["state"] if b else None})
+        if as_json:
+            print(json.dumps(rows, indent=2))
+            return
+        for r in rows:
+            print(f"{r['sandboxID']}  {r['nodeID'] or '-'}  {r['state'] or 'not bound to any node'}")
+        if any(r["nodeID"] is None for r in rows):
+            raise typer.Exit(1)
 
     @app.command()
     def scheduler(
@@ -251,7 +267,7 @@ def _wait_drained(scheduler: str | None, node_id: str, timeout_s: float) -> int:
         time.sleep(0.5)
 
 
-def _call(scheduler: str | None, method: str, path: str):
+def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = False):
     import httpx
 
     from forkyard.cli.main import _fail
@@ -266,6 +282,8 @@ def _call(scheduler: str | None, method: str, path: str):
             if i == len(bases) - 1:
                 _fail(f"scheduler at {_scheduler(scheduler)} is not reachable ({e}); is `forkyard scheduler` "
                       "running? (--scheduler / FORKYARD_SCHEDULER_URL)")
+    if r.status_code == 404 and missing_ok:
+        return None
     if r.status_code != 200:
         try:
             msg = r.json().get("message", r.text)

@@ -42,7 +42,7 @@ from forkyard.api.proxy import route_of
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
 from forkyard.cluster.schedclient import SchedulerClient
-from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, RESTART_GRACE_S, NodeReport
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -58,8 +58,9 @@ PUBLISH_WAIT_S = 3.0
 #: stopped scheduler replica costs one try before the next replica is asked.
 HEARTBEAT_CALL_S = 2.0
 PUBLISH_CALL_S = 5.0
-#: How often images a failed commit left staged are committed again (s).
-COMMIT_RETRY_S = 30.0
+#: How often images a failed commit left staged are committed again (s,
+#: ``FORKYARD_COMMIT_RETRY_S``).
+COMMIT_RETRY_S = float(os.environ.get("FORKYARD_COMMIT_RETRY_S", "30"))
 #: While the scheduler stays unreachable, the warning is repeated this often (s).
 LINK_LOG_S = 30.0
 #: ``connect``/``resume`` on a draining node: longest wait for the sandbox's pause (s).
@@ -134,6 +135,8 @@ class NodeAgent:
         self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S)
         #: Whether the last scheduler call succeeded (None before the first).
         self.linked: bool | None = None
+        #: When a scheduler call last succeeded (monotonic s).
+        self.last_ok = 0.0
         self._link_since = time.monotonic()
         self._link_logged = 0.0
         self._commit_task: asyncio.Task | None = None
@@ -167,7 +170,10 @@ class NodeAgent:
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
-        """Stop heartbeats (the scheduler marks this node down after the timeout)."""
+        """Stop heartbeats. The node's sandboxes keep running (they are re-adopted at
+        the next start), so the scheduler is told this is a restart: the node is not
+        declared down for :data:`~.types.RESTART_GRACE_S` (a crash says nothing and is
+        declared after the heartbeat timeout)."""
         for t in (self._task, self._drain_task, self._commit_task):
             if t is not None:
                 t.cancel()
@@ -178,8 +184,9 @@ class NodeAgent:
         if self.linked is not False:
             try:
                 await asyncio.wait_for(self.publish(), timeout=PUBLISH_CALL_S)
+                await self._post(f"/v1/nodes/{self.node_id}/restarting", {"graceS": RESTART_GRACE_S})
             except Exception as e:  # noqa: BLE001
-                log.warning("last publish before stopping failed: %s", e)
+                log.warning("telling the scheduler about this restart failed: %s", e)
         await self._http.aclose()
 
     def _changed(self, sandbox_id: str) -> None:
@@ -212,6 +219,7 @@ class NodeAgent:
         :data:`LINK_LOG_S` while it does not)."""
         now = time.monotonic()
         if ok:
+            self.last_ok = now
             if self.linked is False:
                 log.warning("scheduler at %s answers again after %.1f s; queued changes are being published",
                             self._http.url, now - self._link_since)
@@ -270,9 +278,11 @@ class NodeAgent:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
-            held = [r.id for r in self.orch.store.all() if r.state not in _HIDDEN]
+            rows = [r for r in self.orch.store.all() if r.state not in _HIDDEN]
+            held = [r.id for r in rows]
             out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
                                    {"url": self.url, "report": self._report().to_dict(), "held": held,
+                                    "paused": [r.id for r in rows if r.state == "paused"],
                                     "placements": sorted(acked),
                                     "status": NODE_DRAINING if self.status == NODE_DRAINING else NODE_UP})
             self._acked -= acked
@@ -368,6 +378,21 @@ class NodeAgent:
         self._wake.set()
         log.warning("drain finished: %d paused, %d still running (pause failed)", len(running) - failed, failed)
 
+    async def _may_resume(self, sandbox_id: str) -> bool:
+        """Whether a connect/resume may go on here: always for a running sandbox; for a
+        paused one only if the scheduler can be told (a heartbeat is tried first unless
+        one succeeded within the last :data:`~.types.HEARTBEAT_INTERVAL_S` × 2). A node
+        cut off from the control plane does not resume: if it were declared down
+        meanwhile, the paused binding would move and the sandbox would run twice."""
+        rec = self.orch.store.get(sandbox_id)
+        if rec is None or rec.state == "running" or time.monotonic() - self.last_ok < 2 * HEARTBEAT_INTERVAL_S:
+            return True
+        try:
+            await asyncio.wait_for(self._beat(), timeout=HEARTBEAT_CALL_S + 0.5)
+        except Exception:  # noqa: BLE001 — still cut off
+            return False
+        return True
+
     def _still_running(self, sandbox_id: str) -> bool:
         rec = self.orch.store.get(sandbox_id)
         return rec is not None and rec.state == "running"
@@ -428,8 +453,14 @@ class NodeAgent:
                                               status_code=401)(scope, receive, send)
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)
-            if agent.status == NODE_DRAINING and scope["method"] == "POST" and (m := _WAKE.match(scope["path"])):
-                return await agent._refuse_wake(m.group(1), scope, receive, send, app)
+            if scope["method"] == "POST" and (m := _WAKE.match(scope["path"])):
+                if agent.status == NODE_DRAINING:
+                    return await agent._refuse_wake(m.group(1), scope, receive, send, app)
+                if not await agent._may_resume(m.group(1)):
+                    body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler, so it "
+                                                    f"cannot record that sandbox {m.group(1)} resumes: retry shortly "
+                                                    "(running sandboxes are not affected)"}
+                    return await JSONResponse(body, status_code=503)(scope, receive, send)
 
             async def send_after_publish(message):
                 if message["type"] == "http.response.start" and agent.linked is not False:

@@ -74,8 +74,10 @@ MAX_JSON_BODY = 1 << 20
 NODES_TTL_S = 0.5
 OWNER_TTL_S = 1.0
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
-#: Placements tried for one create whose nodes refuse it for capacity (503).
+#: Placements tried for one create whose nodes refuse it for capacity (503) or fail it
+#: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
+_REPLACE = {500, 502, 503, 507}
 _NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER}  # the last two: only ours
 
 
@@ -467,29 +469,40 @@ class Gateway:
     async def _create(self, scope, receive, send):
         """Place a create and forward it. A node that refuses it for capacity (503: its
         memory admission or host-memory floor, which the scheduler's sandbox counts do
-        not see) is excluded and the create placed again, at most
+        not see), fails it (500/502/507: e.g. its disk is full; the node removes what it
+        half made) or cannot be reached is excluded and the create placed again, at most
         :data:`CREATE_ATTEMPTS` times; the last refusal reaches the client."""
         raw, body = await self._json_body(scope, receive)
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
             raise _Fail(400, "templateID: Field required")
         refused: list[str] = []
+        r, failed = None, None
         for attempt in range(CREATE_ATTEMPTS):
             try:
                 out = (await self._schedule({"kind": "create", "snapshot": template[:128],
                                              "exclude": refused}))["placements"][0]
-            except _Fail:
+            except _Fail as e:
                 if not refused:
                     raise
+                failed = failed or e
                 break  # no other node: the last node's refusal is the answer
             node = (await self.nodes(fresh=True)).get(out["nodeID"])
             if node is None:
                 raise _Fail(503, "the placed node left the cluster; retry")
-            r = await self._call_as_client(node, scope, raw, out.get("placementID"))
-            if r.status_code != 503 or attempt == CREATE_ATTEMPTS - 1:
+            try:
+                r = await self._call_as_client(node, scope, raw, out.get("placementID"), connect_error=True)
+            except httpx.ConnectError as e:  # never reached the node: place it elsewhere
+                failed = _Fail(502, f"node {node.node_id} is not reachable: {e!r}")
+                log.info("%s; placing the create again", failed)
+                refused.append(node.node_id)
+                continue
+            if r.status_code not in _REPLACE or attempt == CREATE_ATTEMPTS - 1:
                 break
-            log.info("node %s refused a create (503: %s); placing it again", node.node_id, r.text[:200])
+            log.info("node %s refused a create (%d: %s); placing it again", node.node_id, r.status_code, r.text[:200])
             refused.append(node.node_id)
+        if r is None:
+            raise failed or _Fail(503, "no node took the create; retry")
         await self._reply(send, r)
 
     async def _wake(self, sandbox_id: str, scope, receive, send):
@@ -530,14 +543,20 @@ class Gateway:
         await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
-    async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None) -> httpx.Response:
+    async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None,
+                              connect_error: bool = False) -> httpx.Response:
         """The client's REST call (``body`` read already) sent to ``node`` as
         :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
-        _Fail(502) when the node cannot be reached."""
+        _Fail(502) when the node cannot be reached (``connect_error``: httpx.ConnectError
+        itself when the connection could not be opened, so nothing reached the node)."""
         try:
             return await self._client(node).request(scope["method"], node.url + _target_path(scope),
                                                     headers=self._node_headers(scope, placement), content=body,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            if connect_error:
+                raise httpx.ConnectError(str(e)) from e
+            raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
 

@@ -20,9 +20,13 @@ atomic Redis script that re-checks the silence, so replicas never disagree):
    :data:`STALL_S` (the scheduler was stopped, starved or just started) resets it. A
    node's silence counts from ``max(last heartbeat, healthy_since)``: after a Redis or
    scheduler outage of any length every node gets a full timeout to be heard again.
-3. **Mass silence is the control plane's fault.** When more than
+3. **A restart is announced.** A node stopped with SIGTERM keeps its sandboxes running
+   (they are re-adopted at its next start) and tells the scheduler; it is not declared
+   down for :data:`~.types.RESTART_GRACE_S`. Only a node that vanished without a word
+   (killed, host lost, partitioned) is declared after the timeout.
+4. **Mass silence is the control plane's fault.** When more than
    :data:`MASS_SILENCE_FRACTION` of the nodes not yet declared down (and at least two)
-   are silent at once, the likelier cause is between them and the control plane (a
+   (not in a restart grace) are silent at once, the likelier cause is between them and the control plane (a
    scheduler behind an unreachable address, a network split on the control plane's
    side): nobody is declared, and a warning says why. (Kubernetes' node lifecycle
    controller stops evictions in a fully disrupted zone for the same reason.)
@@ -119,7 +123,7 @@ class Liveness:
         v.silent = [n.node_id for n in nodes if redis_now - n.last_seen > self.timeout_s]
         if self.healthy_since is None:
             return v
-        candidates = [n for n in nodes if n.status != NODE_DOWN]
+        candidates = [n for n in nodes if n.status != NODE_DOWN and n.grace_until <= redis_now]
         quiet = [n for n in candidates if self.silence(n, redis_now) > self.timeout_s]
         if len(quiet) >= 2 and len(quiet) > self.mass_fraction * len(candidates):
             v.held_back = (f"{len(quiet)} of {len(candidates)} nodes are silent at once "

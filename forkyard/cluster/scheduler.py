@@ -10,8 +10,9 @@ Redis or the scheduler itself was away.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, held, placements}`` → ``{status, foreign, missing, adopt}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, held, paused, placements}`` → ``{status, foreign, missing, adopt}``
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
+* ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
 * ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count, placementID}]}``
 * ``GET /v1/sandboxes/{id}`` → the binding
@@ -52,6 +53,8 @@ class Heartbeat(BaseModel):
     status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
     report: dict = Field(default_factory=dict)
     held: list[str] = Field(default_factory=list, max_length=200_000)
+    #: those of ``held`` the node holds paused
+    paused: list[str] = Field(default_factory=list, max_length=200_000)
     #: placement ids whose requests ended on the node before ``report`` was built
     placements: list[str] = Field(default_factory=list, max_length=10_000)
 
@@ -61,6 +64,11 @@ class Publish(BaseModel):
     deleted: list[str] = Field(default_factory=list, max_length=10_000)
     #: why deleted sandboxes died by themselves (``{id: "it was killed: …"}``)
     deaths: dict[str, str] = Field(default_factory=dict, max_length=10_000)
+
+
+class Restarting(BaseModel):
+    #: how long (s) the node may take to be back before it is declared down
+    grace_s: float = Field(alias="graceS", ge=0, le=3600)
 
 
 class PlacementRequest(BaseModel):
@@ -222,7 +230,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     async def heartbeat(node_id: str, body: Heartbeat):
         status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status)
         await store.ack_placing(node_id, body.placements)  # after the report that shows them
-        foreign, missing, adopt = await store.reconcile(node_id, set(body.held))
+        foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
         return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
     @app.post("/v1/nodes/{node_id}/publish")
@@ -231,6 +239,13 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             if not isinstance(rec.get("id"), str) or not isinstance(rec.get("state"), str):
                 raise HTTPException(400, "each record needs string 'id' and 'state'")
         return {"foreign": await store.publish(node_id, body.records, body.deleted, deaths=body.deaths)}
+
+    @app.post("/v1/nodes/{node_id}/restarting")
+    async def restarting(node_id: str, body: Restarting):
+        if not await store.announce_restart(node_id, body.grace_s):
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        log.info("node %s is restarting: not declared down for %.0f s", node_id, body.grace_s)
+        return {"nodeID": node_id, "graceS": body.grace_s}
 
     @app.get("/v1/nodes")
     async def nodes():

@@ -8,7 +8,8 @@ gateways acting at once never see half a change):
 ``fy:node:<id>``               hash: ``url``, ``status`` (up/draining: the operator's),
                                ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
                                :class:`~.types.NodeReport`), ``down_at`` while declared
-                               down (:mod:`.liveness`; cleared by its next heartbeat)
+                               down (:mod:`.liveness`; cleared by its next heartbeat),
+                               ``grace_until`` after it announced a restart
 ``fy:sbx:<id>``                hash: ``node``, ``state``, ``record`` (JSON), ``updated``,
                                ``committed`` (0 while a paused sandbox's image is not
                                in the shared repository yet: it cannot move)
@@ -107,7 +108,7 @@ redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
            'last_seen', string.format('%.6f', now))
-redis.call('HDEL', KEYS[2], 'down_at')
+redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
 return {redis.call('HGET', KEYS[2], 'status'), was_down}
 """
@@ -116,6 +117,7 @@ return {redis.call('HGET', KEYS[2], 'status'), was_down}
 #                                             death keep (s), why
 # Declares the node down if it is still silent past the timeout, counted from the later
 # of its last heartbeat and healthy_since (Redis time: see forkyard.cluster.liveness), and
+# not within a restart grace it announced, and
 # replaces the bindings of its sandboxes that are not paused by tombstones (their node
 # stops them when it is back), each with the cause for the gateway's 404. Destroys
 # nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
@@ -123,6 +125,7 @@ _MARK_DOWN = _NOW + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
 local since = math.max(last, tonumber(ARGV[2]))
 if now - since <= tonumber(ARGV[3]) then return {'heard'} end
+if now < tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0') then return {'heard'} end
 if redis.call('HEXISTS', KEYS[1], 'down_at') == 0 then
   redis.call('HSET', KEYS[1], 'down_at', string.format('%.6f', now))
 end
@@ -245,7 +248,7 @@ class ClusterStore:
             last = float(row.get("last_seen", 0))
             out.append(NodeInfo(node_id=nid, url=row.get("url", ""),
                                 status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
-                                last_seen=last, age=now - last,
+                                last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
                                 report=NodeReport.from_dict(json.loads(row.get("report", "{}")))))
         return out
 
@@ -255,6 +258,15 @@ class ClusterStore:
             if n.node_id == node_id:
                 return n
         return None
+
+    async def announce_restart(self, node_id: str, grace_s: float) -> bool:
+        """The node is restarting (stopped with SIGTERM; its sandboxes keep running): it
+        is not declared down for ``grace_s`` s from now (Redis time) — cleared by its next
+        heartbeat. False when the node is not registered."""
+        if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
+            return False
+        await self._call(self._r.hset(f"{P}node:{node_id}", "grace_until", repr(await self.now() + grace_s)))
+        return True
 
     async def set_status(self, node_id: str, status: str) -> bool:
         """Set a registered node's status (``draining`` or ``up``); False when unknown."""
@@ -381,13 +393,18 @@ class ClusterStore:
                                           args=[node_id, sid]))
         return foreign
 
-    async def reconcile(self, node_id: str, held: set[str]) -> tuple[list[str], list[str], list[dict]]:
-        """Compare what the node holds with its bindings. Returns ``(foreign, missing,
-        adopt)``: held ids bound elsewhere or tombstoned (the node drops them), held ids
+    async def reconcile(self, node_id: str, held: set[str], paused: set[str] = frozenset()
+                        ) -> tuple[list[str], list[str], list[dict]]:
+        """Compare what the node holds (``paused``: those of ``held`` it holds paused)
+        with its bindings. Returns ``(foreign, missing, adopt)``: held ids bound
+        elsewhere or tombstoned (the node drops them: a running one is stopped), held ids
         with no binding at all (the node publishes them again), and the records of
         paused sandboxes moved to this node (:meth:`rebind`) that it has not adopted yet
         (it adopts them: a move whose adopt never came must not lose the sandbox).
-        Other bindings of this node that it no longer holds are removed."""
+        A tombstoned sandbox the node holds *paused* (it was paused while the node was
+        cut off, after it had been reported gone) is kept: its tombstone goes and the node
+        publishes it again — dropping it would destroy a paused sandbox, which nothing
+        requires. Other bindings of this node that it no longer holds are removed."""
         bound = await self.node_sandboxes(node_id)
         adopt: list[dict] = []
         for sid in sorted(bound - held):
@@ -407,6 +424,10 @@ class ClusterStore:
                 res = await self._call(p.execute())
             for i, sid in enumerate(unknown):
                 gone, owner = res[2 * i], res[2 * i + 1]
+                if gone and not owner and sid in paused:
+                    await self._call(self._r.delete(f"{P}gone:{sid}", f"{P}dead:{sid}"))
+                    log.warning("sandbox %s was reported gone with node %s, which holds it paused: kept", sid, node_id)
+                    gone = 0
                 (foreign if gone or (owner and _s(owner) != node_id) else missing).append(sid)
         return foreign, missing, adopt
 

@@ -18,6 +18,11 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: heartbeats and some slack; raise it where nodes can stall longer (an overloaded host).
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("FORKYARD_HEARTBEAT_TIMEOUT_S", "5"))
 
+#: A node stopped with SIGTERM (a restart: its sandboxes keep running and are re-adopted
+#: at its next start) is not declared down for this long (s, ``FORKYARD_NODE_RESTART_GRACE_S``,
+#: read by the node that announces it). A node that crashes announces nothing.
+RESTART_GRACE_S = float(os.environ.get("FORKYARD_NODE_RESTART_GRACE_S", "120"))
+
 NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
 
 
@@ -79,6 +84,8 @@ class NodeInfo:
         age: seconds since that heartbeat, measured on Redis's clock when the node was
             read (None when built without a store); every liveness judgement uses
             Redis's clock, so skewed host clocks do not matter.
+        grace_until: Redis time before which it is not declared down: it announced a
+            restart (``SIGTERM``; :data:`RESTART_GRACE_S`); 0 when it did not.
     """
 
     node_id: str
@@ -87,6 +94,7 @@ class NodeInfo:
     last_seen: float
     report: NodeReport
     age: float | None = None
+    grace_until: float = 0.0
 
     def heartbeat_age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat: ``now - last_seen`` when ``now`` is given,
