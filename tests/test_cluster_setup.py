@@ -89,3 +89,22 @@ def test_readme_cluster_setup_gives_a_private_loopback_redis_with_a_password(set
     written = [p for p in (root / "redis").rglob("*") if p.is_file()]
     assert written and all(stat.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in written), \
         [(p.name, oct(p.stat().st_mode)) for p in written]
+
+
+def test_a_cluster_node_without_a_shared_repository_is_refused(tmp_path):
+    """E2B users expect a paused sandbox to resume anywhere: a node that would keep its
+    snapshots to itself (no FORKYARD_REPO) is refused unless explicitly allowed (it
+    joined silently before)."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FORKYARD_", "E2B_"))}
+    env["FORKYARD_DATA_DIR"] = str(tmp_path)
+    argv = [sys.executable, "-m", "forkyard.cli.main", "node", "--scheduler", "http://127.0.0.1:1", "--no-build-base"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "FORKYARD_REPO" in out.stdout + out.stderr and "FORKYARD_ALLOW_LOCAL_REPO" in \
+        out.stdout + out.stderr, out.stdout + out.stderr
+    # allowed: it goes on (and stops at the next missing setting, the cluster secret), with a warning
+    out = subprocess.run(argv, env=dict(env, FORKYARD_ALLOW_LOCAL_REPO="1"), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "warning: FORKYARD_REPO is unset" in out.stdout, out.stdout + out.stderr
+    assert "cluster needs a shared secret" in out.stdout + out.stderr

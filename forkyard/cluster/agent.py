@@ -393,6 +393,12 @@ class NodeAgent:
             return False
         return True
 
+    def _told_draining(self, scope) -> bool:
+        """The gateway says this node is draining (it read the status before this node's
+        next heartbeat could): :data:`~.config.DRAINING_HEADER` with the cluster secret."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return headers.get(DRAINING_HEADER) == "1" and cluster_secret_ok(headers, self.secret)
+
     def _still_running(self, sandbox_id: str) -> bool:
         rec = self.orch.store.get(sandbox_id)
         return rec is not None and rec.state == "running"
@@ -454,7 +460,7 @@ class NodeAgent:
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)
             if scope["method"] == "POST" and (m := _WAKE.match(scope["path"])):
-                if agent.status == NODE_DRAINING:
+                if agent.status == NODE_DRAINING or agent._told_draining(scope):
                     return await agent._refuse_wake(m.group(1), scope, receive, send, app)
                 if not await agent._may_resume(m.group(1)):
                     body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler, so it "

@@ -52,7 +52,7 @@ from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HE
 from forkyard.cluster.routing import RouteBook, ask_nodes
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, NODE_UP, NodeInfo
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, NODE_DRAINING, NODE_UP, NodeInfo
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -78,7 +78,7 @@ _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 #: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
 _REPLACE = {500, 502, 503, 507}
-_NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER}  # the last two: only ours
+_NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
 
 
 class _Fail(Exception):
@@ -208,14 +208,15 @@ class Gateway:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
 
     # ---- ownership ----------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, move: bool = True) -> NodeInfo:
+    async def owner(self, sandbox_id: str, move: bool = True, fresh: bool = False) -> NodeInfo:
         """The node serving ``sandbox_id``. A paused sandbox whose node is declared down
         or draining is moved first when ``move`` (the scheduler rebinds it atomically),
         and a paused sandbox is always adopted by the node it is bound to before a REST call
         goes there (idempotent: a node that has it already keeps it) — so a move whose
         adopt never happened (a gateway died in between) heals on the next call; a paused
         sandbox whose node does not answer that adopt is moved at once. Without Redis the
-        last known owner, or the node that says it holds it (:mod:`.routing`).
+        last known owner, or the node that says it holds it (:mod:`.routing`). ``fresh``:
+        the node list is read now (a wake must see a drain that began a moment ago).
 
         Raises:
             _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
@@ -227,7 +228,7 @@ class Gateway:
         if b is None:
             return await self._unbound(sandbox_id)
         self.book.remember(sandbox_id, b.node_id, b.state)
-        node = (await self.nodes()).get(b.node_id)
+        node = (await self.nodes(fresh=fresh)).get(b.node_id)
         if node is not None and not node.declared_down and (node.status == NODE_UP or b.state != "paused"):
             if b.state == "paused" and move:
                 try:
@@ -511,9 +512,10 @@ class Gateway:
         then moved and sent again — never resumed on the draining node."""
         raw, _ = await self._json_body(scope, receive)
         for attempt in range(WAKE_ATTEMPTS):
-            node = await self.owner(sandbox_id)
+            node = await self.owner(sandbox_id, fresh=True)
             self._owners.pop(sandbox_id, None)
-            r = await self._call_as_client(node, scope, raw, None)
+            # The gateway may learn of a drain before the node's next heartbeat does: tell it.
+            r = await self._call_as_client(node, scope, raw, None, draining=node.status == NODE_DRAINING)
             if r.status_code != 409 or DRAINING_HEADER not in r.headers:
                 break
             log.info("node %s is draining: sandbox %s resumes elsewhere", node.node_id, sandbox_id)
@@ -544,14 +546,18 @@ class Gateway:
         await send({"type": "http.response.body", "body": body})
 
     async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None,
-                              connect_error: bool = False) -> httpx.Response:
+                              connect_error: bool = False, draining: bool = False) -> httpx.Response:
         """The client's REST call (``body`` read already) sent to ``node`` as
         :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
         _Fail(502) when the node cannot be reached (``connect_error``: httpx.ConnectError
-        itself when the connection could not be opened, so nothing reached the node)."""
+        itself when the connection could not be opened, so nothing reached the node).
+        ``draining``: the node is draining (:data:`~.config.DRAINING_HEADER` sent along)."""
+        headers = self._node_headers(scope, placement)
+        if draining:
+            headers.append((DRAINING_HEADER.encode(), b"1"))
         try:
             return await self._client(node).request(scope["method"], node.url + _target_path(scope),
-                                                    headers=self._node_headers(scope, placement), content=body,
+                                                    headers=headers, content=body,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
             if connect_error:

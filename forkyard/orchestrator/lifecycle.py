@@ -282,7 +282,8 @@ class LifecycleMixin:
             Conflict: already paused (409, as E2B) or busy.
             FsImageTooLarge: ``memory`` False and the changed files exceed
                 :meth:`fs_image_limit` (409); the sandbox keeps running.
-            Unavailable: ``require_healthy`` and envd did not answer.
+            Unavailable: ``require_healthy`` and envd did not answer, or the node's disk
+                has no room for the image (:meth:`_room_for_image`); it keeps running.
             CreateFailed: runsc failed; the sandbox keeps running.
         """
         async with self._locks[sandbox_id]:
@@ -294,6 +295,7 @@ class LifecycleMixin:
                     await envd_client.wait_healthy(self._http, self.target(sandbox_id, 0)[0], 2.0)
                 except TimeoutError as e:
                     raise Unavailable(f"envd of sandbox {sandbox_id} does not answer; not paused (it keeps running)") from e
+            self._room_for_image(rec)
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             self.store.put(rec)
@@ -348,6 +350,24 @@ class LifecycleMixin:
                 return rec
             finally:
                 self._stopping.discard(rec.id)
+
+    def _room_for_image(self, rec: SandboxRecord) -> None:
+        """Refuse a pause when the staging filesystem has less free space than the
+        sandbox's memory size (its image needs about that, plus its changed files): a
+        checkpoint that runs out of space midway stops the sandbox for good (measured:
+        gVisor does not resume it), while a refusal leaves it running.
+
+        Raises:
+            Unavailable: not enough free space (503); the sandbox keeps running.
+        """
+        try:
+            st = os.statvfs(self.snapshots.root)
+        except OSError:
+            return
+        free_mb = (st.f_bavail * st.f_frsize) >> 20
+        if free_mb < rec.memory_mb:
+            raise Unavailable(f"not enough free disk on this node to pause sandbox {rec.id} ({free_mb} MiB free, "
+                              f"its image needs about {rec.memory_mb} MiB): it keeps running")
 
     async def _freeze(self, sandbox_id: str) -> bool:
         """Freeze a sandbox about to be hot-paused (records ``freeze``, ms). False when
