@@ -188,3 +188,33 @@ async def test_a_paused_sandbox_whose_image_is_not_committed_never_moves(redis_u
     finally:
         await store.aclose()
 
+
+
+async def test_a_silent_node_that_answers_its_health_check_is_not_declared(redis_url):  # noqa: F811
+    """Overloaded, or cut off from the scheduler one way: silent but alive. The sweep
+    asks the node before declaring it; only one that does not answer is declared."""
+    store = ClusterStore(redis_url)
+    try:
+        now = await store.now()
+        for nid in ("n0", "n1", "n2"):
+            await store.heartbeat(nid, f"http://{nid}", NodeReport(), now=now - (30 if nid == "n0" else 0))
+        await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+        clock = Clock()
+        live = Liveness(timeout_s=5, clock=clock)
+        live.tick(now - 60)  # watching for a minute
+        asked = []
+
+        async def answers(url):
+            asked.append(url)
+            return True
+
+        assert await sweep_once(store, live, probe=answers) == [] and asked == ["http://n0"]
+        assert (await store.binding("run0")) is not None
+
+        async def silent(url):
+            return False
+
+        assert await sweep_once(store, live, probe=silent) == ["n0"]
+        assert await store.binding("run0") is None
+    finally:
+        await store.aclose()

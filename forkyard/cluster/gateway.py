@@ -49,10 +49,11 @@ from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestr
                                 relay_ws, route_of)
 from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
-from forkyard.cluster.routing import RouteBook, ask_nodes
+from forkyard.cluster.routing import Fail as _Fail
+from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, NODE_DRAINING, NODE_UP, NodeInfo
+from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -65,26 +66,16 @@ _FORK = re.compile(r"^/sandboxes/([a-z0-9]{1,64})/fork$")
 _WAKE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})/(?:connect|resume)$")
 #: How often a connect/resume is sent again after a draining node refused it.
 WAKE_ATTEMPTS = 3
-#: Redis state younger than this (s) may still miss bindings (it lost its data; nodes
-#: publish theirs again within a heartbeat): an unknown sandbox is first asked of the nodes.
-FRESH_STATE_S = HEARTBEAT_TIMEOUT_S + 2 * HEARTBEAT_INTERVAL_S
 #: Largest JSON body the gateway itself parses (create, fork): bytes.
 MAX_JSON_BODY = 1 << 20
 #: How long resolved node lists / sandbox owners are reused for sandbox traffic (s).
 NODES_TTL_S = 0.5
-OWNER_TTL_S = 1.0
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 #: Placements tried for one create whose nodes refuse it for capacity (503) or fail it
 #: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
 _REPLACE = {500, 502, 503, 507}
 _NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
-
-
-class _Fail(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def _record(d: dict) -> SandboxRecord:
@@ -105,8 +96,8 @@ def _replay(body: bytes):
     return receive
 
 
-class Gateway:
-    """The gateway's ASGI app.
+class Gateway(Ownership):
+    """The gateway's ASGI app (ownership and routing of sandboxes: :class:`~.routing.Ownership`).
 
     Args:
         store: cluster state (Redis).
@@ -169,7 +160,8 @@ class Gateway:
                     raise
                 return self.book.nodes
             self._nodes = (time.monotonic(), nodes)
-            self.book.remember_nodes(nodes)
+            if nodes:  # an empty list (Redis lost its data) does not erase what was known
+                self.book.remember_nodes(nodes)
         return nodes
 
     async def any_node(self) -> NodeInfo:
@@ -184,7 +176,9 @@ class Gateway:
 
     async def _schedule(self, body: dict) -> dict:
         try:
-            r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing(), idempotent=False)
+            # Sent again to another replica also when a connection broke mid-call: a
+            # placement made twice only holds room until it expires (PLACING_TTL_S).
+            r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing())
         except httpx.HTTPError as e:
             raise _Fail(503, f"scheduler unreachable ({e!r}): creates, forks and moves to another node wait "
                              "for it; running sandboxes are still served; retry shortly") from e
@@ -206,133 +200,6 @@ class Gateway:
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
-
-    # ---- ownership ----------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, move: bool = True, fresh: bool = False) -> NodeInfo:
-        """The node serving ``sandbox_id``. A paused sandbox whose node is declared down
-        or draining is moved first when ``move`` (the scheduler rebinds it atomically),
-        and a paused sandbox is always adopted by the node it is bound to before a REST call
-        goes there (idempotent: a node that has it already keeps it) — so a move whose
-        adopt never happened (a gateway died in between) heals on the next call; a paused
-        sandbox whose node does not answer that adopt is moved at once. Without Redis the
-        last known owner, or the node that says it holds it (:mod:`.routing`). ``fresh``:
-        the node list is read now (a wake must see a drain that began a moment ago).
-
-        Raises:
-            _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
-        """
-        try:
-            b = await self.store.binding(sandbox_id)
-        except ClusterStoreUnavailable as e:
-            return await self._owner_without_store(sandbox_id, e)
-        if b is None:
-            return await self._unbound(sandbox_id)
-        self.book.remember(sandbox_id, b.node_id, b.state)
-        node = (await self.nodes(fresh=fresh)).get(b.node_id)
-        if node is not None and not node.declared_down and (node.status == NODE_UP or b.state != "paused"):
-            if b.state == "paused" and move:
-                try:
-                    await self._adopt(node, b)
-                except _Fail as e:
-                    if e.status != 502:
-                        raise
-                    return await self._move(b, unreachable=True)
-            return node
-        if b.state != "paused":
-            raise _Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
-        if not move:
-            raise _Fail(404, f"sandbox {sandbox_id!r} is paused")
-        return await self._move(b)
-
-    async def _move(self, b, unreachable: bool = False) -> NodeInfo:
-        """Resume-place paused binding ``b`` on another node (the scheduler decides: its
-        node is down or draining, or — ``unreachable`` — does not answer it either) and
-        have the target adopt it."""
-        out = await self._schedule({"kind": "resume", "sandboxID": b.sandbox_id, "unreachable": unreachable})
-        target_id = out["placements"][0]["nodeID"]
-        target = (await self.nodes(fresh=True)).get(target_id)
-        if target is None or target.declared_down:
-            raise _Fail(503, f"sandbox {b.sandbox_id!r} is paused on node {target_id}, which is unreachable; "
-                             "retry shortly")
-        if target_id == b.node_id and unreachable:
-            raise _Fail(503, f"node {target_id} holding paused sandbox {b.sandbox_id} did not answer this gateway "
-                             "but answers the scheduler; retry shortly")
-        await self._adopt(target, b)
-        self.book.remember(b.sandbox_id, target_id, b.state)
-        return target
-
-    async def _unbound(self, sandbox_id: str) -> NodeInfo:
-        """No binding: 404 with the cause a node recorded, unless Redis's state is young
-        (it lost its data: nodes are publishing theirs again) and a node holds it."""
-        why = await self.store.death(sandbox_id)  # its node said why it died, if it did
-        if why is None:
-            age = await self.store.state_age()
-            if age is None or age < FRESH_STATE_S:
-                found = await self._ask_nodes(sandbox_id)
-                if found is not None:
-                    return found
-        self.book.forget(sandbox_id)
-        raise _Fail(404, f"sandbox {sandbox_id!r} not found" + (f": {why}" if why else ""))
-
-    async def _owner_without_store(self, sandbox_id: str, err: ClusterStoreUnavailable) -> NodeInfo:
-        """Redis cannot be read: the owner last seen, else the node that says it holds
-        ``sandbox_id``.
-
-        Raises:
-            _Fail: 503 when neither is known.
-        """
-        route = self.book.last(sandbox_id)
-        if route is not None and route.node_id in self.book.nodes:
-            return self.book.nodes[route.node_id]
-        found = await self._ask_nodes(sandbox_id)
-        if found is not None:
-            return found
-        raise _Fail(503, f"{err}; no node this gateway knows holds sandbox {sandbox_id}; retry when it is back")
-
-    async def _ask_nodes(self, sandbox_id: str) -> NodeInfo | None:
-        """The node (of those last known, not declared down) that holds ``sandbox_id``."""
-        try:
-            nodes = await self.nodes()
-        except ClusterStoreUnavailable:
-            return None
-        got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id, self.secret)
-        if got is None:
-            return None
-        node, info = got
-        self.book.remember(sandbox_id, node.node_id, str(info.get("state", "running")))
-        log.info("sandbox %s found by asking the nodes: node %s", sandbox_id, node.node_id)
-        return node
-
-    async def _adopt(self, node: NodeInfo, b) -> None:
-        r = await self._node_call(node, "POST", "/cluster/adopt", b.record)
-        if r.status_code not in (200, 409):  # 409: it runs there already
-            raise _Fail(r.status_code, f"node {node.node_id} could not take over paused sandbox "
-                                       f"{b.sandbox_id}: {r.text[:300]}")
-
-    async def _proxy_owner(self, sandbox_id: str) -> NodeInfo:
-        """The node to relay ``sandbox_id``'s traffic to: its binding's node unless that
-        one is declared down (a paused sandbox's own node answers for it, as a single
-        node does). Without Redis, the owner last seen or asked (:meth:`owner`)."""
-        hit = self._owners.get(sandbox_id)
-        if hit is not None and time.monotonic() - hit[0] < OWNER_TTL_S:
-            return hit[1]
-        try:
-            b = await self.store.binding(sandbox_id)
-        except ClusterStoreUnavailable as e:
-            node = await self._owner_without_store(sandbox_id, e)
-        else:
-            if b is None:
-                node = await self._unbound(sandbox_id)
-            else:
-                self.book.remember(sandbox_id, b.node_id, b.state)
-                node = (await self.nodes()).get(b.node_id)
-                if node is None or node.declared_down:
-                    raise _Fail(404, f"sandbox {sandbox_id!r} " + ("is paused" if b.state == "paused" else
-                                                                   f"not found (its node {b.node_id} is down)"))
-        if len(self._owners) > 10_000:
-            self._owners.clear()
-        self._owners[sandbox_id] = (time.monotonic(), node)
-        return node
 
     # ---- ASGI -----------------------------------------------------------------------------
     async def __call__(self, scope, receive, send):

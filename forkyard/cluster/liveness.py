@@ -24,7 +24,14 @@ atomic Redis script that re-checks the silence, so replicas never disagree):
    (they are re-adopted at its next start) and tells the scheduler; it is not declared
    down for :data:`~.types.RESTART_GRACE_S`. Only a node that vanished without a word
    (killed, host lost, partitioned) is declared after the timeout.
-4. **Mass silence is the control plane's fault.** When more than
+4. **The node is asked.** Before a silent node is declared, the scheduler calls its
+   ``/health`` (:data:`PROBE_TIMEOUT_S`). A node that answers is alive — overloaded, or
+   cut off from the scheduler in one direction only — and is not declared: it gets no
+   placements while silent, its sandboxes keep running and being served, and its paused
+   ones are moved to other nodes when resumed (it refuses to resume them itself while it
+   cannot tell the scheduler). Only a node that is silent *and* does not answer (dead,
+   hung, or unreachable) is declared.
+5. **Mass silence is the control plane's fault.** When more than
    :data:`MASS_SILENCE_FRACTION` of the nodes not yet declared down (and at least two)
    (not in a restart grace) are silent at once, the likelier cause is between them and the control plane (a
    scheduler behind an unreachable address, a network split on the control plane's
@@ -52,9 +59,12 @@ log = logging.getLogger("forkyard.scheduler")
 #: scheduler blames the control plane instead of the nodes (``FORKYARD_MASS_SILENCE_FRACTION``,
 #: default 0.5: a majority). 1 turns the guard off.
 MASS_SILENCE_FRACTION = float(os.environ.get("FORKYARD_MASS_SILENCE_FRACTION", "0.5"))
-#: A sweep that did not run for this long (s) means this replica was not watching:
-#: its grace period starts again.
+#: A sweep that did not start for this long after the previous one ended (s) means this
+#: replica was not watching: its grace period starts again.
 STALL_S = 3 * HEARTBEAT_INTERVAL_S
+#: How long a silent node has to answer the scheduler's ``/health`` before it is declared
+#: down (s): long enough for a node on an overloaded host.
+PROBE_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -91,15 +101,17 @@ class Liveness:
         #: Redis time from which this replica's view is trusted; None while Redis fails.
         self.healthy_since: float | None = None
         self._last_tick: float | None = None
+        self._last_end: float | None = None
         self._held_logged = False
 
     def tick(self, redis_now: float | None) -> None:
         """Record one sweep: ``redis_now`` is Redis's clock (s) read this sweep, None
         when Redis could not be reached."""
         mono = self._clock()
-        gap = mono - self._last_tick if self._last_tick is not None else 0.0
+        since = self._last_end if self._last_end is not None else self._last_tick
+        gap = mono - since if since is not None else 0.0
         stalled = gap > self.stall_s
-        self._last_tick = mono
+        self._last_tick, self._last_end = mono, None
         if redis_now is None:
             if self.healthy_since is not None:
                 log.warning("cluster state store unreachable: no node is judged until it is back "
@@ -110,6 +122,10 @@ class Liveness:
                 log.warning("the sweep did not run for %.1f s (this scheduler was stopped or starved): "
                             "every node gets %.0f s to be heard again", gap, self.timeout_s)
             self.healthy_since = redis_now
+
+    def done(self) -> None:
+        """Record the end of a sweep (its own work, e.g. probes, is not a stall)."""
+        self._last_end = self._clock()
 
     def silence(self, node: NodeInfo, redis_now: float) -> float:
         """Seconds ``node`` has been silent while this replica was watching."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from typing import Annotated
 from contextlib import asynccontextmanager
 
@@ -33,7 +34,7 @@ from pydantic import BaseModel, Field
 import httpx
 
 from forkyard.cluster.config import secret_ok
-from forkyard.cluster.liveness import Liveness
+from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.obs import metrics
@@ -134,21 +135,44 @@ async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: 
     return moved
 
 
-async def sweep_once(store: ClusterStore, live: Liveness) -> list[str]:
+async def sweep_once(store: ClusterStore, live: Liveness, probe=None) -> list[str]:
     """One sweep (:mod:`forkyard.cluster.liveness`): read Redis's clock and every node,
-    declare down the nodes silent past the timeout while this replica was watching
-    (tombstoning their running sandboxes; nothing is destroyed), and move the paused
-    sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`. Returns the ids of the
-    nodes declared down now.
+    declare down the nodes silent past the timeout while this replica was watching that
+    do not answer ``probe`` either (``async probe(url) -> bool``: their ``/health``;
+    None: not asked), tombstoning their running sandboxes (nothing is destroyed), and
+    move the paused sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`. Returns
+    the ids of the nodes declared down now.
 
     Raises:
         ClusterStoreUnavailable: Redis failed (the caller ticks ``live`` with None).
     """
     redis_now = await store.now()
     live.tick(redis_now)
+    try:
+        return await _sweep(store, live, probe, redis_now)
+    finally:
+        live.done()
+
+
+_answering: dict[str, float] = {}  # node id -> when "silent but answers" was last logged
+
+
+async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -> list[str]:
     await store.ensure_epoch()
     all_nodes = await store.nodes()
     verdict = live.judge(all_nodes, redis_now)
+    by_id = {n.node_id: n for n in all_nodes}
+    if verdict.declare and probe is not None:
+        fresh = [nid for nid in verdict.declare if by_id[nid].status != NODE_DOWN]
+        answers = dict(zip(fresh, await asyncio.gather(*(probe(by_id[nid].url) for nid in fresh))))
+        for nid, alive in answers.items():
+            if alive:
+                if time.monotonic() - _answering.get(nid, 0) > 30:
+                    _answering[nid] = time.monotonic()
+                    log.warning("node %s sends no heartbeats (%.1f s) but answers its health check: not declared "
+                                "down (overloaded, or it cannot reach the scheduler); no placements there meanwhile",
+                                nid, live.silence(by_id[nid], redis_now))
+        verdict.declare = [nid for nid in verdict.declare if not answers.get(nid)]
     declared = []
     for nid in verdict.declare:
         gone = await store.mark_down(nid, live.healthy_since, live.timeout_s)
@@ -177,9 +201,7 @@ async def _reachable(client: httpx.AsyncClient, url: str) -> bool:
         return False
 
 
-#: How long the scheduler waits for a node's /health when a gateway says it cannot reach
-#: it (s).
-PROBE_TIMEOUT_S = 1.5
+
 
 
 def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: float = 1.0):
@@ -194,7 +216,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         while True:
             await asyncio.sleep(sweep_interval_s)
             try:
-                await sweep_once(store, live)
+                await sweep_once(store, live, probe=lambda url: _reachable(probe, url))
             except ClusterStoreUnavailable as e:
                 live.tick(None)
                 log.error("%s", e)

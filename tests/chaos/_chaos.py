@@ -284,9 +284,13 @@ class Workload:
                 self._stop.wait(0.3)
 
     def summary(self) -> str:
+        """``N ok, errors op=K …`` and the first error of each operation that failed."""
         errs = {op: len(v) for op, v in self.errors.items() if v}
         done = sum(self.ok.values())
-        return f"{done} ok" + (", errors " + " ".join(f"{k}={v}" for k, v in errs.items()) if errs else ", 0 errors")
+        if not errs:
+            return f"{done} ok, 0 errors"
+        first = "; ".join(f"{op}: {v[0][:90]}" for op, v in self.errors.items() if v)
+        return f"{done} ok, errors " + " ".join(f"{k}={v}" for k, v in errs.items()) + f" ({first})"
 
 
 def recovery_s(c: Cluster, probes: list[Probe], t0: float, timeout_s: float = 120) -> float:

@@ -18,9 +18,8 @@ import time
 
 import httpx
 import pytest
-from _chaos import LONG, Poller, Workload, record, recovery_s
-from _faults import skewed_env
-from _fixtures import chaos, healthy  # noqa: F401 — fixtures
+from chaos._chaos import LONG, Poller, Workload, record, recovery_s
+from chaos._faults import skewed_env
 from e2b import Sandbox
 
 from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S
@@ -156,7 +155,7 @@ def test_gateway_killed_mid_stream(healthy):
     h.probes.ensure(running=3, paused=2)
     p = h.probes.running[0]
     sbx = Sandbox.connect(p.sid, **h.c.sdk)
-    handle = sbx.commands.run("for i in $(seq 1 40); do echo line$i; sleep 0.25; done", background=True, timeout=0)
+    handle = sbx.commands.run("for i in $(seq 1 400); do echo line$i; sleep 0.25; done", background=True, timeout=0)
     got, broke = [], []
 
     def read():
@@ -180,12 +179,19 @@ def test_gateway_killed_mid_stream(healthy):
         rec = recovery_s(h.c, h.probes.running, t_kill)
     assert broke, "the stream should have broken with its gateway"
     again = Sandbox.connect(p.sid, **h.c.sdk)
-    rest = []
-    again.commands.connect(handle.pid).wait(on_stdout=lambda line: rest.append(line))
-    assert "line40" in "".join(rest), rest[-3:]
+    last = max(int(x.strip()[4:]) for x in "".join(got).split() if x.startswith("line"))
+    newer = None
+    for stdout, _, _ in again.commands.connect(handle.pid):  # the same process, still printing
+        nums = [int(x[4:]) for x in (stdout or "").split() if x.startswith("line")]
+        if nums and max(nums) > last:
+            newer = max(nums)
+            break
+    again.commands.kill(handle.pid)
+    assert newer, "no new output from the process after the gateway came back"
     lost_r, lost_p = h.probes.check()
     record("gateway SIGKILL mid-stream, restarted", running_lost=len(lost_r), paused_lost=len(lost_p), poller=poll,
-           recovery=rec, note=f"the stream broke ({broke[0][:60]}); reconnected to pid {handle.pid}, read to the end")
+           recovery=rec, note=f"the stream broke ({broke[0][:60]}); reconnected to pid {handle.pid}: line{newer} "
+                               f"after line{last}")
     assert (lost_r, lost_p) == ([], [])
 
 

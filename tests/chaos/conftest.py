@@ -1,11 +1,10 @@
-"""Fixtures of the chaos suite (imported by its test modules; not a conftest.py, whose
-module name would shadow tests/conftest.py). One cluster for the whole chaos suite (starting one costs ~10 s and its probes more):
+"""Fixtures of the chaos suite. One cluster for the whole chaos suite (starting one costs ~10 s and its probes more):
 real redis-server (AOF), two scheduler replicas, the gateway, three nodes with real
 runsc sandboxes, MinIO as the shared S3 repository; node2's data dir is a 6 GiB
 filesystem of its own (the disk-full test fills it). Every test leaves it healed (the
 ``healthy`` fixture starts what a test left stopped and waits for every node to be up);
 at the end every node is checked for leaks and the host for leftovers, and the figures
-of every fault are printed as one table (a plugin registered by the session fixture).
+of every fault are printed as one table after the test summary.
 
 Run: ``.venv/bin/python -m pytest -q tests/chaos`` (CI: short outages), or
 ``bench/chaos.py`` for the long variants too (FORKYARD_CHAOS_LONG=1).
@@ -17,7 +16,7 @@ import os
 import time
 
 import pytest
-from _chaos import FIGURES, Probes, leaks
+from chaos._chaos import FIGURES, Probes, leaks, read_counter
 from _cluster import Cluster
 from _minio import MinIO
 from conftest import TEST_ROOT
@@ -35,7 +34,7 @@ class Chaos:
     def heal(self) -> None:
         """Start every process a test left stopped, clear firewall rules it left, and
         wait until all nodes are up (not draining, not declared down)."""
-        from _faults import unpartition
+        from chaos._faults import unpartition
 
         unpartition(self.c)
         if self.minio.proc is None or self.minio.proc.poll() is not None:
@@ -52,8 +51,7 @@ class Chaos:
 
 
 @pytest.fixture(scope="session")
-def chaos(base_template, request):
-    request.config.pluginmanager.register(_Summary(), "forkyard-chaos-figures")
+def chaos(base_template):
     minio = MinIO().start()
     minio.make_bucket(BUCKET)
     c = Cluster(TEST_ROOT / f"chaos-{os.getpid()}", nodes=3, schedulers=2, data_fs_mb={2: 6144}, node_cgroups=True,
@@ -83,20 +81,19 @@ def chaos(base_template, request):
 
 @pytest.fixture
 def healthy(chaos):
-    """The shared cluster, healed before and after the test."""
+    """The shared cluster, healed before and after the test; probes a failed test lost
+    are dropped (so the next test does not wait for them)."""
     chaos.heal()
     yield chaos
     chaos.heal()
+    for p in list(chaos.probes.all.values()):
+        if not p.paused and read_counter(chaos.c, p.sid, wait_s=5) != p.value:
+            chaos.probes.all.pop(p.sid)
 
 
-class _Summary:
-    """Prints :data:`~_chaos.FIGURES` after the test summary."""
-
-    def pytest_terminal_summary(self, terminalreporter):
-        _print_figures(terminalreporter)
-
-
-def _print_figures(terminalreporter) -> None:
+def pytest_terminal_summary(terminalreporter):
+    """Print :data:`~chaos._chaos.FIGURES` as one table (and append it to
+    ``$FORKYARD_CHAOS_REPORT`` when set)."""
     if not FIGURES:
         return
     cols = ["fault", "running_lost", "paused_lost", "errors", "error_span_s", "recovery_s", "workload", "note"]
