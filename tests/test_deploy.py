@@ -384,7 +384,8 @@ def test_k8s_objects_and_command_lines(k8s_rendered):
         ds = by[("DaemonSet", "forkyard-node")]["spec"]["template"]["spec"]
         (node,) = ds["containers"]
         sc = node["securityContext"]
-        assert ds["hostNetwork"] is True and not sc.get("privileged")
+        # privileged: the only way a pod reaches the host's loop devices (sandbox disks)
+        assert ds["hostNetwork"] is True and sc.get("privileged") is True
         assert sc["capabilities"] == {"add": ["ALL"], "drop": ["SYS_RESOURCE"]}
         assert sc["seccompProfile"]["type"] == sc["appArmorProfile"]["type"] == "Unconfined"
         host_paths = {v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
@@ -427,7 +428,7 @@ def test_compose_file_is_valid_and_its_command_lines_parse(tmp_path):
     secrets = tmp_path / "secrets"
     subprocess.run(["bash", str(REPO / "deploy/compose/make-secrets.sh"), str(secrets)], check=True)
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in secrets.iterdir())
-    env = dict(os.environ, FORKYARD_SECRETS=str(secrets))
+    env = dict(os.environ, FORKYARD_SECRETS=str(secrets), FORKYARD_DNS="192.0.2.53")
     f = str(REPO / "deploy/compose/docker-compose.yml")
     r = subprocess.run([compose, "-f", f, "config"], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
@@ -441,7 +442,11 @@ def test_compose_file_is_valid_and_its_command_lines_parse(tmp_path):
         assert s["cap_add"] == ["ALL"] and s["cap_drop"] == ["SYS_RESOURCE"] and not s.get("privileged")
         assert s["environment"]["FORKYARD_ADVERTISE_URL"] == f"http://{name}:3000"
         assert s["environment"]["FORKYARD_REPO"].startswith("s3://")
-    assert "--appendonly" in services["redis"]["command"]
+        # sandbox disks are loop mounts: loop-control and loop block devices; a resolver
+        assert s["devices"] == ["/dev/loop-control"] and s["device_cgroup_rules"] == ["b 7:* rmw"]
+        assert s["dns"] == ["192.0.2.53"]
+    redis_cmd = " ".join(services["redis"]["command"])
+    assert "--appendonly yes" in redis_cmd and "umask 077" in redis_cmd and "ports" not in services["redis"]
     # Without the secrets directory the file refuses to render.
     r = subprocess.run([compose, "-f", f, "config", "-q"], capture_output=True, text=True,
                        env={k: v for k, v in env.items() if k != "FORKYARD_SECRETS"})
