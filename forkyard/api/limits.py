@@ -8,7 +8,8 @@ Two layers:
   connection beyond ``max_conns_per_client`` open ones from the same address (503).
   uvicorn itself arms no timer before a connection's first response, so an idle or
   slow-header connection would otherwise be held forever.
-* :class:`RestGuard` — ASGI middleware in front of the REST app: checks the API key
+* :class:`RestGuard` — ASGI middleware in front of the REST app: refuses an ambiguous
+  path (:func:`forkyard.api.paths.path_problem`, 400), checks the API key
   (or cluster secret) from the headers *before any body byte is read*, caps each
   route's body (413 with a message, from ``Content-Length`` at once, else while
   reading) and times out a body that stops arriving (408).
@@ -31,6 +32,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from forkyard.api.auth import cluster_secret_ok
+from forkyard.api.paths import path_problem
 
 log = logging.getLogger("forkyard.limits")
 
@@ -231,6 +233,8 @@ class RestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if problem := path_problem(scope):  # the path routed is the path checked (issue 25)
+            return await self._answer(send, 400, problem)
         path = scope["path"]
         if not _PUBLIC_RE.match(path):
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}

@@ -30,9 +30,10 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_key
 from forkyard.config import ENVD_VERSION
+from forkyard.ids import rfc3339
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
-from forkyard.templates import build_oci, registry
-from forkyard.templates.build import TemplateBuilds, _iso
+from forkyard.templates import build_oci, registry, unpack
+from forkyard.templates.build import TemplateBuilds
 
 
 @asynccontextmanager
@@ -48,6 +49,12 @@ async def _lifespan(app: FastAPI):
 
 router = APIRouter(lifespan=_lifespan)
 authed = [Depends(require_key)]
+
+
+def _too_large(message: str) -> JSONResponse:
+    """413 ``{code, message}``: an upload or what it unpacks to is past a limit (the
+    message names the setting)."""
+    return JSONResponse({"code": 413, "message": message}, status_code=413, headers={"Connection": "close"})
 
 
 def _builds(request: Request) -> TemplateBuilds:
@@ -95,7 +102,7 @@ def _entry(tid: str, build_id: str, cpu: int, mem: int, created: float, updated:
     """E2B's ``Template`` shape; ``disk_mb`` is shown as ``diskSizeMB`` (0: unbounded)."""
     return {
         "templateID": tid, "buildID": build_id, "cpuCount": cpu, "memoryMB": mem, "diskSizeMB": disk_mb,
-        "public": False, "aliases": [tid], "names": [tid], "createdAt": _iso(created), "updatedAt": _iso(updated),
+        "public": False, "aliases": [tid], "names": [tid], "createdAt": rfc3339(created), "updatedAt": rfc3339(updated),
         "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0, "buildCount": nbuilds,
         "envdVersion": ENVD_VERSION, "buildStatus": "ready",
     }
@@ -141,7 +148,10 @@ async def upload_files(request: Request, files_hash: str, token: str = ""):
     if not builds.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
-    size = await builds.store_upload(files_hash, request.stream(), limit)
+    try:
+        size = await builds.store_upload(files_hash, request.stream(), limit)
+    except unpack.LimitExceeded as e:
+        return _too_large(f"upload refused: {e}")
     return JSONResponse({"size": size}, status_code=201)
 
 
@@ -184,9 +194,9 @@ async def get_template(request: Request, template_id: str):
                        b.disk_mb or request.app.state.settings.default_disk_mb)
         entry["buildStatus"] = b.status
     entry["builds"] = [{
-        "buildID": b.build_id, "status": b.status, "createdAt": _iso(b.created_at),
-        "updatedAt": _iso(b.finished_at or b.created_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
-        **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
+        "buildID": b.build_id, "status": b.status, "createdAt": rfc3339(b.created_at),
+        "updatedAt": rfc3339(b.finished_at or b.created_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
+        **({"finishedAt": rfc3339(b.finished_at)} if b.finished_at else {}),
         "diskSizeMB": b.disk_mb or request.app.state.settings.default_disk_mb, "envdVersion": ENVD_VERSION,
     } for b in builds]
     return entry
@@ -234,7 +244,7 @@ async def import_template(request: Request, name: str = Query(...),
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise BadRequest(f"image larger than {limit} bytes")
+                    return _too_large(f"image larger than {limit} bytes (limit: FORKYARD_MAX_UPLOAD_MB)")
                 f.write(chunk)
         if size == 0:
             raise BadRequest("empty body: send the image tarball")
@@ -244,6 +254,8 @@ async def import_template(request: Request, name: str = Query(...),
             raise Conflict(str(e)) from e
         except build_oci.ImageImportError as e:
             raise BadRequest(str(e)) from e
+        except unpack.LimitExceeded as e:
+            return _too_large(f"image refused: {e}")
     finally:
         tmp.unlink(missing_ok=True)
     return JSONResponse(next(e for e in template_entries(request) if e["templateID"] == t.template_id),

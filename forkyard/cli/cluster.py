@@ -10,210 +10,214 @@ from pathlib import Path
 
 import typer
 
+from forkyard.cli._common import fail
+from forkyard.cli.serve import run_node, setup_logging
+from forkyard.config import ClusterSettings
+
+#: The scheduler and gateway commands; :mod:`forkyard.cli.main` adds them to the app.
+commands = typer.Typer()
+#: ``forkyard node`` (run, drain, undrain, ls, which), added by :mod:`forkyard.cli.main`.
+node_app = typer.Typer(help="Run a node, or manage the cluster's nodes.", no_args_is_help=False,
+                       invoke_without_command=True)
+
 SCHEDULER_OPT = typer.Option(None, "--scheduler", help="Scheduler URL (FORKYARD_SCHEDULER_URL, "
                                                        "default http://127.0.0.1:9090; replicas comma-separated).")
 REDIS_OPT = typer.Option(None, "--redis", help="Redis URL (FORKYARD_REDIS_URL, default redis://127.0.0.1:6379/0).")
 
 
 def _secret() -> str:
-    from forkyard.cli.main import _fail
     from forkyard.cluster.config import ClusterConfigError, load_secret
 
     try:
         return load_secret()
     except ClusterConfigError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 def _scheduler(url: str | None) -> str:
     """The scheduler URL(s), comma-separated (``--scheduler`` or the setting)."""
-    from forkyard.cli.main import _fail
     from forkyard.cluster.config import ClusterConfigError, scheduler_url, scheduler_urls
 
     try:
         return ",".join(scheduler_urls(url)) if url else scheduler_url()
     except ClusterConfigError as e:
-        _fail(str(e))
+        fail(str(e))
 
 
-def register(app: typer.Typer) -> None:
-    """Add the cluster commands to ``app``."""
-    node_app = typer.Typer(help="Run a node, or manage the cluster's nodes.", no_args_is_help=False,
-                           invoke_without_command=True)
-    app.add_typer(node_app, name="node")
+@node_app.callback(invoke_without_command=True)
+def node(
+    ctx: typer.Context,
+    host: str = typer.Option(None, help="Bind address (default 127.0.0.1, FORKYARD_HOST)."),
+    port: int = typer.Option(None, help="Bind port (default 3000, FORKYARD_PORT)."),
+    data_dir: Path = typer.Option(None, help="State directory (default /var/lib/forkyard)."),
+    scheduler: str = typer.Option(None, help="Join the cluster of this scheduler (FORKYARD_SCHEDULER_URL); "
+                                             "without it the node runs alone, as `forkyard serve`."),
+    node_id: str = typer.Option(None, help="This node's name (FORKYARD_NODE_ID, default the host name)."),
+    advertise_url: str = typer.Option(None, help="URL gateways reach this node at (FORKYARD_ADVERTISE_URL, "
+                                                 "default http://HOST:PORT)."),
+    build_base: bool = typer.Option(True, help="Build the default `base` template if missing."),
+    log_level: str = typer.Option("info", help="Log level."),
+):
+    """Run this host's node (REST + sandbox proxy). With a scheduler it registers,
+    heartbeats and mirrors its sandboxes to the cluster; alone it is `forkyard serve`."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from forkyard.cluster.agent import default_max_sandboxes
 
-    @node_app.callback(invoke_without_command=True)
-    def node(
-        ctx: typer.Context,
-        host: str = typer.Option(None, help="Bind address (default 127.0.0.1, FORKYARD_HOST)."),
-        port: int = typer.Option(None, help="Bind port (default 3000, FORKYARD_PORT)."),
-        data_dir: Path = typer.Option(None, help="State directory (default /var/lib/forkyard)."),
-        scheduler: str = typer.Option(None, help="Join the cluster of this scheduler (FORKYARD_SCHEDULER_URL); "
-                                                 "without it the node runs alone, as `forkyard serve`."),
-        node_id: str = typer.Option(None, help="This node's name (FORKYARD_NODE_ID, default the host name)."),
-        advertise_url: str = typer.Option(None, help="URL gateways reach this node at (FORKYARD_ADVERTISE_URL, "
-                                                     "default http://HOST:PORT)."),
-        build_base: bool = typer.Option(True, help="Build the default `base` template if missing."),
-        log_level: str = typer.Option("info", help="Log level."),
-    ):
-        """Run this host's node (REST + sandbox proxy). With a scheduler it registers,
-        heartbeats and mirrors its sandboxes to the cluster; alone it is `forkyard serve`."""
-        if ctx.invoked_subcommand is not None:
-            return
-        import os
-
-        from forkyard.cli.main import _fail, _run_node
-        from forkyard.cluster.agent import default_max_sandboxes
-
-        sched = scheduler or os.environ.get("FORKYARD_SCHEDULER_URL")
-        cluster = None
-        if sched:
-            _need_shared_repo()
-            sched = _scheduler(sched)
-            try:
-                max_sbx = default_max_sandboxes()
-            except ValueError:
-                _fail("FORKYARD_NODE_MAX_SANDBOXES must be a whole number")
-            cluster = {"scheduler": sched.rstrip("/"), "secret": _secret(),
-                       "node_id": node_id or os.environ.get("FORKYARD_NODE_ID") or socket.gethostname(),
-                       "advertise_url": advertise_url or os.environ.get("FORKYARD_ADVERTISE_URL"),
-                       "max_sandboxes": max_sbx}
-            if host in ("0.0.0.0", "::") and not cluster["advertise_url"]:
-                _fail("listening on all addresses: give --advertise-url (FORKYARD_ADVERTISE_URL), the URL "
-                      "gateways reach this node at")
-        _run_node(host, port, data_dir, build_base, log_level, cluster)
-
-    @node_app.command("drain")
-    def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT,
-              wait: bool = typer.Option(False, "--wait", help="Wait until the node has paused its sandboxes; "
-                                                              "exit 1 if some still run there (their pause failed)."),
-              timeout: float = typer.Option(600, help="With --wait: give up after this many seconds (exit 2).")):
-        """Stop placing sandboxes on NODE_ID and pause its running sandboxes to the shared
-        repository; they resume on other nodes when next connected."""
-        _call(scheduler, "POST", f"/v1/nodes/{node_id}/drain")
-        print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused", flush=True)
-        if wait:
-            raise typer.Exit(_wait_drained(scheduler, node_id, timeout))
-
-    @node_app.command("undrain")
-    def undrain(node_id: str = typer.Argument(..., help="Node to put back in service."),
-                scheduler: str = SCHEDULER_OPT):
-        """Let the scheduler place sandboxes on NODE_ID again."""
-        _call(scheduler, "POST", f"/v1/nodes/{node_id}/undrain")
-        print(f"node {node_id} is up")
-
-    @node_app.command("ls")
-    def ls(scheduler: str = SCHEDULER_OPT, as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-        """The cluster's nodes: status, heartbeat age, sandboxes and capacity."""
-        nodes = _call(scheduler, "GET", "/v1/nodes")
-        if as_json:
-            print(json.dumps(nodes, indent=2))
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        t = Table("node", "status", "url", "heartbeat", "running", "paused", "max", "load1")
-        for n in nodes:
-            r = n["report"]
-            status = n["status"] + (" (silent)" if n.get("silent") and n["status"] != "down" else "")
-            t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
-                      str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
-        Console().print(t)
-
-    @node_app.command("which")
-    def which(sandbox_ids: list[str] = typer.Argument(..., help="Sandbox ids."), scheduler: str = SCHEDULER_OPT,
-              as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
-        """Which node holds each sandbox (and its state there), from the cluster's bindings."""
-        rows = []
-        for sid in sandbox_ids:
-            b = _call(scheduler, "GET", f"/v1/sandboxes/{sid}", missing_ok=True)
-            rows.append({"sandboxID": sid, "nodeID": b["nodeID"] if b else None, "state": b["state"] if b else None})
-        if as_json:
-            print(json.dumps(rows, indent=2))
-            return
-        for r in rows:
-            print(f"{r['sandboxID']}  {r['nodeID'] or '-'}  {r['state'] or 'not bound to any node'}")
-        if any(r["nodeID"] is None for r in rows):
-            raise typer.Exit(1)
-
-    @app.command()
-    def scheduler(
-        host: str = typer.Option("127.0.0.1", help="Bind address."),
-        port: int = typer.Option(9090, help="Bind port."),
-        redis: str = REDIS_OPT,
-        log_level: str = typer.Option("info", help="Log level."),
-    ):
-        """Run the cluster scheduler: node registry, placement, sandbox → node bindings
-        (state in Redis; several replicas may run at once)."""
-        import uvicorn
-
-        from forkyard.cli.main import _fail, _logging
-        from forkyard.obs.logs import UVICORN_LOG_CONFIG
-        from forkyard.cluster.config import redis_url
-        from forkyard.cluster.scheduler import create_scheduler_app
-        from forkyard.cluster.store import ClusterStore
-
-        _logging(log_level, "scheduler")
-        os.umask(0o077)  # anything it writes is private (forkyard.fsperms)
-        secret = _secret()
-        url = redis or redis_url()
-        print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
-        # No access log: every node heartbeats every second.
+    env = ClusterSettings()
+    sched = scheduler or env.scheduler_url
+    cluster = None
+    if sched:
+        _need_shared_repo(env)
+        sched = _scheduler(sched)
         try:
-            sched_app = create_scheduler_app(ClusterStore(url), secret)
-        except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
-            _fail(str(e))
-        uvicorn.run(sched_app, host=host, port=port,
-                    log_level=log_level.lower(), timeout_keep_alive=75, access_log=False,
-                    log_config=UVICORN_LOG_CONFIG)
+            max_sbx = default_max_sandboxes()
+        except ValueError:
+            fail("FORKYARD_NODE_MAX_SANDBOXES must be a whole number")
+        cluster = {"scheduler": sched, "secret": _secret(),
+                   "node_id": node_id or env.node_id or socket.gethostname(),
+                   "advertise_url": advertise_url or env.advertise_url,
+                   "max_sandboxes": max_sbx}
+        if host in ("0.0.0.0", "::") and not cluster["advertise_url"]:
+            fail("listening on all addresses: give --advertise-url (FORKYARD_ADVERTISE_URL), the URL "
+                 "gateways reach this node at")
+    run_node(host, port, data_dir, build_base, log_level, cluster)
 
-    @app.command()
-    def gateway(
-        host: str = typer.Option("127.0.0.1", help="Bind address."),
-        port: int = typer.Option(8080, help="Bind port."),
-        scheduler: str = SCHEDULER_OPT,
-        redis: str = REDIS_OPT,
-        data_dir: Path = typer.Option(None, help="Where the API key file lives when FORKYARD_API_KEY(_FILE) "
-                                                 "is unset (default /var/lib/forkyard)."),
-        log_level: str = typer.Option("info", help="Log level."),
-    ):
-        """Run the cluster's public E2B-compatible endpoint (REST + sandbox traffic)."""
-        import uvicorn
 
-        from forkyard.api.auth import load_or_create_key
-        from forkyard.cli.main import _fail, _logging
-        from forkyard.obs.logs import UVICORN_LOG_CONFIG
-        from forkyard.cluster.config import redis_url
-        from forkyard.cluster.gateway import Gateway
-        from forkyard.cluster.store import ClusterStore
-        from forkyard.config import Settings
+@node_app.command("drain")
+def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT,
+          wait: bool = typer.Option(False, "--wait", help="Wait until the node has paused its sandboxes; "
+                                                          "exit 1 if some still run there (their pause failed)."),
+          timeout: float = typer.Option(600, help="With --wait: give up after this many seconds (exit 2).")):
+    """Stop placing sandboxes on NODE_ID and pause its running sandboxes to the shared
+    repository; they resume on other nodes when next connected."""
+    _call(scheduler, "POST", f"/v1/nodes/{node_id}/drain")
+    print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused", flush=True)
+    if wait:
+        raise typer.Exit(_wait_drained(scheduler, node_id, timeout))
 
-        _logging(log_level, "gateway")
-        os.umask(0o077)  # the API key file it may create is private (forkyard.fsperms)
-        secret = _secret()
-        settings = Settings()
-        if data_dir:
-            settings.data_dir = data_dir.resolve()
-        key = load_or_create_key(settings.api_key_file)
-        # Sandbox answers carry the gateway's domain, so the SDKs' get_host() comes here.
-        domain = settings.domain or f"localhost:{port}"
-        gw = Gateway(ClusterStore(redis or redis_url()), _scheduler(scheduler), secret, key,
-                     max_body_bytes=settings.max_upload_mb << 20, domain=domain)
-        url = f"http://{host}:{port}"
-        print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
-        print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
-        from forkyard.api.limits import uvicorn_limits
-        from forkyard.obs.collect import cluster_families
-        from forkyard.obs.middleware import ObsMiddleware
 
-        try:
-            app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
-                                console=True)
-        except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
-            _fail(str(e))
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
-                    timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
-                    **uvicorn_limits(zero_copy=True))
+@node_app.command("undrain")
+def undrain(node_id: str = typer.Argument(..., help="Node to put back in service."),
+            scheduler: str = SCHEDULER_OPT):
+    """Let the scheduler place sandboxes on NODE_ID again."""
+    _call(scheduler, "POST", f"/v1/nodes/{node_id}/undrain")
+    print(f"node {node_id} is up")
+
+
+@node_app.command("ls")
+def ls(scheduler: str = SCHEDULER_OPT, as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """The cluster's nodes: status, heartbeat age, sandboxes and capacity."""
+    nodes = _call(scheduler, "GET", "/v1/nodes")
+    if as_json:
+        print(json.dumps(nodes, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table("node", "status", "url", "heartbeat", "running", "paused", "max", "load1")
+    for n in nodes:
+        r = n["report"]
+        status = n["status"] + (" (silent)" if n.get("silent") and n["status"] != "down" else "")
+        t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
+                  str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
+    Console().print(t)
+
+
+@node_app.command("which")
+def which(sandbox_ids: list[str] = typer.Argument(..., help="Sandbox ids."), scheduler: str = SCHEDULER_OPT,
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Which node holds each sandbox (and its state there), from the cluster's bindings."""
+    rows = []
+    for sid in sandbox_ids:
+        b = _call(scheduler, "GET", f"/v1/sandboxes/{sid}", missing_ok=True)
+        rows.append({"sandboxID": sid, "nodeID": b["nodeID"] if b else None, "state": b["state"] if b else None})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        print(f"{r['sandboxID']}  {r['nodeID'] or '-'}  {r['state'] or 'not bound to any node'}")
+    if any(r["nodeID"] is None for r in rows):
+        raise typer.Exit(1)
+
+
+@commands.command()
+def scheduler(
+    host: str = typer.Option("127.0.0.1", help="Bind address."),
+    port: int = typer.Option(9090, help="Bind port."),
+    redis: str = REDIS_OPT,
+    log_level: str = typer.Option("info", help="Log level."),
+):
+    """Run the cluster scheduler: node registry, placement, sandbox → node bindings
+    (state in Redis; several replicas may run at once)."""
+    import uvicorn
+
+    from forkyard.obs.logs import UVICORN_LOG_CONFIG
+    from forkyard.cluster.config import redis_url
+    from forkyard.cluster.scheduler import create_scheduler_app
+    from forkyard.cluster.store import ClusterStore
+
+    setup_logging(log_level, "scheduler")
+    os.umask(0o077)  # anything it writes is private (forkyard.fsperms)
+    secret = _secret()
+    url = redis or redis_url()
+    print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
+    # No access log: every node heartbeats every second.
+    try:
+        sched_app = create_scheduler_app(ClusterStore(url), secret)
+    except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
+        fail(str(e))
+    uvicorn.run(sched_app, host=host, port=port,
+                log_level=log_level.lower(), timeout_keep_alive=75, access_log=False,
+                log_config=UVICORN_LOG_CONFIG)
+
+
+@commands.command()
+def gateway(
+    host: str = typer.Option("127.0.0.1", help="Bind address."),
+    port: int = typer.Option(8080, help="Bind port."),
+    scheduler: str = SCHEDULER_OPT,
+    redis: str = REDIS_OPT,
+    data_dir: Path = typer.Option(None, help="Where the API key file lives when FORKYARD_API_KEY(_FILE) "
+                                             "is unset (default /var/lib/forkyard)."),
+    log_level: str = typer.Option("info", help="Log level."),
+):
+    """Run the cluster's public E2B-compatible endpoint (REST + sandbox traffic)."""
+    import uvicorn
+
+    from forkyard.api.auth import load_or_create_key
+    from forkyard.obs.logs import UVICORN_LOG_CONFIG
+    from forkyard.cluster.config import redis_url
+    from forkyard.cluster.gateway import Gateway
+    from forkyard.cluster.store import ClusterStore
+    from forkyard.config import Settings
+
+    setup_logging(log_level, "gateway")
+    os.umask(0o077)  # the API key file it may create is private (forkyard.fsperms)
+    secret = _secret()
+    settings = Settings()
+    if data_dir:
+        settings.data_dir = data_dir.resolve()
+    key = load_or_create_key(settings.api_key_file)
+    # Sandbox answers carry the gateway's domain, so the SDKs' get_host() comes here.
+    domain = settings.domain or f"localhost:{port}"
+    gw = Gateway(ClusterStore(redis or redis_url()), _scheduler(scheduler), secret, key,
+                 max_body_bytes=settings.max_upload_mb << 20, domain=domain)
+    url = f"http://{host}:{port}"
+    print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
+    print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
+    from forkyard.api.limits import uvicorn_limits
+    from forkyard.obs.collect import cluster_families
+    from forkyard.obs.middleware import ObsMiddleware
+
+    try:
+        app = ObsMiddleware(gw, "gateway", collect=lambda: cluster_families(gw.store), keys=lambda: [key],
+                            console=True)
+    except ValueError as e:  # e.g. an unreadable FORKYARD_METRICS_TOKEN_FILE
+        fail(str(e))
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
+                timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
+                **uvicorn_limits(zero_copy=True))
 
 
 def _redacted(url: str) -> str:
@@ -227,21 +231,19 @@ def _redacted(url: str) -> str:
     return url
 
 
-def _need_shared_repo() -> None:
+def _need_shared_repo(env: ClusterSettings) -> None:
     """A cluster node needs the shared repository (FORKYARD_REPO): with a node-local one a
     paused sandbox resumes only on its own node, which E2B users do not expect. Refused
     unless FORKYARD_ALLOW_LOCAL_REPO=1."""
-    from forkyard.cli.main import _fail
-
-    if os.environ.get("FORKYARD_REPO", "").strip():
+    if env.repo:
         return
-    if os.environ.get("FORKYARD_ALLOW_LOCAL_REPO") == "1":
+    if env.allow_local_repo:
         print("warning: FORKYARD_REPO is unset: this node keeps snapshots in its own data dir, so its paused "
               "sandboxes resume only here and a drain or its death strands them", flush=True)
         return
-    _fail("a cluster node needs the snapshot repository all nodes share: set FORKYARD_REPO (s3://BUCKET/PREFIX "
-          "with FORKYARD_S3_ENDPOINT, or a directory mounted at the same path on every node). "
-          "FORKYARD_ALLOW_LOCAL_REPO=1 runs with a node-local one (paused sandboxes then resume only on this node).")
+    fail("a cluster node needs the snapshot repository all nodes share: set FORKYARD_REPO (s3://BUCKET/PREFIX "
+         "with FORKYARD_S3_ENDPOINT, or a directory mounted at the same path on every node). "
+         "FORKYARD_ALLOW_LOCAL_REPO=1 runs with a node-local one (paused sandboxes then resume only on this node).")
 
 
 def _wait_drained(scheduler: str | None, node_id: str, timeout_s: float) -> int:
@@ -270,7 +272,6 @@ def _wait_drained(scheduler: str | None, node_id: str, timeout_s: float) -> int:
 def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = False):
     import httpx
 
-    from forkyard.cli.main import _fail
     from forkyard.cluster.config import SECRET_HEADER
 
     bases = _scheduler(scheduler).split(",")
@@ -280,8 +281,8 @@ def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = Fals
             break
         except httpx.HTTPError as e:
             if i == len(bases) - 1:
-                _fail(f"scheduler at {_scheduler(scheduler)} is not reachable ({e}); is `forkyard scheduler` "
-                      "running? (--scheduler / FORKYARD_SCHEDULER_URL)")
+                fail(f"scheduler at {_scheduler(scheduler)} is not reachable ({e}); is `forkyard scheduler` "
+                     "running? (--scheduler / FORKYARD_SCHEDULER_URL)")
     if r.status_code == 404 and missing_ok:
         return None
     if r.status_code != 200:
@@ -289,5 +290,5 @@ def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = Fals
             msg = r.json().get("message", r.text)
         except ValueError:
             msg = r.text
-        _fail(f"scheduler answered {r.status_code}: {msg}")
+        fail(f"scheduler answered {r.status_code}: {msg}")
     return r.json()

@@ -38,14 +38,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.proxy import route_of
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
 from forkyard.cluster.schedclient import SchedulerClient
-from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, RESTART_GRACE_S, NodeReport
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.config import ClusterSettings
+from forkyard.ids import SANDBOX_ID, is_name, is_sandbox_id
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.node")
 
@@ -58,14 +60,11 @@ PUBLISH_WAIT_S = 3.0
 #: stopped scheduler replica costs one try before the next replica is asked.
 HEARTBEAT_CALL_S = 2.0
 PUBLISH_CALL_S = 5.0
-#: How often images a failed commit left staged are committed again (s,
-#: ``FORKYARD_COMMIT_RETRY_S``).
-COMMIT_RETRY_S = float(os.environ.get("FORKYARD_COMMIT_RETRY_S", "30"))
 #: While the scheduler stays unreachable, the warning is repeated this often (s).
 LINK_LOG_S = 30.0
 #: ``connect``/``resume`` on a draining node: longest wait for the sandbox's pause (s).
 DRAIN_WAKE_WAIT_S = 120.0
-_WAKE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})/(?:connect|resume)$")
+_WAKE = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})/(?:connect|resume)$")
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 
 
@@ -132,6 +131,7 @@ class NodeAgent:
         #: Set once a drain has paused what it could (reported: ``forkyard node drain --wait``).
         self.drain_done = False
         self.boot = secrets.token_hex(6)
+        self.settings = ClusterSettings()
         self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S)
         #: Whether the last scheduler call succeeded (None before the first).
         self.linked: bool | None = None
@@ -172,7 +172,7 @@ class NodeAgent:
     async def stop(self) -> None:
         """Stop heartbeats. The node's sandboxes keep running (they are re-adopted at
         the next start), so the scheduler is told this is a restart: the node is not
-        declared down for :data:`~.types.RESTART_GRACE_S` (a crash says nothing and is
+        declared down for ``FORKYARD_NODE_RESTART_GRACE_S`` (a crash says nothing and is
         declared after the heartbeat timeout)."""
         for t in (self._task, self._drain_task, self._commit_task):
             if t is not None:
@@ -184,7 +184,7 @@ class NodeAgent:
         if self.linked is not False:
             try:
                 await asyncio.wait_for(self.publish(), timeout=PUBLISH_CALL_S)
-                await self._post(f"/v1/nodes/{self.node_id}/restarting", {"graceS": RESTART_GRACE_S})
+                await self._post(f"/v1/nodes/{self.node_id}/restarting", {"graceS": self.settings.restart_grace_s})
             except Exception as e:  # noqa: BLE001
                 log.warning("telling the scheduler about this restart failed: %s", e)
         await self._http.aclose()
@@ -237,11 +237,11 @@ class NodeAgent:
             log.warning("scheduler still unreachable after %.0f s (%s)", now - self._link_since, err)
 
     def _retry_commits(self) -> None:
-        """Every :data:`COMMIT_RETRY_S`, commit again paused images a failed commit left
-        staged here (the repository was down during their pause), in the background."""
+        """Every ``FORKYARD_COMMIT_RETRY_S``, commit again paused images a failed commit
+        left staged here (the repository was down during their pause), in the background."""
         if self._loop.time() < self._next_commit_retry or (self._commit_task and not self._commit_task.done()):
             return
-        self._next_commit_retry = self._loop.time() + COMMIT_RETRY_S
+        self._next_commit_retry = self._loop.time() + self.settings.commit_retry_s
         if any(r.state == "paused" and not self.orch.pause_committed(r) for r in self.orch.store.all()):
             self._commit_task = asyncio.create_task(self.orch.commit_staged_pauses(), name="commit-staged")
 
@@ -519,10 +519,6 @@ class NodeAgent:
         return router
 
 
-_SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
-_IMAGE_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-
-
 def _record(body: dict) -> SandboxRecord:
     """A :class:`SandboxRecord` from its published dict (unknown keys ignored), checked
     before anything uses it: its id names host paths (work dir, runsc state) and its
@@ -533,9 +529,9 @@ def _record(body: dict) -> SandboxRecord:
     """
     rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
     ints = {"vcpus": (1, 64), "memory_mb": (64, 1 << 20), "disk_mb": (0, 1 << 24)}
-    if not isinstance(rec.id, str) or not _SANDBOX_ID.fullmatch(rec.id):
+    if not isinstance(rec.id, str) or not is_sandbox_id(rec.id):
         raise TypeError(f"id must be 1-64 lower-case letters and digits, got {str(rec.id)[:80]!r}")
-    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not _IMAGE_ID.fullmatch(rec.image_id)):
+    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not is_name(rec.image_id)):
         raise TypeError("image_id is not a snapshot id")
     if not isinstance(rec.template_id, str) or len(rec.template_id) > 128:
         raise TypeError("template_id must be a string of at most 128 characters")

@@ -44,7 +44,7 @@ from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from forkyard.api import fastpath, schemas
+from forkyard.api import fastpath, paths, schemas
 from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestrator_only, relay_bodyless, relay_http,
                                 relay_ws, route_of)
 from forkyard.api.routes_sandboxes import filter_records, list_page
@@ -54,16 +54,19 @@ from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
+from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 
 log = logging.getLogger("forkyard.gateway")
 
-_SCOPED = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})(/.*)?$")
-_FORK = re.compile(r"^/sandboxes/([a-z0-9]{1,64})/fork$")
+_SCOPED = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})(/.*)?$")
+_FORK = re.compile(rf"^/sandboxes/({SANDBOX_ID})/fork$")
+#: The one key-less REST route: a template build's signed COPY upload URL.
+_UPLOAD = re.compile(r"^/template-files/[0-9a-f]{64}$")
 #: Calls that may resume a sandbox (retried on another node when a draining node refuses).
-_WAKE = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})/(?:connect|resume)$")
+_WAKE = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})/(?:connect|resume)$")
 #: How often a connect/resume is sent again after a draining node refused it.
 WAKE_ATTEMPTS = 3
 #: Largest JSON body the gateway itself parses (create, fork): bytes.
@@ -227,11 +230,13 @@ class Gateway(Ownership):
             return await self._sandbox_traffic(scope, receive, send, *route)
         if scope["type"] != "http":
             return await send({"type": "websocket.close", "code": 1008})
+        if problem := paths.path_problem(scope):  # decide on exactly what is forwarded (issue 25)
+            raise _Fail(400, problem)
         path, method = scope["path"], scope["method"]
-        if path == "/health" or path.startswith("/template-files/"):
-            if path == "/health":
-                return await self.api(scope, receive, send)
-            return await self._forward(await self.any_node(), scope, receive, send)  # signed URL
+        if path == "/health":
+            return await self.api(scope, receive, send)
+        if method == "PUT" and _UPLOAD.match(path):  # signed URL, checked by the node: no key, no secret
+            return await self._forward(await self.any_node(), scope, receive, send, secret=False)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         got = headers.get("x-api-key", "")
         if not got or not hmac.compare_digest(got.encode(), self.api_key.encode()):
@@ -291,21 +296,24 @@ class Gateway(Ownership):
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 
     async def _forward(self, node: NodeInfo, scope, receive, send, body: bytes | None = None,
-                       placement: str | None = None):
+                       placement: str | None = None, secret: bool = True):
         """Relay a REST call to ``node`` (streaming), the user's key swapped for the
-        secret, with the scheduler's ``placement`` id when the call starts sandboxes it
-        placed. The client's ``Host`` goes along, so URLs the node builds from it (the
-        template build's signed upload URL) point back at the gateway."""
+        secret (none when not ``secret``: a key-less call carries no credential), with
+        the scheduler's ``placement`` id when the call starts sandboxes it placed. The
+        client's ``Host`` goes along, so URLs the node builds from it (the template
+        build's signed upload URL) point back at the gateway."""
         await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
-                         node.url, self._node_headers(scope, placement), self.max_body_bytes,
+                         node.url, self._node_headers(scope, placement, secret), self.max_body_bytes,
                          f"node {node.node_id}")
 
-    def _node_headers(self, scope, placement: str | None) -> list[tuple[bytes, bytes]]:
+    def _node_headers(self, scope, placement: str | None, secret: bool = True) -> list[tuple[bytes, bytes]]:
         """The client's headers for a node: the API key and our own headers dropped, its
-        ``Host`` kept, the cluster secret and the scheduler's ``placement`` id added."""
+        ``Host`` kept, the cluster secret (when ``secret``) and the scheduler's
+        ``placement`` id added."""
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
         headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
-        headers.append((SECRET_HEADER.encode(), self.secret.encode()))
+        if secret:
+            headers.append((SECRET_HEADER.encode(), self.secret.encode()))
         if placement:
             headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
         return headers

@@ -22,7 +22,7 @@ atomic Redis script that re-checks the silence, so replicas never disagree):
    scheduler outage of any length every node gets a full timeout to be heard again.
 3. **A restart is announced.** A node stopped with SIGTERM keeps its sandboxes running
    (they are re-adopted at its next start) and tells the scheduler; it is not declared
-   down for :data:`~.types.RESTART_GRACE_S`. Only a node that vanished without a word
+   down for ``FORKYARD_NODE_RESTART_GRACE_S`` (120 s). Only a node that vanished without a word
    (killed, host lost, partitioned) is declared after the timeout.
 4. **The node is asked.** Before a silent node is declared, the scheduler calls its
    ``/health`` (:data:`PROBE_TIMEOUT_S`). A node that answers is alive — overloaded, or
@@ -47,18 +47,18 @@ of reading every node.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S, NODE_DOWN, NodeInfo
+from forkyard.config import ClusterSettings
 
 log = logging.getLogger("forkyard.scheduler")
 
 #: Fraction of the nodes not yet declared down that may be silent at once before the
 #: scheduler blames the control plane instead of the nodes (``FORKYARD_MASS_SILENCE_FRACTION``,
-#: default 0.5: a majority). 1 turns the guard off.
-MASS_SILENCE_FRACTION = float(os.environ.get("FORKYARD_MASS_SILENCE_FRACTION", "0.5"))
+#: default 0.5: a majority; :class:`~forkyard.config.ClusterSettings`). 1 turns the guard off.
+MASS_SILENCE_FRACTION = ClusterSettings().mass_silence_fraction
 #: A sweep that did not start for this long after the previous one ended (s) means this
 #: replica was not watching: its grace period starts again.
 STALL_S = 3 * HEARTBEAT_INTERVAL_S

@@ -18,11 +18,6 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: heartbeats and some slack; raise it where nodes can stall longer (an overloaded host).
 HEARTBEAT_TIMEOUT_S = float(os.environ.get("FORKYARD_HEARTBEAT_TIMEOUT_S", "5"))
 
-#: A node stopped with SIGTERM (a restart: its sandboxes keep running and are re-adopted
-#: at its next start) is not declared down for this long (s, ``FORKYARD_NODE_RESTART_GRACE_S``,
-#: read by the node that announces it). A node that crashes announces nothing.
-RESTART_GRACE_S = float(os.environ.get("FORKYARD_NODE_RESTART_GRACE_S", "120"))
-
 NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
 
 
@@ -85,7 +80,8 @@ class NodeInfo:
             read (None when built without a store); every liveness judgement uses
             Redis's clock, so skewed host clocks do not matter.
         grace_until: Redis time before which it is not declared down: it announced a
-            restart (``SIGTERM``; :data:`RESTART_GRACE_S`); 0 when it did not.
+            restart (``SIGTERM``; ``FORKYARD_NODE_RESTART_GRACE_S``,
+            :class:`~forkyard.config.ClusterSettings`); 0 when it did not.
     """
 
     node_id: str

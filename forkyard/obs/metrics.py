@@ -15,7 +15,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-import os
 import time
 from contextvars import ContextVar
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
+from forkyard.config import ObsSettings
 from forkyard.obs import tracing
 
 #: Process-wide registry: lifecycle histograms, proxy and HTTP counters, process stats.
@@ -197,10 +197,11 @@ def metrics_token() -> str | None:
     Raises:
         ValueError: the file cannot be read or is empty.
     """
-    value = os.environ.get("FORKYARD_METRICS_TOKEN", "").strip()
+    settings = ObsSettings()
+    value = settings.metrics_token.strip()
     if value:
         return value
-    path = os.environ.get("FORKYARD_METRICS_TOKEN_FILE", "").strip()
+    path = settings.metrics_token_file.strip()
     if path:
         try:
             value = Path(path).read_text().strip()
@@ -210,6 +211,13 @@ def metrics_token() -> str | None:
             raise ValueError(f"FORKYARD_METRICS_TOKEN_FILE {path} is empty")
         return value
     return None
+
+
+#: Headers a reverse proxy or TLS terminator adds (RFC 7239 ``Forwarded``, the
+#: de-facto ``X-Forwarded-*``/``X-Real-IP``, RFC 9110 ``Via``): their presence means the
+#: loopback peer is a proxy. One that adds none of them (a TCP-level terminator) needs
+#: ``FORKYARD_METRICS_TOKEN`` set.
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-real-ip", "via")
 
 
 def _loopback(host: str | None) -> bool:
@@ -224,9 +232,14 @@ def scrape_allowed(headers: dict[str, str], client_host: str | None, token: str 
 
     Allowed with ``Authorization: Bearer <token>`` where the token is the metrics token
     or the API key, or with ``X-API-Key: <API key>``. Without any credentials it is
-    allowed only from a loopback address and only while no metrics token is set (a
-    Prometheus on the same host). Metrics hold no ids, keys or tokens either way.
+    allowed only from a loopback address, only while no metrics token is set (a
+    Prometheus on the same host), and only for a request no proxy relayed: one with a
+    forwarding header (:data:`PROXY_HEADERS`) came through a TLS terminator or proxy on
+    the same host, from anywhere (issue 25, item 7). Metrics hold no ids, keys or
+    tokens either way.
     """
+    if any(h in headers for h in PROXY_HEADERS):
+        client_host = None  # relayed: the loopback peer is the proxy, not the client
     offered = []
     auth = headers.get("authorization", "")
     if auth[:7].lower() == "bearer ":

@@ -19,12 +19,13 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from forkyard.api.proxy import route_of
+from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs, metrics, tracing
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.access")
 
-_SANDBOX_PATH = re.compile(r"^/(?:v2/|cluster/)?sandboxes/([a-z0-9]{1,64})(/[a-z]+)?")
+_SANDBOX_PATH = re.compile(rf"^/(?:v2/|cluster/)?sandboxes/({SANDBOX_ID})(/[a-z]+)?")
 _OPS = {"pause": "pause", "resume": "resume", "connect": "connect", "fork": "fork", "snapshots": "snapshot",
         "timeout": "set_timeout", "refreshes": "refresh", "metrics": "sandbox_metrics", "logs": "sandbox_logs"}
 
@@ -72,19 +73,23 @@ class ObsMiddleware:
         if kind not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        if kind == "http" and path == "/metrics":
+        try:
+            route = route_of(scope)
+            malformed = False
+        except ValueError:
+            route, malformed = None, True
+        # /metrics and /console live on the API host only: on a sandbox's host
+        # (PORT-ID.DOMAIN, or routing headers) every path is the sandbox's (issue 25, item 7).
+        if kind == "http" and route is None and not malformed and path == "/metrics":
             return await self._metrics(scope, receive, send)
-        if kind == "http" and self.console and (path == "/console" or path.startswith("/console/")):
+        if (kind == "http" and route is None and not malformed and self.console
+                and (path == "/console" or path.startswith("/console/"))):
             from forkyard.obs import console
 
             return await console.serve(scope, receive, send)
         headers = scope.get("headers", [])
         offered = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
         rid = logs.new_request_id(offered)
-        try:
-            route = route_of(scope)
-        except ValueError:
-            route = None
         traffic = route is not None
         if offered != rid and not traffic:  # a sandbox gets only the headers its client sent
             scope = dict(scope)

@@ -164,28 +164,46 @@ def _mountinfo_entry(path: Path) -> list[str] | None:
     return found
 
 
+#: Options of a template's protecting bind mount: read-only, and its set-id programs
+#: and device nodes inert on the host (issue 25: an imported image's setuid-root file
+#: must not be an escalation for a local user). gVisor applies its own mount flags
+#: inside the sandbox, so ``sudo`` there is unaffected.
+PROTECT_OPTIONS = ("ro", "nosuid", "nodev")
+
+
 def is_protected(rootfs: Path) -> bool:
-    """True when ``rootfs`` is a read-only mount point (the protection is in place)."""
+    """True when ``rootfs`` is a mount point with :data:`PROTECT_OPTIONS` (the protection is in place)."""
     entry = _mountinfo_entry(rootfs)
-    return entry is not None and "ro" in entry[5].split(",")
+    return entry is not None and set(PROTECT_OPTIONS) <= set(entry[5].split(","))
+
+
+def _real_dir(rootfs: Path) -> None:
+    """Refuse a rootfs that is a symlink (``mount``/``umount`` would follow it to the host)."""
+    if rootfs.is_symlink() or not rootfs.is_dir():
+        raise TemplateBuildError(f"{rootfs} is not a directory (a link?); refusing to mount over it")
 
 
 def protect_rootfs(rootfs: Path) -> None:
-    """Make ``rootfs`` read-only on the host with a read-only bind mount onto itself.
+    """Make ``rootfs`` read-only on the host with a bind mount onto itself
+    (:data:`PROTECT_OPTIONS`); an older protection without nosuid/nodev is remounted.
 
     Idempotent. Raises:
-        TemplateBuildError: the bind mount failed.
+        TemplateBuildError: the bind mount failed, or ``rootfs`` is a symlink.
     """
+    _real_dir(rootfs)
     if is_protected(rootfs):
         return
     if _mountinfo_entry(rootfs) is None:
         _run_quiet(["mount", "--bind", str(rootfs), str(rootfs)])
-    _run_quiet(["mount", "-o", "remount,bind,ro", str(rootfs), str(rootfs)])
+    _run_quiet(["mount", "-o", "remount,bind," + ",".join(PROTECT_OPTIONS), str(rootfs), str(rootfs)])
 
 
 def unprotect_rootfs(rootfs: Path) -> None:
     """Remove every mount stacked on ``rootfs`` (used before rebuilding or deleting).
-    Lazy (``umount -l``): sandboxes still using it keep their view."""
+    Lazy (``umount -l``): sandboxes still using it keep their view. A symlink is left
+    alone (its target is not ours to unmount)."""
+    if rootfs.is_symlink():
+        return
     while _mountinfo_entry(rootfs) is not None:
         _run_quiet(["umount", "-l", str(rootfs)])
 

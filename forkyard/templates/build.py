@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import gzip
 import hashlib
 import hmac
 import json
@@ -43,12 +42,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from forkyard.config import ENVD_PORT, Settings
+from forkyard.ids import is_name, rfc3339
 from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
 from forkyard.orchestrator.errors import (
     BadRequest,
@@ -56,7 +55,7 @@ from forkyard.orchestrator.errors import (
     NotFound,
     OrchestratorError,
 )
-from forkyard.templates import build_envd, registry
+from forkyard.templates import build_envd, registry, unpack
 
 log = logging.getLogger("forkyard.templates.build")
 
@@ -64,7 +63,6 @@ log = logging.getLogger("forkyard.templates.build")
 #: default user/workdir keys are the orchestrator's (it hands them to cold-booted envds).
 BUILD_KEY = "forkyard.templateBuild"
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31})?$")
@@ -79,13 +77,18 @@ BUILD_SANDBOX_TIMEOUT_S = 3600
 RUN_TIMEOUT_S = 1800
 READY_TIMEOUT_S = 300
 MAX_LOG_ENTRIES = 20000
+#: Characters of log messages one build keeps (the oldest go first), so a step that
+#: prints without end holds at most this much server memory.
+MAX_LOG_BYTES = 16 << 20
 MAX_CONCURRENT_BUILDS = 2
+#: How long a COPY upload URL (``GET /templates/{id}/files/{hash}``) stays valid (s);
+#: the SDK uploads right after asking. It is good for one upload: a stored tarball is
+#: never replaced.
+UPLOAD_URL_TTL_S = 3600
+#: How often a running build checks that its sandbox still exists (s).
+SANDBOX_CHECK_S = 1.0
 STATUS_PAGE_LIMIT = 100
 _LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
 
 
 def split_name(name: str) -> tuple[str, str | None]:
@@ -97,7 +100,7 @@ def split_name(name: str) -> tuple[str, str | None]:
     if not isinstance(name, str):
         raise BadRequest("template name must be a string")
     base, _, tag = name.partition(":")
-    if not _NAME.match(base):
+    if not is_name(base):
         raise BadRequest(f"invalid template name {base!r}: 1-64 of a-z, 0-9, '-', '_', starting with a letter or digit")
     if tag and tag not in DEFAULT_TAGS:
         raise BadRequest(f"tag {tag!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
@@ -122,13 +125,26 @@ class BuildRecord:
     logs: list[dict] = field(default_factory=list)
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
-        """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`)."""
-        entry = {"timestamp": _iso(time.time()), "level": level, "message": message}
+        """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`
+        entries or :data:`MAX_LOG_BYTES` of messages; a message is cut at
+        :data:`build_envd.MAX_LINE_BYTES` characters)."""
+        if len(message) > build_envd.MAX_LINE_BYTES:
+            message = message[: build_envd.MAX_LINE_BYTES]
+        entry = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
         self.logs.append(entry)
-        if len(self.logs) > MAX_LOG_ENTRIES:
-            del self.logs[: len(self.logs) - MAX_LOG_ENTRIES]
+        size = self.__dict__.get("_log_bytes")
+        if size is None:
+            size = sum(len(e.get("message", "")) for e in self.logs[:-1])
+        size += len(message)
+        if len(self.logs) > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES:
+            drop = 0
+            while drop < len(self.logs) - 1 and (len(self.logs) - drop > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES):
+                size -= len(self.logs[drop].get("message", ""))
+                drop += 1
+            del self.logs[:drop]
+        self.__dict__["_log_bytes"] = size  # not a field: never saved
 
 
 class StepFailed(Exception):
@@ -330,21 +346,38 @@ class TemplateBuilds:
             raise BadRequest("files hash must be 64 lower-case hex digits (SHA-256)")
         return self.files_dir / f"{files_hash}.tar"
 
-    def upload_token(self, files_hash: str) -> str:
-        """Signature that authorises an upload of ``files_hash`` without the API key."""
-        return hmac.new(self._secret, files_hash.encode(), hashlib.sha256).hexdigest()
+    def upload_token(self, files_hash: str, now: float | None = None) -> str:
+        """Signature that authorises one upload of ``files_hash`` without the API key
+        until :data:`UPLOAD_URL_TTL_S` from now: ``<expiry unix s>-<HMAC-SHA256 hex>``."""
+        exp = int((time.time() if now is None else now) + UPLOAD_URL_TTL_S)
+        mac = hmac.new(self._secret, f"{files_hash}:{exp}".encode(), hashlib.sha256).hexdigest()
+        return f"{exp}-{mac}"
 
     def check_upload_token(self, files_hash: str, token: str) -> bool:
-        """True when ``token`` is :meth:`upload_token` of ``files_hash``."""
-        return hmac.compare_digest(self.upload_token(files_hash), token or "")
+        """True when ``token`` is an :meth:`upload_token` of ``files_hash`` that has not expired."""
+        exp, _, mac = (token or "").partition("-")
+        if not exp.isdigit() or int(exp) < time.time():
+            return False
+        want = hmac.new(self._secret, f"{files_hash}:{exp}".encode(), hashlib.sha256).hexdigest()
+        return hmac.compare_digest(want, mac)
 
     async def store_upload(self, files_hash: str, chunks: AsyncIterator[bytes], max_bytes: int) -> int:
         """Store an uploaded (optionally gzipped) tarball for ``files_hash``; returns its size.
 
+        It is read through once as a stream before it is kept: member paths must stay
+        in the build context, and what it unpacks to must be within the limits of
+        :mod:`forkyard.templates.unpack` (the build sandbox unpacks it; the server only
+        streams it there, never whole in memory).
+
         Raises:
-            BadRequest: body larger than ``max_bytes``, or not a readable tar archive.
+            unpack.LimitExceeded: body larger than ``max_bytes`` (``FORKYARD_MAX_UPLOAD_MB``)
+                or unpacking past a limit (413).
+            BadRequest: not a readable tar archive, or a member path leaves the context.
+            Conflict: ``files_hash`` is stored already (uploads are never replaced).
         """
         dest = self.file_path(files_hash)
+        if dest.exists():
+            raise Conflict(f"files {files_hash} were uploaded already")
         tmp = dest.with_name(f"{dest.name}.{secrets.token_hex(4)}.partial")
         size = 0
         try:
@@ -352,21 +385,24 @@ class TemplateBuilds:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > max_bytes:
-                        raise BadRequest(f"upload larger than {max_bytes} bytes")
+                        raise unpack.LimitExceeded("FORKYARD_MAX_UPLOAD_MB", f"upload larger than {max_bytes} bytes")
                     f.write(chunk)
             try:
-                await asyncio.to_thread(self._check_tar, tmp)
-            except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-                raise BadRequest(f"upload is not a tar archive: {e}") from e
-            os.replace(tmp, dest)
+                await asyncio.to_thread(self._check_tar, tmp, unpack.Limits.from_settings(self.settings))
+            except (unpack.ArchiveError, ValueError) as e:
+                raise BadRequest(f"upload is not a usable tar archive: {e}") from e
+            try:
+                os.link(tmp, dest)  # never replaces: the first complete upload of a hash wins
+            except FileExistsError:
+                raise Conflict(f"files {files_hash} were uploaded already") from None
         finally:
             tmp.unlink(missing_ok=True)
         return size
 
     @staticmethod
-    def _check_tar(path: Path) -> None:
-        with tarfile.open(path, "r:*") as tf:
-            for m in tf:
+    def _check_tar(path: Path, limits: unpack.Limits) -> None:
+        with open(path, "rb") as f:
+            for m, _ in unpack.members(f, unpack.Meter(limits)):
                 if m.name.startswith("/") or ".." in Path(m.name).parts:
                     raise ValueError(f"unsafe member path {m.name!r}")
 
@@ -393,7 +429,7 @@ class TemplateBuilds:
         if repo in BASE_IMAGES or repo.startswith("docker.io/library/") and repo[18:] in BASE_IMAGES:
             return "base"
         short = repo.rsplit("/", 1)[-1]
-        if _NAME.match(short) and (registry.resolve(self.settings, short) or self.orch.snapshots.find(short)):
+        if is_name(short) and (registry.resolve(self.settings, short) or self.orch.snapshots.find(short)):
             return short
         raise BadRequest(f"image {image!r} is not available: registry pulls are not supported here; "
                          "import it first (POST /templates/import) or use fromTemplate")
@@ -511,12 +547,13 @@ class TemplateBuilds:
         return posixpath.normpath(path if path.startswith("/") else posixpath.join(ctx.workdir, path))
 
     @staticmethod
-    def _copy_plan(tar_path: Path, src: str, dest_abs: str, into_dir: bool | None) -> list[tuple[str, str]]:
+    def _copy_plan(tar_path: Path, src: str, dest_abs: str, into_dir: bool | None,
+                   limits: unpack.Limits) -> list[tuple[str, str]]:
         """``(path in the archive, target path)`` pairs for ``COPY src dest`` (Docker
         rules: a directory's entries go into ``dest``; a file goes to ``dest/name`` when
         ``dest`` ends with ``/`` or several sources match, else onto ``dest``)."""
-        with tarfile.open(tar_path, "r:*") as tf:
-            members = {posixpath.normpath(m.name): m.isdir() for m in tf.getmembers()}
+        with open(tar_path, "rb") as f:
+            members = {posixpath.normpath(m.name): m.isdir() for m, _ in unpack.members(f, unpack.Meter(limits))}
         src = posixpath.normpath(src)
 
         def is_dir(n: str) -> bool:
@@ -548,14 +585,22 @@ class TemplateBuilds:
         mode = args[3] if len(args) > 3 and args[3] else None
         tar_path = self.file_path(files_hash)
         dest_abs = self._abs(ctx, dest)
-        plan = await asyncio.to_thread(self._copy_plan, tar_path, src, dest_abs, dest.endswith("/"))
+        limits = unpack.Limits.from_settings(self.settings)
+        try:
+            plan = await asyncio.to_thread(self._copy_plan, tar_path, src, dest_abs, dest.endswith("/"), limits)
+        except (unpack.ArchiveError, unpack.LimitExceeded) as e:
+            raise StepFailed(step, f"step {step}: COPY {src}: the uploaded context cannot be used: {e}") from e
         if not plan:
             raise StepFailed(step, f"step {step}: COPY {src}: no such file in the uploaded context")
         if not await self._user_exists(host, owner):
             raise StepFailed(step, f"step {step}: COPY: unknown user {owner.partition(':')[0]!r}")
-        raw = await asyncio.to_thread(_plain_tar, tar_path)
-        stage = f"/tmp/.forkyard-build-{secrets.token_hex(6)}"
-        await build_envd.upload(self._http, host, f"{stage}.tar", raw, user="root")
+        # On the sandbox's disk, not /tmp: that is a tmpfs of a quarter of its memory.
+        stage = f"/var/tmp/.forkyard-build-{secrets.token_hex(6)}"
+        try:
+            await build_envd.upload(self._http, host, f"{stage}.tar", _plain_tar(tar_path, limits.stream_bytes()),
+                                    user="root")
+        except (unpack.LimitExceeded, build_envd.EnvdError) as e:
+            raise StepFailed(step, f"step {step}: COPY {src}: {e}") from e
         q = shlex.quote
         lines = ["set -e", f"mkdir -p {stage}", f"tar -xf {stage}.tar -C {stage}"]
         targets = []
@@ -651,7 +696,7 @@ class TemplateBuilds:
                     raise StepFailed("base", f"could not start a sandbox from {base!r}: {e}") from e
                 sid = sbx.id
                 rec.log(f"Build sandbox {sid} started", step="base")
-                await self._run_steps(rec, sid, base, steps, start_cmd, ready_cmd)
+                await self._while_alive(rec, sid, self._run_steps(rec, sid, base, steps, start_cmd, ready_cmd))
                 rec.log("Snapshotting the sandbox", step="finalize")
                 try:
                     meta = await self.orch.snapshot(sid, name=rec.template_id)
@@ -679,6 +724,33 @@ class TemplateBuilds:
                 except Exception as e:  # noqa: BLE001
                     log.warning("killing build sandbox %s failed: %s", sid, e)
 
+    async def _while_alive(self, rec: BuildRecord, sid: str, work) -> None:
+        """Run coroutine ``work`` while build sandbox ``sid`` lives; when it goes (killed,
+        died) ``work`` is cancelled and the step fails at once (its envd stream would
+        otherwise wait on a connection into a netns that no longer exists).
+
+        Raises:
+            StepFailed: the sandbox went away (or what ``work`` raised).
+        """
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=SANDBOX_CHECK_S)
+                if task.done():
+                    break
+                try:
+                    self.orch.get(sid)
+                except NotFound as e:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    step = next((x["step"] for x in reversed(rec.logs) if "step" in x), "base")
+                    raise StepFailed(step, f"the build sandbox stopped: {e}") from None
+            task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     def _fail(self, rec: BuildRecord, step: str, message: str) -> None:
         rec.log(message, "error", step)
         rec.status, rec.finished_at = "error", time.time()
@@ -705,9 +777,21 @@ class TemplateBuilds:
             (self.builds_dir / f"{b.build_id}.json").unlink(missing_ok=True)
 
 
-def _plain_tar(path: Path) -> bytes:
-    """The tarball at ``path``, gunzipped when compressed."""
-    data = path.read_bytes()
-    if data[:2] == b"\x1f\x8b":
-        data = gzip.decompress(data)
-    return data
+async def _plain_tar(path: Path, max_bytes: int) -> AsyncIterator[bytes]:
+    """The tarball at ``path`` as a stream of plain tar chunks (gunzipped as read, in a
+    worker thread; at most ``max_bytes`` of them), never whole in memory.
+
+    Raises:
+        unpack.LimitExceeded: it decompresses to more than ``max_bytes``.
+    """
+    f = await asyncio.to_thread(open, path, "rb")
+    try:
+        stream = unpack.decompressed(f)
+        total = 0
+        while chunk := await asyncio.to_thread(stream.read, 1 << 20):
+            total += len(chunk)
+            if total > max_bytes:
+                raise unpack.LimitExceeded("FORKYARD_MAX_UNPACKED_MB", f"the upload decompresses to more than {max_bytes} bytes")
+            yield chunk
+    finally:
+        f.close()

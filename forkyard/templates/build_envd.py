@@ -13,7 +13,7 @@ import asyncio
 import base64
 import json
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from datetime import UTC, datetime
 
 import httpx
@@ -36,23 +36,43 @@ def _envelope(msg: dict) -> bytes:
     return struct.pack(">BI", 0, len(data)) + data
 
 
+#: Longest output line passed on (bytes): a longer one is cut into pieces of this size,
+#: so a step printing without newlines costs linear time (issue 25, item 9).
+MAX_LINE_BYTES = 8 * 1024
+#: Largest Connect message accepted from envd (bytes; envd sends output in small chunks).
+MAX_MESSAGE_BYTES = 16 << 20
+
+
 class _Lines:
-    """Split a byte stream into lines for ``sink`` (partial last line kept)."""
+    """Split a byte stream into lines for ``sink`` (partial last line kept; a line
+    longer than :data:`MAX_LINE_BYTES` goes out in pieces of that size)."""
 
     def __init__(self, stream: str, sink: LineSink | None):
-        self.stream, self.sink, self.buf = stream, sink, b""
+        self.stream, self.sink, self.buf = stream, sink, bytearray()
+
+    def _emit(self, line: bytes) -> None:
+        if self.sink:
+            self.sink(self.stream, line.decode("utf-8", "replace"))
 
     def feed(self, data: bytes) -> None:
-        self.buf += data
-        while b"\n" in self.buf:
-            line, self.buf = self.buf.split(b"\n", 1)
-            if self.sink:
-                self.sink(self.stream, line.decode("utf-8", "replace"))
+        start = 0
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                break
+            self.buf += data[start:nl]
+            self._emit(bytes(self.buf))
+            self.buf.clear()
+            start = nl + 1
+        self.buf += data[start:]
+        while len(self.buf) >= MAX_LINE_BYTES:
+            self._emit(bytes(self.buf[:MAX_LINE_BYTES]))
+            del self.buf[:MAX_LINE_BYTES]
 
     def flush(self) -> None:
-        if self.buf and self.sink:
-            self.sink(self.stream, self.buf.decode("utf-8", "replace"))
-        self.buf = b""
+        if self.buf:
+            self._emit(bytes(self.buf))
+        self.buf.clear()
 
 
 async def run(
@@ -102,14 +122,18 @@ async def run(
             if r.status_code != 200:
                 body = (await r.aread()).decode("utf-8", "replace")
                 raise EnvdError(f"envd process start answered HTTP {r.status_code}: {body[:300]}")
-            buf = b""
+            buf = bytearray()
             async for chunk in r.aiter_bytes():
                 buf += chunk
-                while len(buf) >= 5:
-                    flags, n = struct.unpack(">BI", buf[:5])
-                    if len(buf) < 5 + n:
+                pos = 0
+                while len(buf) - pos >= 5:
+                    flags, n = struct.unpack_from(">BI", buf, pos)
+                    if n > MAX_MESSAGE_BYTES:
+                        raise EnvdError(f"envd sent a {n}-byte message (at most {MAX_MESSAGE_BYTES})")
+                    if len(buf) - pos < 5 + n:
                         break
-                    payload, buf = buf[5:5 + n], buf[5 + n:]
+                    payload = bytes(buf[pos + 5:pos + 5 + n])
+                    pos += 5 + n
                     msg = json.loads(payload or b"{}")
                     if flags & 0x02:
                         if msg.get("error"):
@@ -134,6 +158,8 @@ async def run(
                         if not end.get("exited", False) and "exitCode" not in end:
                             return -1
                         return int(end.get("exitCode", 0))
+                del buf[:pos]
+                await asyncio.sleep(0)  # other requests get the loop between chunks, however fast output comes
             raise EnvdError("envd closed the process stream without an end event")
 
     try:
@@ -144,19 +170,20 @@ async def run(
         raise EnvdError(f"envd connection failed: {e}") from e
 
 
-async def upload(client: httpx.AsyncClient, host: str, path: str, data: bytes, user: str = "root",
-                 port: int = ENVD_PORT) -> None:
-    """Write ``data`` to ``path`` inside the sandbox (envd ``POST /files``, octet-stream),
-    owned by ``user``.
+async def upload(client: httpx.AsyncClient, host: str, path: str, data: bytes | AsyncIterable[bytes],
+                 user: str = "root", port: int = ENVD_PORT) -> None:
+    """Write ``data`` (bytes, or chunks streamed as they come) to ``path`` inside the
+    sandbox (envd ``POST /files``, octet-stream), owned by ``user``.
 
     Raises:
         EnvdError: envd refused or the connection failed.
     """
     try:
         r = await client.post(f"http://{host}:{port}/files", params={"path": path, "username": user},
-                              content=data, headers={"Content-Type": "application/octet-stream"}, timeout=120.0)
+                              content=data, headers={"Content-Type": "application/octet-stream"},
+                              timeout=httpx.Timeout(120.0, write=600.0))
     except httpx.HTTPError as e:
-        raise EnvdError(f"upload to {path} failed: {e}") from e
+        raise EnvdError(f"upload to {path} failed: {e!r}") from e
     if r.status_code >= 300:
         raise EnvdError(f"upload to {path} failed: HTTP {r.status_code} {r.text[:200]}")
 

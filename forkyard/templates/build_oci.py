@@ -3,13 +3,18 @@ rootfs template — no registry access needed.
 
 Layers are applied in order into ``<templates_dir>/<name>/.rootfs.partial`` with OCI
 whiteout semantics (``.wh.NAME`` deletes ``NAME`` of lower layers, ``.wh..wh..opq``
-empties its directory of lower-layer entries), every path resolved inside the rootfs
-(symlinks in the image never lead outside it), device nodes skipped. The result is
-renamed to ``rootfs``, made read-only like ``base`` and marked complete with the
-``.complete`` marker :mod:`forkyard.templates.registry` expects (content starts with
-``imported``). What the runtime needs is added when missing: mount points for envd
-(``/usr/local/bin/envd``), ``/etc/hosts``, ``/etc/hostname``; ``/etc/passwd`` and
-``/etc/group`` with root; ``/tmp``; ``/etc/resolv.conf`` from the host.
+empties its directory of lower-layer entries). Every create, write, chown, chmod and
+delete happens inside the rootfs whatever the image holds (:mod:`~forkyard.templates.beneath`:
+``openat2`` with ``RESOLVE_IN_ROOT``; the last component of a path is never followed);
+a member that leads outside the image (``..``) is refused; device nodes are skipped.
+Layers are read as streams within the limits of :mod:`~forkyard.templates.unpack`
+(unpacked bytes, entries, file size; sparse files at their apparent size, written
+sparse). The result is renamed to ``rootfs``, made read-only (``ro,nosuid,nodev``) like
+``base`` and marked complete with the ``.complete`` marker :mod:`forkyard.templates.registry`
+expects (content starts with ``imported``). What the runtime needs is added when
+missing: mount points for envd (``/usr/local/bin/envd``), ``/etc/hosts``,
+``/etc/hostname``; ``/etc/passwd`` and ``/etc/group`` with root; ``/tmp``;
+``/etc/resolv.conf`` from the host.
 
 envd (injected by the runtime) runs commands as root when the image has no ``user``
 account; the SDK's ``commands.run`` needs ``/bin/bash`` in the image.
@@ -17,7 +22,7 @@ account; the SDK's ``commands.run`` needs ``/bin/bash`` in the image.
 
 from __future__ import annotations
 
-import gzip
+import errno
 import io
 import json
 import os
@@ -31,12 +36,15 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.ids import is_name
 from forkyard.templates import base as base_tmpl
-from forkyard.templates import registry
+from forkyard.templates import beneath, registry, unpack
 
 Progress = Callable[[str], None]
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
+#: Largest JSON document (manifest, index, config) read from an image (bytes).
+MAX_JSON_BYTES = 4 << 20
 
 
 class ImageImportError(Exception):
@@ -50,18 +58,35 @@ class TemplateExists(ImageImportError):
 # ------------------------------------------------------------------ reading the image
 class _Source:
     """Uniform read access to an OCI layout directory or a tar archive of one / of
-    ``docker save`` output."""
+    ``docker save`` output. A gzipped archive is first decompressed next to itself
+    (within ``limits``: its layers are read at random, and seeking in gzip means
+    decompressing again from the start); its index of members is bounded by the
+    limits' entry count."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, limits: unpack.Limits):
         self.path = path
         self.tar: tarfile.TarFile | None = None
+        self._plain: Path | None = None
         if path.is_dir():
             return
         try:
-            self.tar = tarfile.open(path, "r:*")
-            self.names = {posixpath.normpath(m.name): m for m in self.tar.getmembers()}
-        except (tarfile.TarError, OSError, EOFError) as e:
-            raise ImageImportError(f"{path} is neither a directory nor a readable tar archive: {e}") from e
+            if unpack.is_gzip(path):
+                self._plain = path.with_name(path.name + f".plain-{os.getpid()}")
+                with open(path, "rb") as src, open(self._plain, "wb") as dst:
+                    unpack.gunzip_to(src, dst, limits.stream_bytes())
+                path = self._plain
+            self.tar = tarfile.open(path, "r:", tarinfo=unpack._BoundedTarInfo)
+            self.names = {}
+            meter = unpack.Meter(unpack.Limits(limits.stream_bytes(), limits.max_files, limits.stream_bytes()))
+            while (m := self.tar.next()) is not None:
+                meter.count(m)
+                self.names[posixpath.normpath(m.name)] = m
+        except (tarfile.TarError, OSError, EOFError, unpack.ArchiveError) as e:
+            self.close()
+            raise ImageImportError(f"{self.path} is neither a directory nor a readable tar archive: {e}") from e
+        except BaseException:
+            self.close()
+            raise
 
     def exists(self, name: str) -> bool:
         if self.tar is None:
@@ -86,13 +111,20 @@ class _Source:
     def json(self, name: str):
         try:
             with self.open(name) as f:
-                return json.load(f)
+                data = f.read(MAX_JSON_BYTES + 1)
+            if len(data) > MAX_JSON_BYTES:
+                raise ImageImportError(f"{name} is larger than {MAX_JSON_BYTES} bytes")
+            return json.loads(data)
         except ValueError as e:
             raise ImageImportError(f"{name} is not valid JSON: {e}") from e
 
     def close(self) -> None:
         if self.tar is not None:
             self.tar.close()
+            self.tar = None
+        if self._plain is not None:
+            self._plain.unlink(missing_ok=True)
+            self._plain = None
 
 
 def _blob(digest: str) -> str:
@@ -131,141 +163,182 @@ def _layers(src: _Source) -> tuple[list[str], dict]:
 
 
 # ------------------------------------------------------------------ applying layers
-def _inside(root: Path, rel: str, follow_last: bool = False) -> Path:
-    """Host path of image path ``rel`` with every symlink resolved as if ``root`` were
-    ``/`` (so no path leads outside ``root``); the last component is followed only
-    with ``follow_last``."""
-    parts = [p for p in rel.split("/") if p not in ("", ".")]
-    resolved: list[str] = []
-    hops = 0
-    while parts:
-        part = parts.pop(0)
-        if part == "..":
-            if resolved:
-                resolved.pop()
-            continue
-        cur = root.joinpath(*resolved, part)
-        if (parts or follow_last) and cur.is_symlink():
-            hops += 1
-            if hops > 40:
-                raise ImageImportError(f"too many symlinks resolving {rel!r}")
-            target = os.readlink(cur)
-            if target.startswith("/"):
-                resolved = []
-            parts = [p for p in target.split("/") if p not in ("", ".")] + parts
-            continue
-        resolved.append(part)
-    return root.joinpath(*resolved)
+def _member_path(name: str) -> str:
+    """A layer member's path inside the rootfs (``""``: the root itself).
+
+    Raises:
+        ImageImportError: it leads outside the image (``..``, ``a/../..``).
+    """
+    norm = posixpath.normpath("/" + name).lstrip("/")
+    if posixpath.normpath(name.lstrip("/")).split("/")[0] == "..":
+        raise ImageImportError(f"layer member {name!r} leads outside the image")
+    return "" if norm in ("", ".") else norm
 
 
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file() or (path.exists() and not path.is_dir()):
-        path.unlink()
-    elif path.is_dir():
-        shutil.rmtree(path)
+def _apply_layer(root: beneath.Root, fileobj: IO[bytes], meter: unpack.Meter) -> None:
+    """Apply one layer (tar, plain or gzip, read as a stream) to ``root`` with OCI
+    whiteouts: ``.wh.NAME`` removes ``NAME``, ``.wh..wh..opq`` empties its directory of
+    what lower layers put there (Docker's ``UnpackLayer`` order: in archive order).
+    Paths resolve inside the rootfs (:mod:`forkyard.templates.beneath`); owners and
+    modes are set on opened files, never through a link; device nodes are skipped.
 
-
-def _apply_layer(root: Path, fileobj: IO[bytes]) -> None:
-    """Apply one uncompressed layer tarball to ``root`` (whiteouts first: they only
-    delete entries of lower layers)."""
-    with tarfile.open(fileobj=fileobj, mode="r:") as tf:
-        members = tf.getmembers()
-        for m in members:
-            name = posixpath.normpath(m.name).lstrip("/")
-            base = posixpath.basename(name)
+    Raises:
+        ImageImportError: a member leads outside the image, or its parent is not a
+            directory inside it. unpack.LimitExceeded / unpack.ArchiveError.
+    """
+    here: set[str] = set()  # paths this layer made: an opaque whiteout keeps them
+    for m, tf in unpack.members(fileobj, meter):
+        rel = _member_path(m.name)
+        if not rel:
+            continue  # the root directory itself keeps its 0755
+        parent, base = posixpath.split(rel)
+        try:
             if base == OPAQUE:
-                d = _inside(root, posixpath.dirname(name), follow_last=True)
-                if d.is_dir():
-                    for child in d.iterdir():
-                        _remove(child)
-            elif base.startswith(WHITEOUT):
-                _remove(_inside(root, posixpath.join(posixpath.dirname(name), base[len(WHITEOUT):])))
-        dirs = []
-        for m in members:
-            name = posixpath.normpath(m.name).lstrip("/")
-            if name in ("", ".") or posixpath.basename(name).startswith(WHITEOUT):
+                dfd = root.dir_fd(parent) if parent else os.dup(root.fd)
+                try:
+                    for child in beneath.Root.children(dfd, "."):
+                        if posixpath.join(parent, child) not in here and child != OPAQUE:
+                            beneath.Root.remove(dfd, child)
+                finally:
+                    os.close(dfd)
                 continue
-            target = _inside(root, name)
-            _mkparents(target.parent)
-            if m.isdir():
-                if target.is_symlink() or (target.exists() and not target.is_dir()):
-                    _remove(target)
-                target.mkdir(exist_ok=True)
-                dirs.append((target, m))
+            if base.startswith(WHITEOUT):
+                try:
+                    dfd, name = root.parent(posixpath.join(parent, base[len(WHITEOUT):]))
+                except FileNotFoundError:
+                    continue
+                try:
+                    beneath.Root.remove(dfd, name)
+                finally:
+                    os.close(dfd)
                 continue
-            if target.exists() or target.is_symlink():
-                _remove(target)
-            if m.isfile():
-                with tf.extractfile(m) as f, open(target, "wb") as out:
-                    shutil.copyfileobj(f, out)
-            elif m.issym():
-                os.symlink(m.linkname, target)
-            elif m.islnk():
-                src = _inside(root, posixpath.normpath(m.linkname).lstrip("/"))
-                if src.exists():
-                    os.link(src, target, follow_symlinks=False)
-                continue
-            elif m.isfifo():
-                os.mkfifo(target)
-            else:
-                continue  # device nodes: the runtime provides /dev
-            os.lchown(target, m.uid, m.gid)
-            if not m.issym():
-                os.chmod(target, stat.S_IMODE(m.mode))
-                os.utime(target, (m.mtime, m.mtime))
-        for target, m in reversed(dirs):
-            os.lchown(target, m.uid, m.gid)
-            os.chmod(target, stat.S_IMODE(m.mode))
+            dfd, name = root.parent(rel, create=True)
+            try:
+                _apply_member(root, dfd, name, m, tf)
+            finally:
+                os.close(dfd)
+            here.add(rel)
+        except FileNotFoundError as e:
+            raise ImageImportError(f"layer member {m.name!r}: a parent directory is a dangling link ({e})") from e
+        except NotADirectoryError as e:
+            raise ImageImportError(f"layer member {m.name!r}: a parent is not a directory ({e})") from e
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EXDEV):
+                raise ImageImportError(f"layer member {m.name!r}: {e}") from e
+            raise
 
 
-def _mkparents(path: Path) -> None:
-    """``mkdir -p`` with 0755 directories whatever the process umask (forkyard runs
-    with 0077, but a directory an image implies must be traversable in the sandbox)."""
-    missing = []
-    while not path.exists() and not path.is_symlink():
-        missing.append(path)
-        path = path.parent
-    for p in reversed(missing):
-        p.mkdir(exist_ok=True)
-        p.chmod(0o755)
+def _apply_member(root: beneath.Root, dfd: int, name: str, m: tarfile.TarInfo, tf: tarfile.TarFile) -> None:
+    """Create member ``m`` as ``name`` in directory ``dfd`` (never following ``name``)."""
+    st = beneath.Root.lstat(dfd, name)
+    if m.isdir():
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            beneath.Root.remove(dfd, name)
+            st = None
+        if st is None:
+            os.mkdir(name, 0o700, dir_fd=dfd)
+        fd = beneath.Root.open_dir_nofollow(dfd, name)
+        try:
+            beneath.Root.set_owner_mode(fd, m.uid, m.gid, m.mode)
+        finally:
+            os.close(fd)
+        return
+    if m.issym():
+        beneath.Root.remove(dfd, name)
+        os.symlink(m.linkname, name, dir_fd=dfd)
+        os.chown(name, m.uid, m.gid, dir_fd=dfd, follow_symlinks=False)
+        return
+    if m.islnk():
+        try:
+            sfd, sname = root.parent(_member_path(m.linkname) or ".")
+        except (FileNotFoundError, beneath.EscapeError):
+            return  # a link to nothing in the image: skipped, as before
+        try:
+            sst = beneath.Root.lstat(sfd, sname)
+            if sst is None or stat.S_ISDIR(sst.st_mode):
+                return
+            beneath.Root.remove(dfd, name)
+            os.link(sname, name, src_dir_fd=sfd, dst_dir_fd=dfd, follow_symlinks=False)
+        finally:
+            os.close(sfd)
+        return
+    if m.isfile():
+        fd = beneath.Root.create_file(dfd, name)
+        try:
+            src = tf.extractfile(m)
+            unpack.write_data(src, fd, m.size)
+            beneath.Root.set_owner_mode(fd, m.uid, m.gid, m.mode)
+            os.utime(fd, (m.mtime, m.mtime))
+        finally:
+            os.close(fd)
+        return
+    if m.isfifo():
+        beneath.Root.remove(dfd, name)
+        os.mkfifo(name, 0o600, dir_fd=dfd)
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            beneath.Root.set_owner_mode(fd, m.uid, m.gid, m.mode)
+        finally:
+            os.close(fd)
+    # device nodes: the runtime provides /dev
 
 
 def _open_layer(src: _Source, name: str) -> IO[bytes]:
-    with src.open(name) as f:
-        raw = f.read()
-    head = raw[:4]
-    if head[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    elif head == b"\x28\xb5\x2f\xfd":
-        raise ImageImportError("zstd-compressed layers are not supported")
-    return io.BytesIO(raw)
+    """The layer blob ``name`` of ``src``, opened for streaming (never read whole)."""
+    f = src.open(name)
+    return f if hasattr(f, "peek") else io.BufferedReader(f)
 
 
-def _runtime_files(root: Path) -> None:
-    """Add what the runtime and envd need when the image lacks it."""
+def _runtime_files(root: beneath.Root) -> None:
+    """Add what the runtime and envd need when the image lacks it — inside the rootfs
+    whatever links the image holds (a dangling ``etc/passwd`` link is replaced by a
+    file in the rootfs, never followed out of it)."""
     for d, mode in (("tmp", 0o1777), ("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("usr/local/bin", 0o755),
-                    ("etc", 0o755), ("root", 0o700), ("run", 0o755)):
-        p = _inside(root, d, follow_last=True)
-        if not p.exists():
-            p.mkdir(parents=True)
-            p.chmod(mode)
-    etc = _inside(root, "etc", follow_last=True)
-    if not (etc / "passwd").exists():
-        (etc / "passwd").write_text("root:x:0:0:root:/root:/bin/sh\n")
-    if not (etc / "group").exists():
-        (etc / "group").write_text("root:x:0:\n")
-    for name, text in (("hosts", base_tmpl.hosts_file(base_tmpl.DEFAULT_HOSTNAME)),
-                       ("hostname", base_tmpl.DEFAULT_HOSTNAME + "\n")):
-        if not (etc / name).exists() and not (etc / name).is_symlink():
-            (etc / name).write_text(text)
-    resolv = etc / "resolv.conf"
-    if resolv.is_symlink() or not resolv.exists():
-        if resolv.is_symlink():
-            resolv.unlink()
-        resolv.write_text("".join(f"nameserver {s}\n" for s in base_tmpl.host_nameservers()))
-    envd = _inside(root, "usr/local/bin/envd")
-    if not envd.exists() and not envd.is_symlink():
-        envd.touch(mode=0o755)
+                    ("etc", 0o755), ("root", 0o700), ("run", 0o755)):  # parents made 0755 (an image without /usr)
+        try:
+            os.close(root.open(d, beneath._O_PATH))
+        except FileNotFoundError:
+            root.makedirs(d, mode)
+    etc = root.dir_fd("etc")
+    try:
+        for name, text, keep_link in (
+                ("passwd", "root:x:0:0:root:/root:/bin/sh\n", False),
+                ("group", "root:x:0:\n", False),
+                ("hosts", base_tmpl.hosts_file(base_tmpl.DEFAULT_HOSTNAME), True),
+                ("hostname", base_tmpl.DEFAULT_HOSTNAME + "\n", True)):
+            if _resolves(root, f"etc/{name}") or (keep_link and beneath.Root.lstat(etc, name) is not None):
+                continue
+            beneath.Root.write_file(etc, name, text.encode())
+        resolv = beneath.Root.lstat(etc, "resolv.conf")
+        if resolv is None or stat.S_ISLNK(resolv.st_mode):
+            servers = "".join(f"nameserver {s}\n" for s in base_tmpl.host_nameservers())
+            beneath.Root.write_file(etc, "resolv.conf", servers.encode())
+    finally:
+        os.close(etc)
+    bindir = root.dir_fd("usr/local/bin")
+    try:
+        if beneath.Root.lstat(bindir, "envd") is None:  # the runtime's mount point for envd
+            os.close(beneath.Root.create_file(bindir, "envd"))
+            fd = os.open("envd", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=bindir)
+            try:
+                os.fchmod(fd, 0o755)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(bindir)
+
+
+def _resolves(root: beneath.Root, rel: str) -> bool:
+    """True when ``rel`` (links followed inside the root) is an existing file."""
+    try:
+        os.close(root.open(rel, beneath._O_PATH))
+        return True
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return False
+        raise
 
 
 def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None,
@@ -288,30 +361,43 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
 
     Raises:
         TemplateExists: a template ``name`` is already built here.
-        ImageImportError: bad name, unreadable image, unsupported layers (zstd).
+        ImageImportError: bad name, unreadable image, unsupported layers (zstd), a
+            member leading outside the image or under a link that does not resolve in it.
+        unpack.LimitExceeded: the image unpacks past a limit of :mod:`~forkyard.templates.unpack`
+            (``FORKYARD_MAX_UNPACKED_MB`` / ``_FILES`` / ``_FILE_MB``).
     """
-    if not registry._NAME.match(name or ""):
+    if not is_name(name):
         raise ImageImportError(f"invalid template name {name!r}")
     tdir = settings.templates_dir / name
     if (tdir / "rootfs").exists() or (tdir / registry.MARKER).exists():
         raise TemplateExists(f"template {name!r} already exists")
-    src = _Source(Path(source))
+    limits = unpack.Limits.from_settings(settings)
+    src = _Source(Path(source), limits)
     started = time.monotonic()
     try:
         layers, config = _layers(src)
         tdir.mkdir(parents=True, exist_ok=True)
         partial = tdir / ".rootfs.partial"
-        if partial.exists():
-            shutil.rmtree(partial)
+        if partial.is_symlink() or partial.exists():
+            _remove_tree(partial)
         partial.mkdir()
         partial.chmod(0o755)
-        for i, layer in enumerate(layers, 1):
-            progress(f"layer {i}/{len(layers)}: {layer}")
+        meter = unpack.Meter(limits)  # the layers together
+        with beneath.Root(partial) as root:
+            for i, layer in enumerate(layers, 1):
+                progress(f"layer {i}/{len(layers)}: {layer}")
+                try:
+                    with _open_layer(src, layer) as f:
+                        _apply_layer(root, f, meter)
+                except unpack.ArchiveError as e:
+                    raise ImageImportError(f"layer {layer}: {e}") from e
+                except (tarfile.TarError, EOFError, OSError) as e:
+                    raise ImageImportError(f"layer {layer}: {e}") from e
             try:
-                _apply_layer(partial, _open_layer(src, layer))
-            except (tarfile.TarError, EOFError, OSError) as e:
-                raise ImageImportError(f"layer {layer}: {e}") from e
-        _runtime_files(partial)
+                _runtime_files(root)
+            except (OSError, beneath.EscapeError) as e:  # e.g. /etc a link that resolves to nothing in the image
+                raise ImageImportError(f"cannot add the runtime's files: {e} (a link in the image that does not "
+                                       "resolve inside it?)") from e
         if (tdir / "rootfs").exists():
             raise TemplateExists(f"template {name!r} already exists")
         if disk_mb:  # before the rootfs appears: a usable template has its settings
@@ -325,14 +411,21 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         )
     except BaseException:
         if not (tdir / registry.MARKER).exists():
-            partial = tdir / ".rootfs.partial"
-            shutil.rmtree(partial, ignore_errors=True)
+            _remove_tree(tdir / ".rootfs.partial")
             if not (tdir / "rootfs").exists():
-                shutil.rmtree(tdir, ignore_errors=True)
+                _remove_tree(tdir)
         raise
     finally:
         src.close()
     return registry.Template(name, tdir / "rootfs", disk_mb)
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` (a link itself, never what it points to; a tree fd by fd)."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def is_imported(settings: Settings, name: str) -> bool:
@@ -349,7 +442,7 @@ def remove_imported(settings: Settings, name: str) -> None:
     Raises:
         ImageImportError: ``name`` is not an imported template.
     """
-    if not registry._NAME.match(name or "") or not is_imported(settings, name):
+    if not is_name(name) or not is_imported(settings, name):
         raise ImageImportError(f"{name!r} is not an imported template")
     tdir = settings.templates_dir / name
     (tdir / registry.MARKER).unlink(missing_ok=True)
