@@ -40,6 +40,14 @@ if [ "$is_node" = 1 ] && [ -c /dev/loop-control ]; then
     i=$((i + 1))
   done
 fi
+# DNS for what the node builds: templates take their resolver from this container's
+# /etc/resolv.conf, skipping loopback ones (Docker's 127.0.0.11 on user-defined networks,
+# which neither a chroot nor a sandbox can use). FORKYARD_DNS (a resolver the containers
+# reach, deploy/compose/host-dns.sh) is added after Docker's, which still answers first
+# (service names).
+if [ "$is_node" = 1 ] && [ -n "${FORKYARD_DNS:-}" ] && ! grep -qs "^nameserver ${FORKYARD_DNS}\$" /etc/resolv.conf; then
+  echo "nameserver ${FORKYARD_DNS}" >> /etc/resolv.conf || echo "forkyard-entrypoint: cannot add FORKYARD_DNS to /etc/resolv.conf" >&2
+fi
 if [ "$is_node" = 1 ] && ! [ -c /dev/loop-control ] && ! [ -b /dev/loop0 ]; then
   echo "forkyard-entrypoint: warning: no loop devices in this container: every sandbox create will fail" \
        "(its disk is a loop mount). Add --device /dev/loop-control --device-cgroup-rule 'b 7:* rmw'" \
