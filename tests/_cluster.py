@@ -200,8 +200,10 @@ class Cluster:
         self._wait_redis()
 
     def sched(self) -> httpx.Client:
-        """A client for the scheduler's API (cluster secret set)."""
-        return httpx.Client(base_url=self.scheduler_url, headers={"x-forkyard-cluster-secret": self.secret},
+        """A client for the scheduler's API (cluster secret set): the first replica whose
+        process runs."""
+        port = next((p for s, p in zip(self.schedulers, self.sched_ports) if s.running()), self.sched_port)
+        return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-forkyard-cluster-secret": self.secret},
                             timeout=30, trust_env=False)
 
     def api(self) -> httpx.Client:
