@@ -1,7 +1,7 @@
 """Fixtures of the chaos suite. One cluster for the whole chaos suite (starting one costs ~10 s and its probes more):
 real redis-server (AOF), two scheduler replicas, the gateway, three nodes with real
-runsc sandboxes, MinIO as the shared S3 repository; node2's data dir is a 6 GiB
-filesystem of its own (the disk-full test fills it). Every test leaves it healed (the
+runsc sandboxes (node1's clock 90 s ahead), MinIO as the shared S3 repository; node2's
+data dir is a 6 GiB filesystem of its own (the disk-full test fills it). Every test leaves it healed (the
 ``healthy`` fixture starts what a test left stopped and waits for every node to be up);
 at the end every node is checked for leaks and the host for leftovers, and the figures
 of every fault are printed as one table after the test summary.
@@ -17,6 +17,7 @@ import time
 
 import pytest
 from chaos._chaos import FIGURES, Probes, leaks, read_counter
+from chaos._faults import skewed_env
 from _cluster import Cluster
 from _minio import MinIO
 from conftest import TEST_ROOT
@@ -59,6 +60,9 @@ def chaos(base_template):
                      "FORKYARD_S3_REGION": minio.region, "AWS_ACCESS_KEY_ID": minio.access_key,
                      "AWS_SECRET_ACCESS_KEY": minio.secret_key, "FORKYARD_SPARE_SLOTS": "2",
                      "FORKYARD_SPARE_DISKS": "1", "FORKYARD_COMMIT_RETRY_S": "5"})
+    # node1's wall clock runs 90 s ahead for the whole suite (clock skew: liveness uses
+    # Redis's clock, so nothing may notice; test_clock_skew skews the others too).
+    c.nodes[1].env = skewed_env(c.nodes[1].env, 90)
     h = Chaos(c, minio)
     try:
         c.start()
