@@ -164,11 +164,13 @@ class Probes:
 
 class Poller:
     """Reads every running probe's counter through the gateway every ``period_s`` in a
-    thread; :meth:`stop` returns ``(failed reads, seconds from the first failure to the
-    last)``."""
+    thread. :attr:`fails`: every read that failed or took longer than ``timeout_s``
+    (``(time, id, why)``); :attr:`errors`: those that were answered with an error or could
+    not connect (what "traffic keeps flowing" must not see; a slow read on an overloaded
+    host is not one); :attr:`span_s`: from the first failure to the last."""
 
-    def __init__(self, c: Cluster, probes: list[Probe], period_s: float = 0.25):
-        self.c, self.probes, self.period_s = c, list(probes), period_s
+    def __init__(self, c: Cluster, probes: list[Probe], period_s: float = 0.25, timeout_s: float = 5.0):
+        self.c, self.probes, self.period_s, self.timeout_s = c, list(probes), period_s, timeout_s
         self.fails: list[tuple[float, str, str]] = []
         self.reads = 0
         self._stop = threading.Event()
@@ -183,7 +185,7 @@ class Poller:
         self._t.join(timeout=30)
 
     def _run(self) -> None:
-        with httpx.Client(timeout=2.0) as h:
+        with httpx.Client(timeout=self.timeout_s) as h:
             while not self._stop.is_set():
                 for p in self.probes:
                     t = time.time()
@@ -196,6 +198,10 @@ class Poller:
                     if why is not None:
                         self.fails.append((t, p.sid, why))
                 self._stop.wait(self.period_s)
+
+    @property
+    def errors(self) -> list[tuple[float, str, str]]:
+        return [f for f in self.fails if not f[2].endswith("Timeout")]
 
     @property
     def span_s(self) -> float:
@@ -322,14 +328,17 @@ def recovery_s(c: Cluster, probes: list[Probe], t0: float, timeout_s: float = 12
 def record(fault: str, *, running_lost: int, paused_lost: int, poller: Poller | None, recovery: float | None,
            workload: Workload | None = None, note: str = "") -> dict:
     """Add one row to :data:`FIGURES` and return it."""
-    if poller and poller.fails:  # what clients saw, most frequent first
+    if poller and poller.errors:  # what clients saw, most frequent first
         seen: dict[str, int] = {}
-        for _, _, why in poller.fails:
+        for _, _, why in poller.errors:
             seen[why[:90]] = seen.get(why[:90], 0) + 1
         top = ", ".join(f"{n}× {w}" for w, n in sorted(seen.items(), key=lambda kv: -kv[1])[:2])
         note = f"{note}; reads failed with {top}" if note else f"reads failed with {top}"
+    if poller and len(poller.fails) > len(poller.errors):
+        slow = len(poller.fails) - len(poller.errors)
+        note = f"{note}; {slow} read(s) over {poller.timeout_s:.0f} s" if note else f"{slow} read(s) over {poller.timeout_s:.0f} s"
     row = {"fault": fault, "running_lost": running_lost, "paused_lost": paused_lost,
-           "errors": f"{len(poller.fails)}/{poller.reads}" if poller else "-",
+           "errors": f"{len(poller.errors)}/{poller.reads}" if poller else "-",
            "error_span_s": poller.span_s if poller else "-", "recovery_s": recovery if recovery is not None else "-",
            "workload": workload.summary() if workload else "-", "note": note}
     FIGURES.append(row)

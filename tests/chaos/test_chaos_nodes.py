@@ -67,7 +67,7 @@ def test_node_killed_then_back_beyond_the_timeout(healthy):
                 f"{t_resumed:.1f} s after the kill; declared down after {t_declared:.1f} s; its runsc container "
                 f"stopped by the node {t_stopped:.1f} s after it was back")
     back.kill()
-    assert lost_p == [] and not poll.fails, (lost_p, poll.fails[:5])
+    assert lost_p == [] and not poll.errors, (lost_p, poll.errors[:5])
     assert set(lost_r) <= doomed, (lost_r, doomed)
 
 
@@ -178,7 +178,7 @@ def test_node_partitioned_from_the_control_plane(healthy):
                running_lost=len(lost_r) + (not survived), paused_lost=len(lost_p), poller=poll, recovery=rec,
                note="not declared (it answers its health check); served throughout"
                     + ("; its resume refused there (503), the same resume through the gateway moved it" if long_cut else ""))
-        assert not declared and survived and (lost_r, lost_p) == ([], []) and not poll.fails, poll.fails[:5]
+        assert not declared and survived and (lost_r, lost_p) == ([], []) and not poll.errors, poll.errors[:5]
         Sandbox.kill(run.sid, **c.sdk)
         (moved if long_cut else Sandbox.connect(paused.sid, **c.sdk)).kill()
 
@@ -205,8 +205,10 @@ def test_disk_full_on_a_node(healthy):
             with c.api() as api:
                 made = [api.post("/sandboxes", json={"templateID": "base", "timeout": 60}, timeout=120)
                         for _ in range(3)]
+                # every create succeeds: one that node2 cannot make is placed elsewhere (one
+                # it can make from what it prepared ahead, a spare disk, may land there)
                 assert all(r.status_code == 201 for r in made), [r.text for r in made]
-                assert "node2" not in {c.owner(r.json()["sandboxID"]) for r in made}
+                landed = sorted(c.owner(r.json()["sandboxID"]) for r in made)
                 for r in made:
                     api.delete(f"/sandboxes/{r.json()['sandboxID']}")
                 pr = api.post(f"/sandboxes/{run.sid}/pause", timeout=120)
@@ -224,8 +226,8 @@ def test_disk_full_on_a_node(healthy):
     alive = read_counter(c, run.sid) == run.value
     record("disk full on node2's data dir", running_lost=len(lost_r) + (not alive), paused_lost=len(lost_p),
            poller=poll, recovery=rec, workload=wl,
-           note=f"pause on node2 answered {pr.status_code}: {pr.json().get('message', '')[:70]}; creates went elsewhere; "
-                f"full for {t_free - t0:.0f} s")
+           note=f"pause on node2 answered {pr.status_code}: {pr.json().get('message', '')[:70]}; 3 creates meanwhile "
+                f"all made (on {', '.join(landed)}); full for {t_free - t0:.0f} s")
     assert alive and (lost_r, lost_p) == ([], [])
     Sandbox.kill(run.sid, **c.sdk)
 
