@@ -95,12 +95,20 @@ class RouteBook:
         return len(self._routes)
 
 
+class Unanswered(Exception):
+    """No node said it holds the sandbox, but some did not answer at all."""
+
+
 async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id: str, secret: str,
                     timeout_s: float = ASK_TIMEOUT_S) -> tuple[NodeInfo, dict] | None:
     """Ask every node in ``nodes`` at once whether it holds ``sandbox_id``
     (``GET /sandboxes/{id}`` with the cluster secret). Returns ``(node, its answer's
-    JSON)`` of the first that does, or None when none does (or none answered within
-    ``timeout_s``)."""
+    JSON)`` of the first that does, or None when every node said it does not.
+
+    Raises:
+        Unanswered: none said so but some did not answer within ``timeout_s`` (the
+            sandbox may be there: not a 404).
+    """
     if not nodes:
         return None
 
@@ -109,23 +117,27 @@ async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id
             r = await client.get(f"{node.url}/sandboxes/{sandbox_id}", headers={SECRET_HEADER: secret},
                                  timeout=httpx.Timeout(timeout_s, connect=min(1.0, timeout_s)))
         except httpx.HTTPError:
-            return None
-        if r.status_code != 200:
+            return False
+        if r.status_code == 404:
             return None
         try:
-            return node, r.json()
+            return (node, r.json()) if r.status_code == 200 else False
         except ValueError:
-            return None
+            return False
 
     tasks = [asyncio.ensure_future(one(n)) for n in nodes]
+    silent = 0
     try:
         for fut in asyncio.as_completed(tasks):
             got = await fut
-            if got is not None:
+            if got:
                 return got
+            silent += got is False
     finally:
         for t in tasks:
             t.cancel()
+    if silent:
+        raise Unanswered(f"{silent} of {len(nodes)} node(s) did not answer")
     return None
 
 
@@ -203,7 +215,10 @@ class Ownership:
             late = any(n.heartbeat_age() > 2 * HEARTBEAT_INTERVAL_S for n in (await self.nodes()).values()
                        if not n.declared_down)
             if age is None or age < FRESH_STATE_S or late:
-                found = await self._ask_nodes(sandbox_id)
+                try:
+                    found = await self._ask_nodes(sandbox_id, strict=True)
+                except Unanswered as e:
+                    raise Fail(503, f"sandbox {sandbox_id!r} is not bound to a node yet and {e}; retry shortly") from e
                 if found is not None:
                     return found
         self.book.forget(sandbox_id)
@@ -224,13 +239,21 @@ class Ownership:
             return found
         raise Fail(503, f"{err}; no node this gateway knows holds sandbox {sandbox_id}; retry when it is back")
 
-    async def _ask_nodes(self, sandbox_id: str) -> NodeInfo | None:
-        """The node (of those last known, not declared down) that holds ``sandbox_id``."""
+    async def _ask_nodes(self, sandbox_id: str, strict: bool = False) -> NodeInfo | None:
+        """The node (of those last known, not declared down) that holds ``sandbox_id``;
+        None when none does. ``strict``: :class:`Unanswered` when some node did not
+        answer (else that counts as "not there")."""
         try:
             nodes = {**self.book.nodes, **await self.nodes()}  # those Redis forgot too
         except ClusterStoreUnavailable:
             nodes = self.book.nodes
-        got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id, self.secret)
+        try:
+            got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id,
+                                  self.secret)
+        except Unanswered:
+            if strict:
+                raise
+            got = None
         if got is None:
             return None
         node, info = got

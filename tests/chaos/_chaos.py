@@ -133,12 +133,15 @@ class Probes:
         """``(running lost, paused lost)`` ids. A running probe is lost when it does not
         answer with its value; a paused one when it is no longer listed as paused (or,
         with ``resume_paused``, does not come back with its value — it is paused again
-        afterwards). Lost probes are dropped from the set (``expect_lost`` ones are
-        checked quickly: they are meant to be gone)."""
+        afterwards). Lost probes are dropped from the set; ``expect_lost`` ones (running
+        probes of a node declared down: reported gone, and stopped by their node once it
+        hears of it) are dropped and counted lost without a look."""
         lost_r, lost_p = [], []
         with self.c.api() as api:
             for p in list(self.all.values()):
-                if p.paused:
+                if p.sid in expect_lost and not p.paused:
+                    lost_r.append(p.sid)
+                elif p.paused:
                     r = api.get(f"/sandboxes/{p.sid}")
                     ok = r.status_code == 200 and r.json().get("state") == "paused"
                     if ok and resume_paused:
@@ -149,7 +152,7 @@ class Probes:
                     if not ok:
                         lost_p.append(p.sid)
                 else:
-                    ok = read_counter(self.c, p.sid, wait_s=2 if p.sid in expect_lost else 20) == p.value
+                    ok = read_counter(self.c, p.sid, wait_s=20) == p.value
                     if not ok and api.get(f"/sandboxes/{p.sid}").json().get("state") == "paused":
                         Sandbox.connect(p.sid, timeout=3600, **self.c.sdk)  # paused by a drain: not lost
                         ok = read_counter(self.c, p.sid) == p.value

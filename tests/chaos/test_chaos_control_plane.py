@@ -27,7 +27,7 @@ from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S
 #: the first test also starts the shared cluster; the long variants take minutes more
 pytestmark = pytest.mark.timeout(1800 if LONG else 900)
 
-REDIS_DOWN_S = [1, 5, 10, 30, 60] if LONG else [1, 10]
+REDIS_DOWN_S = [1, 5, 10, 30, 60] if LONG else [10]
 SCHEDULERS_DOWN_S = [2, 10, 30, 60] if LONG else [10]
 
 
