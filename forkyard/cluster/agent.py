@@ -147,7 +147,7 @@ class NodeAgent:
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
-        self._runtime = self.orch.driver.build or "unknown"
+        self._runtime = self.orch.runtime_build or "unknown"
         #: placement ids whose calls have ended here, acked in the next heartbeat
         self._acked: set[str] = set()
         self.app.add_middleware(_PlacementAck, agent=self)
@@ -155,14 +155,14 @@ class NodeAgent:
         self.app.state.on_start.append(self.start)
         self.app.state.on_stop.insert(0, self.stop)
         self.app.include_router(self._router())
-        self.orch.store.listeners.append(self._changed)
+        self.orch.on_record_change(self._changed)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Mark every local row for publishing and start the heartbeat loop (the first
         heartbeat is sent before returning; a scheduler that is down is retried)."""
         self._loop = asyncio.get_running_loop()
-        self._dirty |= {r.id for r in self.orch.store.all()}
+        self._dirty |= {r.id for r in self.orch.records()}
         try:
             await self._beat()
         except Exception as e:  # noqa: BLE001 — keep serving; the loop retries
@@ -242,12 +242,12 @@ class NodeAgent:
         if self._loop.time() < self._next_commit_retry or (self._commit_task and not self._commit_task.done()):
             return
         self._next_commit_retry = self._loop.time() + self.settings.commit_retry_s
-        if any(r.state == "paused" and not self.orch.pause_committed(r) for r in self.orch.store.all()):
+        if any(r.state == "paused" and not self.orch.pause_committed(r) for r in self.orch.records()):
             self._commit_task = asyncio.create_task(self.orch.commit_staged_pauses(), name="commit-staged")
 
     # ---- scheduler calls --------------------------------------------------------------
     def _report(self) -> NodeReport:
-        rows = self.orch.store.all()
+        rows = self.orch.records()
         # Sandboxes still being created count too: their placement may predate the last
         # heartbeat, so the scheduler's placing count no longer covers them.
         running = [r for r in rows if r.state not in ("paused", "killing")]
@@ -256,8 +256,8 @@ class NodeAgent:
             running=len(running), paused=sum(1 for r in rows if r.state == "paused"),
             vcpus_reserved=sum(r.vcpus for r in running),
             free_slots=len(self.orch.node_metrics()["spareSlots"]),
-            cache_bytes=self.orch.snapshots.cache.limit_bytes, load1=os.getloadavg()[0],
-            runtime=self._runtime, cached_snapshots=self.orch.snapshots.cache.image_ids(),
+            cache_bytes=self.orch.cache_bytes, load1=os.getloadavg()[0],
+            runtime=self._runtime, cached_snapshots=self.orch.cached_snapshots(),
             boot=self.boot, drain_done=self.drain_done,
         )
 
@@ -278,7 +278,7 @@ class NodeAgent:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
-            rows = [r for r in self.orch.store.all() if r.state not in _HIDDEN]
+            rows = [r for r in self.orch.records() if r.state not in _HIDDEN]
             held = [r.id for r in rows]
             out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
                                    {"url": self.url, "report": self._report().to_dict(), "held": held,
@@ -325,7 +325,7 @@ class NodeAgent:
         ids, self._dirty = self._dirty, set()
         records, deleted, deaths = [], [], {}
         for sid in ids:
-            rec = self.orch.store.get(sid)
+            rec = self.orch.record(sid)
             if rec is None or rec.state in _HIDDEN:
                 if rec is None or rec.state == "killing":
                     deleted.append(sid)
@@ -384,7 +384,7 @@ class NodeAgent:
         one succeeded within the last :data:`~.types.HEARTBEAT_INTERVAL_S` × 2). A node
         cut off from the control plane does not resume: if it were declared down
         meanwhile, the paused binding would move and the sandbox would run twice."""
-        rec = self.orch.store.get(sandbox_id)
+        rec = self.orch.record(sandbox_id)
         if rec is None or rec.state == "running" or time.monotonic() - self.last_ok < 2 * HEARTBEAT_INTERVAL_S:
             return True
         try:
@@ -400,7 +400,7 @@ class NodeAgent:
         return headers.get(DRAINING_HEADER) == "1" and cluster_secret_ok(headers, self.secret)
 
     def _still_running(self, sandbox_id: str) -> bool:
-        rec = self.orch.store.get(sandbox_id)
+        rec = self.orch.record(sandbox_id)
         return rec is not None and rec.state == "running"
 
     async def _refuse_wake(self, sandbox_id: str, scope, receive, send, app) -> None:
@@ -411,7 +411,7 @@ class NodeAgent:
         the call is served here; an unknown one gets the node's own 404."""
         deadline = time.monotonic() + DRAIN_WAKE_WAIT_S
         while True:
-            rec = self.orch.store.get(sandbox_id)
+            rec = self.orch.record(sandbox_id)
             if rec is None or rec.state in _HIDDEN:
                 return await app(scope, receive, send)
             if rec.state == "paused":
