@@ -353,7 +353,7 @@ def leaks(c: Cluster) -> dict[str, list[str]]:
     """Per node (``node0`` …): what it holds that nobody accounts for — runsc containers
     without a sandbox row, running rows the cluster routes elsewhere (or not at all),
     network namespaces beyond its running sandboxes and spare slots. Empty lists: clean."""
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
     out: dict[str, list[str]] = {}
     key = {"X-API-Key": c.api_key}
@@ -375,8 +375,8 @@ def leaks(c: Cluster) -> dict[str, list[str]]:
             owner = c.owner(sid)
             if owner != name:
                 found.append(f"sandbox {sid} runs here but is bound to {owner}")
-        nm = NetworkManager(Settings(data_dir=data), outer_net=n.env["FORKYARD_OUTER_NET"],
-                            prefix=n.env["FORKYARD_NET_PREFIX"])
+        nm = NetnsNetwork(Settings(data_dir=data), outer_net=n.env["FORKYARD_OUTER_NET"],
+                          prefix=n.env["FORKYARD_NET_PREFIX"])
         spare = int(n.env.get("FORKYARD_SPARE_SLOTS", "16"))
         extra = len(nm.existing_indexes()) - len(running) - spare
         if extra > 0:
