@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pytest
 from _cluster import Cluster
 from e2b import Sandbox
 from test_lifecycle import COUNTER
@@ -47,6 +48,11 @@ FIGURES: list[dict] = []
 #: Long variants (Redis/scheduler down 30 and 60 s, …) run only with FORKYARD_CHAOS_LONG=1
 #: (bench/chaos.py sets it).
 LONG = os.environ.get("FORKYARD_CHAOS_LONG") == "1"
+#: Faults run only by bench/chaos.py (FORKYARD_CHAOS_LONG=1): the default suite (CI, ~45 min
+#: in all) keeps the three of issue 19's release-blocking kind — Redis down, every scheduler
+#: down, a node lost — and this leaves the rest to the bench.
+bench_only = pytest.mark.skipif(not LONG, reason="run by bench/chaos.py (FORKYARD_CHAOS_LONG=1); CI keeps Redis down, "
+                                                 "schedulers killed and node killed")
 
 
 def gw_get(c: Cluster, sid: str, path: str = "/", timeout: float = 3.0) -> httpx.Response:

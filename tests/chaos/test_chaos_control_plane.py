@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from chaos._chaos import LONG, Poller, Workload, create_on, read_counter, record, recovery_s
+from chaos._chaos import LONG, bench_only, Poller, Workload, create_on, read_counter, record, recovery_s
 from chaos._faults import skewed_env
 from e2b import Sandbox
 
@@ -63,6 +63,7 @@ def test_redis_down(healthy):
         assert not wl.leaked
 
 
+@bench_only
 def test_redis_restarted_with_and_without_aof(healthy):
     """A restart from the AOF loses nothing. A restart without it (empty Redis) loses no
     sandbox either: every node publishes what it holds at its next heartbeat, and the
@@ -119,6 +120,7 @@ def test_schedulers_killed(healthy):
         assert not wl.leaked
 
 
+@bench_only
 def test_one_of_two_schedulers_killed(healthy):
     """One replica SIGKILLed for 10 s: nodes and the gateway go on with the other one
     (FORKYARD_SCHEDULER_URL lists both) — no failed probe read, no failed create, no
@@ -147,6 +149,7 @@ def test_one_of_two_schedulers_killed(healthy):
     assert not wl.errors["create"], wl.errors["create"][:3]
 
 
+@bench_only
 def test_gateway_killed_mid_stream(healthy):
     """SIGKILL the gateway while a command streams its output through it: the client's
     stream breaks (one error), the sandbox and the command go on, and once the gateway is
@@ -195,6 +198,7 @@ def test_gateway_killed_mid_stream(healthy):
     assert (lost_r, lost_p) == ([], [])
 
 
+@bench_only
 def test_clock_skew(healthy):
     """The gateway's wall clock 45 s ahead, the only sweeping scheduler's 60 s behind,
     node1's 90 s ahead (all session long: tests/chaos/conftest.py): no node is declared

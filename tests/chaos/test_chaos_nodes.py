@@ -16,7 +16,7 @@ import time
 
 import httpx
 import pytest
-from chaos._chaos import LONG, Poller, Workload, create_on, read_counter, record, recovery_s, runsc_ids, wait_until
+from chaos._chaos import LONG, bench_only, Poller, Workload, create_on, read_counter, record, recovery_s, runsc_ids, wait_until
 from chaos._faults import fill, partition, unpartition
 from e2b import Sandbox
 
@@ -71,6 +71,7 @@ def test_node_killed_then_back_beyond_the_timeout(healthy):
     assert set(lost_r) <= doomed, (lost_r, doomed)
 
 
+@bench_only
 def test_node_hung_shorter_and_longer_than_the_timeout(healthy):
     """SIGSTOP node1 (a hung node process; its sandboxes keep running): for 3 s nothing is
     declared and nothing lost (its sandboxes answer again once it runs); for 12 s it is
@@ -113,6 +114,7 @@ def test_node_hung_shorter_and_longer_than_the_timeout(healthy):
         Sandbox.kill(paused.sid, **c.sdk)
 
 
+@bench_only
 def test_node_restart_within_its_grace(healthy):
     """A node restarted with SIGTERM (a deploy, `systemctl restart`) announces it: it is
     not declared down while it is away, its sandboxes keep running on the host and are
@@ -139,6 +141,7 @@ def test_node_restart_within_its_grace(healthy):
     Sandbox.kill(run.sid, **c.sdk)
 
 
+@bench_only
 def test_node_partitioned_from_the_control_plane(healthy):
     """node1 cannot reach the schedulers or Redis while the gateway (so every client) and
     the scheduler still reach it, for 3 s and for 10 s (twice the heartbeat timeout).
@@ -191,6 +194,7 @@ def _node_ids(c, i: int) -> set[str]:
     return {x["sandboxID"] for x in r.json()}
 
 
+@bench_only
 def test_disk_full_on_a_node(healthy):
     """node2's data dir full: what needs disk there fails with a clear error (creates are
     placed on other nodes, a pause fails and the sandbox keeps running), running and
@@ -234,6 +238,7 @@ def test_disk_full_on_a_node(healthy):
     Sandbox.kill(run.sid, **c.sdk)
 
 
+@bench_only
 def test_repository_down_during_a_pause(healthy):
     """MinIO (the shared repository) killed: a pause still answers (its image stays
     staged on the node, which says it is not committed), resuming it there works, the
