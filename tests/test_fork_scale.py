@@ -16,8 +16,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-from conftest import CLEAN
 import pytest
+from conftest import CLEAN
 from e2b import Sandbox
 from test_lifecycle import value, with_counter
 
