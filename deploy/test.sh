@@ -52,4 +52,4 @@ fi
 if [ "$FORKYARD_MINIO" = "$FORKYARD_TEST_DATA_DIR/bin/minio" ]; then
   chmod 0700 "$(dirname "$FORKYARD_MINIO")" "$FORKYARD_MINIO"
 fi
-exec .venv/bin/python -m pytest -v "$@"
+exec .venv/bin/python -m pytest -v --durations=25 "$@"

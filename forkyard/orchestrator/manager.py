@@ -353,7 +353,9 @@ class Orchestrator:
 
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         """Replace a sandbox's egress policy (E2B ``PUT /sandboxes/{id}/network``): applied
-        at once when it runs, stored for its next resume when paused.
+        at once when it runs, and to the slot it keeps while hot-paused (its unfreeze is
+        then filtered by the new rules: issue 25 item 4); stored for its next resume in any
+        case (a cold resume or another node applies the record's policy to its new slot).
 
         Raises:
             NotFound: unknown sandbox.
@@ -362,7 +364,7 @@ class Orchestrator:
         async with table.locks[sandbox_id]:
             await table.settle(sandbox_id)
             rec = table.get(sandbox_id)
-            slot = table.slots.get(sandbox_id)
+            slot = table.slots.get(sandbox_id) or table.hot.slot(sandbox_id)
             if slot is not None:
                 await asyncio.to_thread(self.network.set_egress, slot.index, policy)
             rec.egress = {} if policy.empty else policy.to_json()
