@@ -44,9 +44,7 @@ from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from forkyard.api import fastpath, paths, schemas
-from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestrator_only, relay_bodyless, relay_http,
-                                relay_ws, route_of)
+from forkyard.api import schemas
 from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.routing import Fail as _Fail
@@ -58,6 +56,13 @@ from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.relay import fastpath, paths
+from forkyard.relay.fastpath import relay_bodyless
+from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, target_path
+from forkyard.relay.http import relay_http
+from forkyard.relay.paths import orchestrator_only
+from forkyard.relay.websocket import relay_ws
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.gateway")
 
@@ -78,7 +83,7 @@ _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 #: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
 _REPLACE = {500, 502, 503, 507}
-_NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
+_NODE_SKIP = HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
 
 
 def _record(d: dict) -> SandboxRecord:
@@ -280,7 +285,7 @@ class Gateway(Ownership):
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
             headers = [(k, v) for k, v in scope["headers"]
-                       if k.decode("latin-1").lower() not in _HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
+                       if k.decode("latin-1").lower() not in HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
                        or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
             what = f"sandbox {sandbox_id} on node {node.node_id}"
             host, _, nport = base.partition(":")
@@ -291,7 +296,7 @@ class Gateway(Ownership):
             return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
                                     self.max_body_bytes, what)
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                if k.decode("latin-1").lower() not in _WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+                if k.decode("latin-1").lower() not in WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
         hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 
@@ -415,7 +420,7 @@ class Gateway(Ownership):
         """Send a node's buffered answer ``r`` to the client (the gateway's domain in it)."""
         body = self._with_domain(r.content)
         headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.multi_items()
-                   if k.lower() not in _HOP_OUT]
+                   if k.lower() not in HOP_OUT]
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
         await send({"type": "http.response.body", "body": body})
@@ -431,7 +436,7 @@ class Gateway(Ownership):
         if draining:
             headers.append((DRAINING_HEADER.encode(), b"1"))
         try:
-            return await self._client(node).request(scope["method"], node.url + _target_path(scope),
+            return await self._client(node).request(scope["method"], node.url + target_path(scope),
                                                     headers=headers, content=body,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
