@@ -37,8 +37,9 @@ from forkyard.cluster.config import secret_ok
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.obs import metrics
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.obs import metrics
+from forkyard.relay.paths import path_problem
 
 log = logging.getLogger("forkyard.scheduler")
 
@@ -91,13 +92,17 @@ def _err(status: int, message: str) -> JSONResponse:
 
 
 class _Guard:
-    """ASGI middleware: the cluster secret is checked from the headers before any body
-    is read (``/health`` excepted), and bodies over :data:`MAX_BODY` are refused."""
+    """ASGI middleware: a path the gateway and nodes would refuse is refused here too
+    (:func:`forkyard.relay.paths.path_problem`, 400: one rule on every hop, issue 25), the
+    cluster secret is checked from the headers before any body is read (``/health``
+    excepted), and bodies over :data:`MAX_BODY` are refused."""
 
     def __init__(self, app, secret: str):
         self.app, self.secret = app, secret
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (problem := path_problem(scope)):
+            return await _err(400, problem)(scope, receive, send)
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
