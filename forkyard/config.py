@@ -317,6 +317,28 @@ class ClusterSettings:
 
 
 @dataclass(frozen=True)
+class ControlPlaneSettings:
+    """Timings and sizes the control plane and the node agent share, read once at import
+    by :mod:`forkyard.cluster.types`, :mod:`forkyard.cluster.scheduler` and
+    :mod:`forkyard.cluster.agent` (a process reads its environment once).
+
+    Attributes:
+        heartbeat_timeout_s: ``FORKYARD_HEARTBEAT_TIMEOUT_S`` (5): a node silent this long
+            gets no new placements, and is declared down when the control plane was
+            healthy meanwhile (:mod:`forkyard.cluster.liveness`) (s).
+        orphan_move_s: ``FORKYARD_ORPHAN_MOVE_S`` (300): a node silent this long has its
+            committed paused sandboxes moved to live nodes without waiting for a call (s).
+        node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
+            admission lets run of the default size): what a node reports as its capacity.
+    """
+
+    heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
+    orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
+    node_max_sandboxes: int | None = field(
+        default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
+
+
+@dataclass(frozen=True)
 class ObsSettings:
     """Observability settings of every component (:mod:`forkyard.obs`).
 

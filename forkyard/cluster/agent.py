@@ -42,7 +42,7 @@ from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
-from forkyard.config import ClusterSettings
+from forkyard.config import ClusterSettings, ControlPlaneSettings
 from forkyard.ids import SANDBOX_ID, is_name, is_sandbox_id
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import OrchestratorError
@@ -73,9 +73,9 @@ def default_max_sandboxes() -> int:
     (512 MiB, :class:`~forkyard.config.Settings`) as the node's admission lets run at
     once (:class:`~forkyard.orchestrator.admission.Capacity`), at least 1 — so placement
     never counts on room the node would refuse."""
-    env = os.environ.get("FORKYARD_NODE_MAX_SANDBOXES")
-    if env:
-        return max(1, int(env))
+    given = ControlPlaneSettings().node_max_sandboxes
+    if given is not None:
+        return given
     from forkyard.config import Settings
     from forkyard.orchestrator.admission import Capacity
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Annotated
 from contextlib import asynccontextmanager
@@ -38,6 +37,7 @@ from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.config import ControlPlaneSettings
 from forkyard.obs import metrics
 from forkyard.relay.paths import path_problem
 
@@ -117,7 +117,7 @@ class _Guard:
 #: A node silent this long (s, ``FORKYARD_ORPHAN_MOVE_S``) has its paused sandboxes moved
 #: to live nodes without waiting for a call, so their retention (which runs on the owning
 #: node) and GC go on; a node back sooner keeps them (a restart loses nothing).
-ORPHAN_MOVE_S = float(os.environ.get("FORKYARD_ORPHAN_MOVE_S", "300"))
+ORPHAN_MOVE_S = ControlPlaneSettings().orphan_move_s
 
 
 async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: float) -> list[str]:

@@ -5,9 +5,10 @@ Times are UNIX seconds (float); sizes bytes; memory MiB.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass, field
+
+from forkyard.config import ControlPlaneSettings
 
 #: Node heartbeat period (s); the issue asks for ≤ 2 s.
 HEARTBEAT_INTERVAL_S = 1.0
@@ -16,7 +17,7 @@ HEARTBEAT_INTERVAL_S = 1.0
 #: :mod:`forkyard.cluster.liveness`) it is declared down by the scheduler: its running
 #: sandboxes are reported gone, its paused ones resume elsewhere. Default 5: 3 missed
 #: heartbeats and some slack; raise it where nodes can stall longer (an overloaded host).
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("FORKYARD_HEARTBEAT_TIMEOUT_S", "5"))
+HEARTBEAT_TIMEOUT_S = ControlPlaneSettings().heartbeat_timeout_s
 
 NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
 
