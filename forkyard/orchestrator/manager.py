@@ -122,6 +122,7 @@ class Orchestrator(LifecycleMixin):
         self._garbage: set[str] = set()
         #: What this node may hand out (see :mod:`forkyard.orchestrator.admission`).
         self.capacity = Capacity.from_env()
+        self.capacity.memory_in_use = driver.memory_in_use  # what sandboxes really use (overcommit)
         #: Why sandboxes that died by themselves died (told to clients who ask later).
         self.tombstones = Tombstones()
         #: Paused sandboxes whose frozen runtime is still kept (hot pause).
@@ -467,7 +468,7 @@ class Orchestrator(LifecycleMixin):
         "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool, "pool": {template:
         {"target", "ready", "starting", "memoryMB", "hits", "misses", "boots",
         "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …],
-        "spareDisks": [mount point, …]}`` (hot
+        "spareDisks": [mount point, …], "memoryInUseMB": n}`` (hot
         paused: paused sandboxes whose frozen runtime is still kept here; spare slots
         include those being built; pauses in flight have answered but are still
         committing their image / releasing the runtime; gc deletes pause images nothing
@@ -475,12 +476,15 @@ class Orchestrator(LifecycleMixin):
         sandboxes are not in ``sandboxes``; their slots and runtime ids are listed so
         leak checks can tell them apart — an id becomes the id of the sandbox a create
         gets; spare disks: mount points of the disks the runtime made ahead,
-        ``FORKYARD_SPARE_DISKS``)."""
+        ``FORKYARD_SPARE_DISKS``; memory in use: MiB the running sandboxes hold that the
+        host cannot take back, as an overcommitted node's admission counts it,
+        :meth:`Capacity.in_use_mb`)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
                 counts[r.state] += 1
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
+                "memoryInUseMB": self.capacity.in_use_mb(self.list()),
                 "spareSlots": sorted({s.index for s in self._spares} | self._building),
                 "pausesInFlight": len(self._pending), "hotPaused": len(self._hot),
                 "gcInFlight": self._gc_task is not None and not self._gc_task.done(),

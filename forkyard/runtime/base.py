@@ -192,6 +192,12 @@ class RuntimeDriver(abc.ABC):
         no such figure (then callers report what the sandbox itself says)."""
         return None
 
+    def memory_in_use(self, sandbox_ids: list[str]) -> dict[str, int]:
+        """Host memory each of ``sandbox_ids`` holds that the host cannot take back
+        (bytes; anonymous and shared-memory pages, not page cache), for the ones the
+        runtime can measure. Blocking, cheap (a file read per sandbox). Default: none."""
+        return {}
+
     async def death_cause(self, sandbox_id: str) -> str | None:
         """Why a sandbox whose runtime stopped without being asked to stopped (e.g.
         ``"out of memory (limit 512 MiB)"``), or None when the runtime cannot tell.
