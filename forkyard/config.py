@@ -1,8 +1,16 @@
-"""Process-wide settings with embedded defaults.
+"""Process-wide settings with embedded defaults: where forkyard reads its environment.
 
 Every value can be overridden by an environment variable (listed per field). Paths are
 absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 (timeout 300 s, envd port 49983) and ``shared/DESIGN.md``.
+
+* :class:`Settings`: a node (the server).
+* :class:`ClusterSettings`: how ``forkyard node`` joins a cluster.
+* :class:`ObsSettings`: logs, tracing and the metrics token (node, gateway, scheduler).
+* :class:`ClientSettings`: where :mod:`forkyard.client` and the CLI find a server.
+
+Each is read when it is made (``Settings()`` …), so a process that changes its
+environment sees the change at the next one. Secrets are kept out of their ``repr``.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from forkyard.ids import NAME
 
 #: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
 ENVD_PORT = 49983
@@ -63,7 +73,7 @@ def _env_cidrs(name: str) -> list[str] | None:
 #: ``FORKYARD_POOL`` when unset: two idle ``base`` sandboxes (~20-40 MiB of host memory
 #: each, 2 × the default memory limit held in admission; docs/runtime.md).
 DEFAULT_POOL = "base:2"
-_POOL_ENTRY = re.compile(r"^([a-z0-9][a-z0-9_-]{0,63}):(\d{1,3})$")
+_POOL_ENTRY = re.compile(rf"^({NAME}):(\d{{1,3}})$")
 #: Most pooled sandboxes per template (a typo such as ``base:200`` should not start 200).
 POOL_MAX_PER_TEMPLATE = 64
 
@@ -207,6 +217,9 @@ class Settings:
     hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
     hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))
     pool: dict[str, int] = field(default_factory=lambda: parse_pool(os.environ.get("FORKYARD_POOL", DEFAULT_POOL)))
+    #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
+    #: keeps one in :attr:`api_key_file`).
+    api_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_API_KEY") or None, repr=False)
 
     @property
     def public_domain(self) -> str:
@@ -244,3 +257,69 @@ class Settings:
         one key), else ``<data>/api_key``, generated on first start."""
         override = os.environ.get("FORKYARD_API_KEY_FILE")
         return Path(override).expanduser().resolve() if override else self.data_dir / "api_key"
+
+
+def _env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """How ``forkyard node`` joins a cluster; unset values mean the node runs alone (the
+    control plane's own settings are read in :mod:`forkyard.cluster.config`).
+
+    Attributes:
+        scheduler_url: ``FORKYARD_SCHEDULER_URL``: join the cluster of this scheduler.
+        node_id: ``FORKYARD_NODE_ID``: this node's name (default: the host name).
+        advertise_url: ``FORKYARD_ADVERTISE_URL``: the URL gateways reach this node at.
+    """
+
+    scheduler_url: str | None = field(default_factory=lambda: _env("FORKYARD_SCHEDULER_URL") or None)
+    node_id: str | None = field(default_factory=lambda: _env("FORKYARD_NODE_ID") or None)
+    advertise_url: str | None = field(default_factory=lambda: _env("FORKYARD_ADVERTISE_URL") or None)
+
+
+@dataclass(frozen=True)
+class ObsSettings:
+    """Observability settings of every component (:mod:`forkyard.obs`).
+
+    Attributes:
+        log_format: ``FORKYARD_LOG_FORMAT``: ``json``, ``text`` or ``auto`` (default:
+            text on a terminal, else JSON lines).
+        tracing: ``FORKYARD_TRACING``: ``off`` (default) or ``otlp``.
+        metrics_token: ``FORKYARD_METRICS_TOKEN``: the bearer token a ``/metrics``
+            scrape may present ("" when unset).
+        metrics_token_file: ``FORKYARD_METRICS_TOKEN_FILE``: a file holding that token.
+    """
+
+    log_format: str = field(default_factory=lambda: _env("FORKYARD_LOG_FORMAT", "auto"))
+    tracing: str = field(default_factory=lambda: _env("FORKYARD_TRACING", "off"))
+    metrics_token: str = field(default_factory=lambda: _env("FORKYARD_METRICS_TOKEN"), repr=False)
+    metrics_token_file: str = field(default_factory=lambda: _env("FORKYARD_METRICS_TOKEN_FILE"))
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """What the client and the CLI read from the environment, each variable's text ("" when
+    unset); :func:`forkyard.client.config.resolve` says in which order they count.
+
+    Attributes:
+        url: ``FORKYARD_URL``; e2b_api_url: ``E2B_API_URL``; sandbox_url:
+            ``E2B_SANDBOX_URL`` (envd traffic; default the API URL).
+        e2b_api_key: ``E2B_API_KEY``; api_key: ``FORKYARD_API_KEY``.
+        port: ``FORKYARD_PORT`` (a local server's, when nothing else names one).
+        data_dir: ``FORKYARD_DATA_DIR`` (default ``/var/lib/forkyard``): a local server's
+            key file is ``<data_dir>/api_key``.
+        config_file: ``FORKYARD_CONFIG``: the file ``forkyard auth`` writes.
+        xdg_config_home: ``XDG_CONFIG_HOME``: where that file is by default.
+    """
+
+    url: str = field(default_factory=lambda: _env("FORKYARD_URL"))
+    e2b_api_url: str = field(default_factory=lambda: _env("E2B_API_URL"))
+    sandbox_url: str = field(default_factory=lambda: _env("E2B_SANDBOX_URL"))
+    e2b_api_key: str = field(default_factory=lambda: _env("E2B_API_KEY"), repr=False)
+    api_key: str = field(default_factory=lambda: _env("FORKYARD_API_KEY"), repr=False)
+    port: str = field(default_factory=lambda: _env("FORKYARD_PORT"))
+    data_dir: str = field(default_factory=lambda: _env("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
+    config_file: str = field(default_factory=lambda: _env("FORKYARD_CONFIG"))
+    xdg_config_home: str = field(default_factory=lambda: _env("XDG_CONFIG_HOME"))

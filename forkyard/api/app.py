@@ -126,9 +126,6 @@ def create_app(settings: Settings | None = None, orchestrator: Orchestrator | No
     api.include_router(sandboxes_router)
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
-    from forkyard.obs.routes import router as obs_router
-
-    api.include_router(obs_router)
     # Auth from headers and body caps before FastAPI reads any body (issue 11, item 5).
     guarded = RestGuard(api, api.state.api_key, settings.max_upload_mb << 20)
     proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake,

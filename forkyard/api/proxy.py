@@ -25,7 +25,6 @@ import hmac
 import json
 import logging
 import posixpath
-import re
 import urllib.parse
 import weakref
 
@@ -37,12 +36,12 @@ from forkyard.api import fastpath
 from forkyard.api.upstream import AsyncioBackend
 from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.proxy")
 
 #: E2B's header for the traffic access token of sandboxes without public traffic.
 TRAFFIC_TOKEN_HEADER = b"e2b-traffic-access-token"
-_HOST_RE = re.compile(r"^(\d{1,5})-([a-z0-9]+)\.")
 #: Hop-by-hop headers (RFC 9110 §7.6.1) plus routing headers we consume.
 _HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
@@ -92,30 +91,6 @@ def _single_leading_slash(scope) -> dict:
     if raw is not None:
         scope["raw_path"] = b"/" + raw.lstrip(b"/")
     return scope
-
-
-def route_of(scope) -> tuple[str, int] | None:
-    """``(sandbox_id, port)`` a request is addressed to, or None for the REST API.
-
-    Raises:
-        ValueError: routing header present but the port is not a number in 1 … 65535,
-            or the request target is not a path (``*``, ``http://…``).
-    """
-    headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-    sid = headers.get("e2b-sandbox-id")
-    if sid:
-        raw = headers.get("e2b-sandbox-port", "49983")
-        if not raw.isdigit() or not 0 < int(raw) < 65536:
-            raise ValueError(f"invalid E2b-Sandbox-Port {raw!r}")
-        sid, port = sid.strip(), int(raw)
-    else:
-        m = _HOST_RE.match(headers.get("host", ""))
-        if not (m and 0 < int(m.group(1)) < 65536):
-            return None
-        sid, port = m.group(2), int(m.group(1))
-    if not scope.get("path", "").startswith("/"):  # `OPTIONS *`, absolute-form targets
-        raise ValueError(f"request target {scope.get('path')!r} cannot be sent to a sandbox: use an origin-form path")
-    return sid, port
 
 
 async def _send_json(send, status: int, message: str, **extra) -> None:

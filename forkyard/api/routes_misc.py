@@ -1,4 +1,5 @@
-"""Health and template listing routes."""
+"""Health, the template list and the node's own metrics endpoints (``/metrics/…``:
+forkyard's, not E2B's; key required)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 
 from forkyard.api.auth import require_key
 from forkyard.api.routes_templates import template_entries
+from forkyard.repository.usage import snapshot_usage
 
 router = APIRouter()
 
@@ -37,3 +39,12 @@ async def node_metrics(request: Request):
     """This node's sandbox counts and pre-built spare network slots, as returned by
     ``Orchestrator.node_metrics``."""
     return request.app.state.orchestrator.node_metrics()
+
+
+@router.get("/metrics/snapshots", dependencies=[Depends(require_key)])
+async def snapshots(request: Request):
+    """Snapshots in the repository with their sizes and how many chunks they share with
+    other snapshots (:func:`~forkyard.repository.usage.snapshot_usage`; for the console).
+    forkyard's own endpoint."""
+    repo = request.app.state.orchestrator.snapshots.repo
+    return await asyncio.to_thread(snapshot_usage, repo)

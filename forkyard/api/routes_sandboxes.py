@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
+from forkyard.ids import rfc3339
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import BadRequest
 from forkyard.orchestrator.manager import Orchestrator
@@ -218,7 +219,7 @@ async def metrics(request: Request, sandbox_id: str, start: int | None = Query(d
     m = await _orch(request).metrics(sandbox_id)
     return [
         {
-            "timestamp": schemas._iso(now),
+            "timestamp": rfc3339(now),
             "timestampUnix": int(now),
             "cpuCount": m.get("cpu_count", 0),
             "cpuUsedPct": m.get("cpu_used_pct", 0.0),

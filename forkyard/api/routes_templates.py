@@ -30,9 +30,10 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import require_key
 from forkyard.config import ENVD_VERSION
+from forkyard.ids import rfc3339
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
 from forkyard.templates import build_oci, registry, unpack
-from forkyard.templates.build import TemplateBuilds, _iso
+from forkyard.templates.build import TemplateBuilds
 
 
 @asynccontextmanager
@@ -101,7 +102,7 @@ def _entry(tid: str, build_id: str, cpu: int, mem: int, created: float, updated:
     """E2B's ``Template`` shape; ``disk_mb`` is shown as ``diskSizeMB`` (0: unbounded)."""
     return {
         "templateID": tid, "buildID": build_id, "cpuCount": cpu, "memoryMB": mem, "diskSizeMB": disk_mb,
-        "public": False, "aliases": [tid], "names": [tid], "createdAt": _iso(created), "updatedAt": _iso(updated),
+        "public": False, "aliases": [tid], "names": [tid], "createdAt": rfc3339(created), "updatedAt": rfc3339(updated),
         "createdBy": None, "lastSpawnedAt": None, "spawnCount": 0, "buildCount": nbuilds,
         "envdVersion": ENVD_VERSION, "buildStatus": "ready",
     }
@@ -193,9 +194,9 @@ async def get_template(request: Request, template_id: str):
                        b.disk_mb or request.app.state.settings.default_disk_mb)
         entry["buildStatus"] = b.status
     entry["builds"] = [{
-        "buildID": b.build_id, "status": b.status, "createdAt": _iso(b.created_at),
-        "updatedAt": _iso(b.finished_at or b.created_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
-        **({"finishedAt": _iso(b.finished_at)} if b.finished_at else {}),
+        "buildID": b.build_id, "status": b.status, "createdAt": rfc3339(b.created_at),
+        "updatedAt": rfc3339(b.finished_at or b.created_at), "cpuCount": b.cpu_count, "memoryMB": b.memory_mb,
+        **({"finishedAt": rfc3339(b.finished_at)} if b.finished_at else {}),
         "diskSizeMB": b.disk_mb or request.app.state.settings.default_disk_mb, "envdVersion": ENVD_VERSION,
     } for b in builds]
     return entry

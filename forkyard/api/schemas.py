@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import base64
 import re
-from datetime import datetime, timezone
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from forkyard.config import ENVD_VERSION
+from forkyard.ids import rfc3339
 from forkyard.orchestrator.errors import BadRequest
 from forkyard.orchestrator.store import SandboxRecord
 
@@ -185,10 +185,6 @@ class ConnectBody(_Strict):
     memory: bool | None = None
 
 
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat().replace("+00:00", "Z")
-
-
 def sandbox_created(rec: SandboxRecord, domain: str | None = None) -> dict:
     """``Sandbox`` body returned by create/connect (201/200); ``domain`` (the server's
     public sandbox domain) makes the SDKs' ``get_host(port)`` = ``PORT-ID.domain``."""
@@ -215,8 +211,8 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
         "alias": rec.template_id,
         "sandboxID": rec.id,
         "clientID": rec.client_id,
-        "startedAt": _iso(rec.started_at),
-        "endAt": _iso(rec.end_at),
+        "startedAt": rfc3339(rec.started_at),
+        "endAt": rfc3339(rec.end_at),
         "cpuCount": rec.vcpus,
         "memoryMB": rec.memory_mb,
         "diskSizeMB": rec.disk_mb,
@@ -286,7 +282,7 @@ def snapshot_info(meta) -> dict:
         "sandboxID": meta.source_sandbox_id,
         "templateID": meta.template_id,
         "sizeBytes": meta.size_bytes,
-        "createdAt": _iso(meta.created_at),
+        "createdAt": rfc3339(meta.created_at),
     }
 
 

@@ -1,4 +1,5 @@
-"""Shared CLI plumbing: consoles, error reporting, JSON output, id completion."""
+"""Shared CLI plumbing: consoles, error reporting, JSON output, id completion and the
+sandbox-id arguments."""
 
 from __future__ import annotations
 
@@ -168,3 +169,15 @@ def parse_kv(items: list[str] | None, what: str) -> dict[str, str]:
         k, v = it.split("=", 1)
         outd[k] = v
     return outd
+
+
+ID_ARG = typer.Argument(..., help="Sandbox id (see `forkyard ls`).", autocompletion=complete_sandbox_id)
+IDS_ARG = typer.Argument(..., help="Sandbox ids (see `forkyard ls`).", autocompletion=complete_sandbox_id)
+
+
+def not_found(sandbox_id: str, error: Exception | None = None) -> None:
+    """Fail with "sandbox … not found", plus why it died when the server says (a sandbox
+    killed for its resources: "…: it was killed: out of memory (limit 512 MiB), at …")."""
+    cause = str(error or "").partition(": it was killed: ")[2]
+    fail(f"sandbox {sandbox_id} not found" + (f": it was killed: {cause}" if cause else ""),
+         "list sandboxes with `forkyard ls`")

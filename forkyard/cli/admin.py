@@ -13,6 +13,7 @@ import typer
 from rich.table import Table
 
 from forkyard.cli._common import JSON_OPT, err, fail, out, print_json, print_table, run
+from forkyard.cli.files import progress_bar
 from forkyard.client import (
     AsyncForkyard,
     AuthError,
@@ -26,17 +27,15 @@ from forkyard.client.config import (
     resolve,
     write_config_file,
 )
+from forkyard.config import ClientSettings
 
+#: ``auth`` and ``doctor``; :mod:`forkyard.cli.main` adds them to the ``forkyard`` app.
+commands = typer.Typer()
+#: ``forkyard template``, added by :mod:`forkyard.cli.main`.
 template_app = typer.Typer(help="List, delete, build and import templates.", no_args_is_help=True)
 
 
-def register(app: typer.Typer) -> None:
-    """Add auth, doctor and the template group to ``app``."""
-    app.add_typer(template_app, name="template")
-    app.command()(auth)
-    app.command()(doctor)
-
-
+@commands.command()
 def auth(
     url: str | None = typer.Option(None, "--url", help="Server URL, e.g. http://127.0.0.1:3000."),
     api_key: str | None = typer.Option(None, "--api-key", help="API key (prompted when omitted)."),
@@ -78,8 +77,9 @@ def auth(
     except OSError as e:
         fail(f"cannot write {path}: {e}", "set FORKYARD_CONFIG to a writable path")
     out.print(f"saved {url} and the API key to {path} (mode 0600)", highlight=False)
-    for var in ("FORKYARD_URL", "E2B_API_URL", "E2B_API_KEY"):
-        if os.environ.get(var):
+    env = ClientSettings()
+    for var, value in (("FORKYARD_URL", env.url), ("E2B_API_URL", env.e2b_api_url), ("E2B_API_KEY", env.e2b_api_key)):
+        if value:
             err.print(f"[yellow]note:[/yellow] {var} is set in your environment and overrides the file")
 
 
@@ -192,6 +192,7 @@ async def _check_server() -> list[tuple[str, str, str, str]]:
     return rows
 
 
+@commands.command()
 def doctor(as_json: bool = JSON_OPT):
     """Check this host and the server, and say what to fix.
 
@@ -339,12 +340,10 @@ def template_import(
     as_json: bool = JSON_OPT,
 ):
     """Import a container image tarball as a template (needs the server's import API)."""
-    from forkyard.cli.sandboxes import _progress
-
     size = tarball.stat().st_size
 
     async def go(c: AsyncForkyard):
-        with _progress() as p:
+        with progress_bar() as p:
             task = p.add_task(f"import {tarball.name}", total=size)
             t = await c.import_template(name, tarball, progress=lambda n: p.advance(task, n), disk_mb=disk_mb)
         if as_json:

@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 import time
-from datetime import UTC, datetime
+from datetime import datetime
 
 import typer
 from rich.console import Group
@@ -19,6 +19,10 @@ from rich.text import Text
 
 from forkyard.cli._common import JSON_OPT, ago, fail, human_bytes, out, print_json, run
 from forkyard.client import AsyncForkyard
+from forkyard.ids import rfc3339
+
+#: ``forkyard top``; :mod:`forkyard.cli.main` adds it to the ``forkyard`` app.
+commands = typer.Typer()
 
 SORTS = ("cpu", "mem", "age")
 #: Sandboxes whose usage is asked for at once (each is one call to its envd).
@@ -43,7 +47,7 @@ async def snapshot(c: AsyncForkyard, limit: int) -> dict:
 
     usages = await asyncio.gather(*(usage(s) for s in sandboxes))
     return {"nodes": node, "sandboxes": [{**s.to_json(), "usage": u} for s, u in zip(sandboxes, usages)],
-            "time": datetime.now(UTC).isoformat().replace("+00:00", "Z")}
+            "time": rfc3339(time.time())}
 
 
 def _sort_key(sort: str):
@@ -113,55 +117,52 @@ def _keys(on_key):
         termios.tcsetattr(fd, termios.TCSADRAIN, saved)
 
 
-def register(app: typer.Typer) -> None:
-    """Add ``forkyard top`` to ``app``."""
+@commands.command()
+def top(
+    sort: str = typer.Option("cpu", "--sort", "-s", help="Sort sandboxes by cpu, mem or age."),
+    interval: float = typer.Option(2.0, "--interval", "-n", help="Seconds between refreshes (≥ 0.5)."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    limit: int = typer.Option(200, "--limit", help="Most sandboxes shown (newest first), 1-1000."),
+    as_json: bool = JSON_OPT,
+):
+    """Live view of nodes and sandboxes with CPU and memory (Ctrl-C or q to quit)."""
+    if sort not in SORTS:
+        fail(f"unknown sort {sort!r}", "use --sort cpu, mem or age")
+    if interval < 0.5:
+        fail(f"--interval {interval} is too short", "use 0.5 seconds or more")
+    if not 1 <= limit <= 1000:
+        fail(f"--limit {limit} is out of range", "use 1 to 1000")
 
-    @app.command()
-    def top(
-        sort: str = typer.Option("cpu", "--sort", "-s", help="Sort sandboxes by cpu, mem or age."),
-        interval: float = typer.Option(2.0, "--interval", "-n", help="Seconds between refreshes (≥ 0.5)."),
-        once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
-        limit: int = typer.Option(200, "--limit", help="Most sandboxes shown (newest first), 1-1000."),
-        as_json: bool = JSON_OPT,
-    ):
-        """Live view of nodes and sandboxes with CPU and memory (Ctrl-C or q to quit)."""
-        if sort not in SORTS:
-            fail(f"unknown sort {sort!r}", "use --sort cpu, mem or age")
-        if interval < 0.5:
-            fail(f"--interval {interval} is too short", "use 0.5 seconds or more")
-        if not 1 <= limit <= 1000:
-            fail(f"--limit {limit} is out of range", "use 1 to 1000")
+    async def go(c: AsyncForkyard):
+        data = await snapshot(c, limit)
+        if as_json:
+            print_json(data)
+            return
+        if once or not sys.stdout.isatty():
+            out.print(render(data, sort, c.url))
+            return
+        from rich.live import Live
 
-        async def go(c: AsyncForkyard):
-            data = await snapshot(c, limit)
-            if as_json:
-                print_json(data)
-                return
-            if once or not sys.stdout.isatty():
-                out.print(render(data, sort, c.url))
-                return
-            from rich.live import Live
+        state = {"sort": sort, "quit": asyncio.Event(), "wake": asyncio.Event()}
 
-            state = {"sort": sort, "quit": asyncio.Event(), "wake": asyncio.Event()}
+        def on_key(ch: str) -> None:
+            ch = ch.lower()
+            if ch == "q":
+                state["quit"].set()
+            elif ch in "cma" and ch:
+                state["sort"] = {"c": "cpu", "m": "mem", "a": "age"}[ch]
+            state["wake"].set()
 
-            def on_key(ch: str) -> None:
-                ch = ch.lower()
-                if ch == "q":
-                    state["quit"].set()
-                elif ch in "cma" and ch:
-                    state["sort"] = {"c": "cpu", "m": "mem", "a": "age"}[ch]
-                state["wake"].set()
+        # Keys first: a key pressed as soon as the first frame shows is not lost.
+        with _keys(on_key), Live(render(data, sort, c.url), console=out, screen=True, auto_refresh=False) as live:
+            while not state["quit"].is_set():
+                state["wake"].clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(state["wake"].wait(), timeout=interval)
+                if state["quit"].is_set():
+                    break
+                if not state["wake"].is_set():
+                    data = await snapshot(c, limit)
+                live.update(render(data, state["sort"], c.url), refresh=True)
 
-            # Keys first: a key pressed as soon as the first frame shows is not lost.
-            with _keys(on_key), Live(render(data, sort, c.url), console=out, screen=True, auto_refresh=False) as live:
-                while not state["quit"].is_set():
-                    state["wake"].clear()
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(state["wake"].wait(), timeout=interval)
-                    if state["quit"].is_set():
-                        break
-                    if not state["wake"].is_set():
-                        data = await snapshot(c, limit)
-                    live.update(render(data, state["sort"], c.url), refresh=True)
-
-        run(go)
+    run(go)

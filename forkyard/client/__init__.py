@@ -17,7 +17,6 @@ the official e2b SDK's ``AsyncSandbox`` it hands out. ::
 
 from forkyard.client.api import (
     AsyncForkyard,
-    ForkError,
     SandboxInfo,
     SnapshotInfo,
     TemplateInfo,
@@ -33,12 +32,14 @@ from forkyard.client.errors import (
     AuthError,
     BadRequest,
     Conflict,
+    ForkError,
     ForkyardError,
     NotFound,
     NotSupported,
     ServerUnreachable,
 )
-from forkyard.client.rollout import ChildResult, Step, fork, rollout
+from forkyard.client.fanout import ChildResult, Step
+from forkyard.client.rollout import fork, rollout
 
 __all__ = [
     "ApiError",

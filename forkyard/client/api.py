@@ -18,12 +18,14 @@ from typing import Any, Self
 
 import httpx
 
+from forkyard.client import fanout
 from forkyard.client.config import ResolvedConfig, resolve
 from forkyard.client.errors import (
     ApiError,
     AuthError,
     BadRequest,
     Conflict,
+    ForkError,
     ForkyardError,
     NotFound,
     NotSupported,
@@ -115,17 +117,6 @@ class TemplateInfo:
         """Build from a ``Template`` body."""
         return cls(d["templateID"], list(d.get("names") or d.get("aliases") or []), d.get("cpuCount"),
                    d.get("memoryMB"), d.get("buildStatus"), raw=d)
-
-
-@dataclass
-class ForkError:
-    """Why one requested fork did not start (``status``: HTTP-like code)."""
-
-    status: int
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.status}: {self.message}"
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -444,9 +435,7 @@ class AsyncForkyard:
 
     async def rollout(self, source, n: int, step, **kw):
         """See :func:`forkyard.client.rollout` (this client is used for the REST calls)."""
-        from forkyard.client.rollout import rollout
-
-        return await rollout(source, n, step, client=self, **kw)
+        return await fanout.run(self, source, n, step, **kw)
 
 
 def _now() -> float:

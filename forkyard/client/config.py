@@ -16,14 +16,17 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkyard.config import ClientSettings
+
 DEFAULT_URL = "http://127.0.0.1:3000"
 
 
 def config_path() -> Path:
     """Path of the CLI config file (it need not exist)."""
-    if os.environ.get("FORKYARD_CONFIG"):
-        return Path(os.environ["FORKYARD_CONFIG"]).expanduser()
-    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    env = ClientSettings()
+    if env.config_file:
+        return Path(env.config_file).expanduser()
+    base = env.xdg_config_home or str(Path.home() / ".config")
     return Path(base).expanduser() / "forkyard" / "config.toml"
 
 
@@ -72,38 +75,39 @@ class ResolvedConfig:
     @property
     def sandbox_url(self) -> str:
         """URL for envd traffic: ``E2B_SANDBOX_URL`` or the API URL (the forkyard proxy)."""
-        return os.environ.get("E2B_SANDBOX_URL") or self.url
+        return ClientSettings().sandbox_url or self.url
 
 
 def _local_key_file() -> Path:
-    return Path(os.environ.get("FORKYARD_DATA_DIR", "/var/lib/forkyard")) / "api_key"
+    return Path(ClientSettings().data_dir) / "api_key"
 
 
 def resolve(url: str | None = None, api_key: str | None = None) -> ResolvedConfig:
     """Resolve URL and key (see the module docstring for the order). The key may be
     ``None`` when nothing provides one; the server then answers 401."""
+    env = ClientSettings()
     try:
         fileconf = read_config_file()
     except ValueError:
         fileconf = {}
     if url:
         url_src = "argument"
-    elif os.environ.get("FORKYARD_URL"):
-        url, url_src = os.environ["FORKYARD_URL"], "FORKYARD_URL"
-    elif os.environ.get("E2B_API_URL"):
-        url, url_src = os.environ["E2B_API_URL"], "E2B_API_URL"
+    elif env.url:
+        url, url_src = env.url, "FORKYARD_URL"
+    elif env.e2b_api_url:
+        url, url_src = env.e2b_api_url, "E2B_API_URL"
     elif fileconf.get("url"):
         url, url_src = fileconf["url"], str(config_path())
-    elif os.environ.get("FORKYARD_PORT", "").isdigit():
-        url, url_src = f"http://127.0.0.1:{os.environ['FORKYARD_PORT']}", "FORKYARD_PORT"
+    elif env.port.isdigit():
+        url, url_src = f"http://127.0.0.1:{env.port}", "FORKYARD_PORT"
     else:
         url, url_src = DEFAULT_URL, "default"
     if api_key:
         key_src = "argument"
-    elif os.environ.get("E2B_API_KEY"):
-        api_key, key_src = os.environ["E2B_API_KEY"], "E2B_API_KEY"
-    elif os.environ.get("FORKYARD_API_KEY"):
-        api_key, key_src = os.environ["FORKYARD_API_KEY"], "FORKYARD_API_KEY"
+    elif env.e2b_api_key:
+        api_key, key_src = env.e2b_api_key, "E2B_API_KEY"
+    elif env.api_key:
+        api_key, key_src = env.api_key, "FORKYARD_API_KEY"
     elif fileconf.get("api_key"):
         api_key, key_src = fileconf["api_key"], str(config_path())
     else:

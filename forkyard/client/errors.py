@@ -1,6 +1,9 @@
-"""Errors raised by :mod:`forkyard.client` (and turned into messages by the CLI)."""
+"""Errors raised by :mod:`forkyard.client` (and turned into messages by the CLI), and
+:class:`ForkError`, the value a fork returns in place of a child that did not start."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class ForkyardError(Exception):
@@ -53,3 +56,15 @@ class NotSupported(ForkyardError):
 
 class ApiError(ForkyardError):
     """Any other non-success answer from the server (5xx, unexpected codes)."""
+
+
+@dataclass
+class ForkError:
+    """Why one requested fork did not start (``status``: HTTP-like code). Returned in a
+    fork's list of children, never raised."""
+
+    status: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.message}"

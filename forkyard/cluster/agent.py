@@ -30,12 +30,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.proxy import route_of
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NodeReport
+from forkyard.ids import is_name, is_sandbox_id
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.node")
 
@@ -355,10 +356,6 @@ class NodeAgent:
         return router
 
 
-_SANDBOX_ID = re.compile(r"[a-z0-9]{1,64}")
-_IMAGE_ID = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
-
-
 def _record(body: dict) -> SandboxRecord:
     """A :class:`SandboxRecord` from its published dict (unknown keys ignored), checked
     before anything uses it: its id names host paths (work dir, runsc state) and its
@@ -369,9 +366,9 @@ def _record(body: dict) -> SandboxRecord:
     """
     rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
     ints = {"vcpus": (1, 64), "memory_mb": (64, 1 << 20), "disk_mb": (0, 1 << 24)}
-    if not isinstance(rec.id, str) or not _SANDBOX_ID.fullmatch(rec.id):
+    if not isinstance(rec.id, str) or not is_sandbox_id(rec.id):
         raise TypeError(f"id must be 1-64 lower-case letters and digits, got {str(rec.id)[:80]!r}")
-    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not _IMAGE_ID.fullmatch(rec.image_id)):
+    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not is_name(rec.image_id)):
         raise TypeError("image_id is not a snapshot id")
     if not isinstance(rec.template_id, str) or len(rec.template_id) > 128:
         raise TypeError("template_id must be a string of at most 128 characters")

@@ -42,14 +42,15 @@ from forkyard.api.routes_sandboxes import filter_records, list_page
 from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_UP, NodeInfo
+from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 
 log = logging.getLogger("forkyard.gateway")
 
-_SCOPED = re.compile(r"^/(?:v2/)?sandboxes/([a-z0-9]{1,64})(/.*)?$")
-_FORK = re.compile(r"^/sandboxes/([a-z0-9]{1,64})/fork$")
+_SCOPED = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})(/.*)?$")
+_FORK = re.compile(rf"^/sandboxes/({SANDBOX_ID})/fork$")
 #: The one key-less REST route: a template build's signed COPY upload URL.
 _UPLOAD = re.compile(r"^/template-files/[0-9a-f]{64}$")
 #: Largest JSON body the gateway itself parses (create, fork): bytes.

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import secrets
 import sys
 import time
 from contextvars import ContextVar
+
+from forkyard.config import ObsSettings
 
 #: Request id of the request being served (ASGI middleware sets it per request).
 request_id: ContextVar[str | None] = ContextVar("forkyard_request_id", default=None)
@@ -97,7 +98,7 @@ def setup(component: str, level: str = "info", fmt: str | None = None) -> None:
     """
     global _component
     _component = component
-    fmt = (fmt or os.environ.get("FORKYARD_LOG_FORMAT", "auto")).lower()
+    fmt = (fmt or ObsSettings().log_format).lower()
     if fmt == "auto":
         fmt = "text" if sys.stderr.isatty() else "json"
     if fmt not in ("json", "text"):

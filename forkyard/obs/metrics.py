@@ -15,7 +15,6 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-import os
 import time
 from contextvars import ContextVar
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 
+from forkyard.config import ObsSettings
 from forkyard.obs import tracing
 
 #: Process-wide registry: lifecycle histograms, proxy and HTTP counters, process stats.
@@ -197,10 +197,11 @@ def metrics_token() -> str | None:
     Raises:
         ValueError: the file cannot be read or is empty.
     """
-    value = os.environ.get("FORKYARD_METRICS_TOKEN", "").strip()
+    settings = ObsSettings()
+    value = settings.metrics_token.strip()
     if value:
         return value
-    path = os.environ.get("FORKYARD_METRICS_TOKEN_FILE", "").strip()
+    path = settings.metrics_token_file.strip()
     if path:
         try:
             value = Path(path).read_text().strip()

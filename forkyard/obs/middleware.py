@@ -19,12 +19,13 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from forkyard.api.proxy import route_of
+from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs, metrics, tracing
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.access")
 
-_SANDBOX_PATH = re.compile(r"^/(?:v2/|cluster/)?sandboxes/([a-z0-9]{1,64})(/[a-z]+)?")
+_SANDBOX_PATH = re.compile(rf"^/(?:v2/|cluster/)?sandboxes/({SANDBOX_ID})(/[a-z]+)?")
 _OPS = {"pause": "pause", "resume": "resume", "connect": "connect", "fork": "fork", "snapshots": "snapshot",
         "timeout": "set_timeout", "refreshes": "refresh", "metrics": "sandbox_metrics", "logs": "sandbox_logs"}
 

@@ -21,8 +21,9 @@ missing (``pip install 'forkyard[otel]'``), or for an unknown ``FORKYARD_TRACING
 from __future__ import annotations
 
 import contextlib
-import os
 import time
+
+from forkyard.config import ObsSettings
 
 _tracer = None
 _propagator = None
@@ -37,7 +38,7 @@ def setup(component: str) -> None:
     """Read ``FORKYARD_TRACING`` (``off`` or ``otlp``) and, for ``otlp``, install a tracer
     provider with service name ``forkyard-<component>`` and a batching OTLP/HTTP exporter."""
     global _tracer, _propagator
-    mode = os.environ.get("FORKYARD_TRACING", "off").strip().lower()
+    mode = ObsSettings().tracing.strip().lower()
     if mode in ("", "off", "0", "false"):
         return
     if mode != "otlp":

@@ -24,11 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import time
 from pathlib import Path
 
+from forkyard.ids import is_name, new_sandbox_id
 from forkyard.obs import metrics
 from forkyard.orchestrator import envd_client, timing
 from forkyard.orchestrator.holds import hold
@@ -52,7 +52,6 @@ FORK_DEFAULT_TIMEOUT_S = 15
 FORK_PARALLELISM = int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16"))
 #: File in a pause's staging directory: the checkpoint finished, the image is complete.
 PAUSE_MARKER = "checkpointed"
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 
 
 #: Metadata keys a template build leaves on its snapshot (forkyard.templates.build).
@@ -582,7 +581,7 @@ class LifecycleMixin:
             409, the sandbox keeps running),
             CreateFailed (runsc failed; the sandbox keeps running).
         """
-        if name is not None and not _NAME.fullmatch(name):
+        if name is not None and not is_name(name):
             raise BadRequest("snapshot name must be 1-64 of a-z, 0-9, '-' and '_', starting with a letter or digit")
         if name is not None and registry.resolve(self.settings, name) is not None:
             raise Conflict(f"{name!r} is a template; choose another snapshot name")
@@ -722,8 +721,6 @@ class LifecycleMixin:
         from ``image_dir`` (staged) or, when None, from the repository / node cache;
         each gets ``egress`` (the source's policy on a local fork).
         Records ``children`` and the slowest child's ``slot``/``runtime``/``envd`` (ms)."""
-        from forkyard.orchestrator.manager import new_sandbox_id
-
         now = time.time()
         kids = []
         for _ in range(count):

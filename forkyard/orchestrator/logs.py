@@ -14,6 +14,8 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
+from forkyard.ids import rfc3339
+
 #: At most this many bytes from the end of a console log are read.
 MAX_READ_BYTES = 4 << 20
 LEVELS = ("debug", "info", "warn", "error")
@@ -55,13 +57,9 @@ def read_entries(path: Path) -> list[dict]:
         level = "error" if _ERROR.search(message) else ("info" if fields["source"] == "envd" else "warn")
         if fields.get("event") == "ended" and not message.endswith("exit status 0"):
             level = "warn"
-        out.append({"timestampUnixMs": last_ms, "timestamp": _iso(last_ms), "level": level,
-                    "message": message, "fields": fields})
+        out.append({"timestampUnixMs": last_ms, "timestamp": rfc3339(last_ms / 1000, "milliseconds"),
+                    "level": level, "message": message, "fields": fields})
     return out
-
-
-def _iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def select(entries: list[dict], cursor_ms: int | None, limit: int, direction: str = "forward",

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import secrets
 import shutil
-import string
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from forkyard.config import Settings
+from forkyard.ids import is_sandbox_id, new_sandbox_id, rfc3339
 from forkyard.network.base import Slot
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
@@ -42,7 +41,6 @@ from forkyard.templates import registry
 
 log = logging.getLogger("forkyard.orchestrator")
 
-_ID_ALPHABET = string.ascii_lowercase + string.digits
 #: E2B limits: timeout 0 < t ≤ 24 h; default 300 s (E2B API spec).
 DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = 24 * 3600
@@ -62,16 +60,6 @@ PAUSED_RETENTION_S = int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 
 FORK_IMAGE_TTL_S = float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600"))
 #: How often (ticks of the 0.5 s TTL loop) a cluster node runs its image GC on its own.
 _CLUSTER_GC_TICKS = 120
-
-
-#: What a sandbox id may look like wherever it names a host path (ids forkyard makes are
-#: 20 of :data:`_ID_ALPHABET`; pooled and older ones stay within this).
-_SAFE_ID = re.compile(r"[a-z0-9]{1,64}")
-
-
-def new_sandbox_id() -> str:
-    """A 20-character lower-case alphanumeric id, the shape E2B uses."""
-    return "".join(secrets.choice(_ID_ALPHABET) for _ in range(20))
 
 
 class Orchestrator(LifecycleMixin):
@@ -539,7 +527,7 @@ class Orchestrator(LifecycleMixin):
         Raises:
             CreateFailed: ``sandbox_id`` is not a sandbox id (it would name another path).
         """
-        if not _SAFE_ID.fullmatch(sandbox_id):
+        if not is_sandbox_id(sandbox_id):  # it names a host path (forkyard.ids)
             raise CreateFailed(f"{sandbox_id!r} is not a sandbox id")
         workdir = self.settings.sandboxes_dir / sandbox_id
         shutil.rmtree(workdir, ignore_errors=True)
@@ -859,7 +847,7 @@ class Orchestrator(LifecycleMixin):
                 await asyncio.to_thread(self.network.release, slot_index)
             except Exception as e:  # noqa: BLE001
                 log.error("release of slot %s failed: %s", slot_index, e)
-        if _SAFE_ID.fullmatch(sandbox_id):  # never a path outside sandboxes_dir
+        if is_sandbox_id(sandbox_id):  # never a path outside sandboxes_dir
             shutil.rmtree(self.settings.sandboxes_dir / sandbox_id, ignore_errors=True)
         else:
             log.error("not removing the work dir of sandbox %r: not a sandbox id", sandbox_id)
@@ -933,7 +921,7 @@ class Orchestrator(LifecycleMixin):
             for meta in self.snapshots.list("fork"):  # left by a gateway that died mid-fork
                 if meta.created_at and meta.created_at < stale:
                     log.info("deleting fork image %s left over from %s", meta.snapshot_id,
-                             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created_at)))
+                             rfc3339(meta.created_at, "seconds"))
                     self.snapshots.delete(meta.snapshot_id)
             return
         for meta in self.snapshots.list():

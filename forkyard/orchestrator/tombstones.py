@@ -19,6 +19,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from forkyard.ids import rfc3339
+
 #: Sandboxes remembered at once (the oldest is forgotten first).
 MAX_ENTRIES = 1024
 #: How long a death is remembered (s).
@@ -47,7 +49,7 @@ class Tombstone:
     @property
     def iso(self) -> str:
         """:attr:`at` as ISO 8601 UTC to the second (``2026-12-01T05:53:12Z``)."""
-        return datetime.fromtimestamp(self.at, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        return rfc3339(self.at, "seconds")
 
     def describe(self) -> str:
         """What a client is told: ``"it was killed: <reason>, at <iso>"``."""

@@ -29,15 +29,13 @@ import dataclasses
 import functools
 import logging
 import os
-import re
-import secrets
 import shutil
-import string
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from forkyard.ids import is_name, new_snapshot_id  # noqa: F401 — new_snapshot_id: also this module's name
 from forkyard.repository import chunks as ck
 from forkyard.repository.backends import Backend
 from forkyard.repository.cache import NodeCache
@@ -47,8 +45,6 @@ from forkyard.repository.repo import CommitStats, Manifest, Repository, verify_c
 
 log = logging.getLogger("forkyard.repository")
 
-_ALPHABET = string.ascii_lowercase + string.digits
-_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 #: How long :meth:`SnapshotStore.image` keeps an image from eviction unless released.
 PIN_S = 600.0
 #: Background GC runs at most this often (seconds), triggered by deletions.
@@ -113,11 +109,6 @@ class SnapshotMeta:
 #: The one file of a filesystem-only image (``SnapshotMeta.memory`` False): the
 #: sandbox's writable layer as ``runsc tar rootfs-upper`` writes it.
 ROOTFS_TAR = "rootfs-upper.tar"
-
-
-def new_snapshot_id() -> str:
-    """A 20-character lower-case alphanumeric id."""
-    return "".join(secrets.choice(_ALPHABET) for _ in range(20))
 
 
 _META_FIELDS = {f.name for f in dataclasses.fields(SnapshotMeta)}
@@ -229,7 +220,7 @@ class SnapshotStore:
             RepositoryError / OSError: backend or local I/O failure.
         """
         with self._id_lock(snapshot_id):
-            m = self.repo.manifest(snapshot_id) if _ID.match(snapshot_id) else None
+            m = self.repo.manifest(snapshot_id) if is_name(snapshot_id) else None
             if m is None:
                 raise SnapshotNotFound(f"snapshot {snapshot_id} is not in the repository {self.repo.backend.location}")
             d = self.cache.get_image(snapshot_id, pin_s=pin_s)  # pinned atomically with the lookup
@@ -316,7 +307,7 @@ class SnapshotStore:
     # ---- lookup -----------------------------------------------------------------------
     def get(self, snapshot_id: str) -> SnapshotMeta | None:
         """Committed snapshot by id, or None."""
-        if not _ID.match(snapshot_id):
+        if not is_name(snapshot_id):
             return None
         m = self.repo.manifest(snapshot_id)
         return _meta(m) if m is not None else None
@@ -342,7 +333,7 @@ class SnapshotStore:
     def delete(self, snapshot_id: str) -> bool:
         """Delete a committed snapshot (its manifest: atomic on both backends) and its
         cached image; False when absent. Its chunks are freed by the next :meth:`gc`."""
-        if not _ID.match(snapshot_id):
+        if not is_name(snapshot_id):
             return False
         existed = self.repo.delete(snapshot_id)
         self.cache.drop_image(snapshot_id)

@@ -42,12 +42,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 
 from forkyard.config import ENVD_PORT, Settings
+from forkyard.ids import is_name, rfc3339
 from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, TEMPLATE_KEY
 from forkyard.orchestrator.errors import (
     BadRequest,
@@ -63,7 +63,6 @@ log = logging.getLogger("forkyard.templates.build")
 #: default user/workdir keys are the orchestrator's (it hands them to cold-booted envds).
 BUILD_KEY = "forkyard.templateBuild"
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31})?$")
@@ -92,10 +91,6 @@ STATUS_PAGE_LIMIT = 100
 _LEVELS = {"debug": 0, "info": 1, "warn": 2, "error": 3}
 
 
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
-
-
 def split_name(name: str) -> tuple[str, str | None]:
     """``"name:tag"`` → ``("name", "tag")``; validates both.
 
@@ -105,7 +100,7 @@ def split_name(name: str) -> tuple[str, str | None]:
     if not isinstance(name, str):
         raise BadRequest("template name must be a string")
     base, _, tag = name.partition(":")
-    if not _NAME.match(base):
+    if not is_name(base):
         raise BadRequest(f"invalid template name {base!r}: 1-64 of a-z, 0-9, '-', '_', starting with a letter or digit")
     if tag and tag not in DEFAULT_TAGS:
         raise BadRequest(f"tag {tag!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
@@ -135,7 +130,7 @@ class BuildRecord:
         :data:`build_envd.MAX_LINE_BYTES` characters)."""
         if len(message) > build_envd.MAX_LINE_BYTES:
             message = message[: build_envd.MAX_LINE_BYTES]
-        entry = {"timestamp": _iso(time.time()), "level": level, "message": message}
+        entry = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
         self.logs.append(entry)
@@ -434,7 +429,7 @@ class TemplateBuilds:
         if repo in BASE_IMAGES or repo.startswith("docker.io/library/") and repo[18:] in BASE_IMAGES:
             return "base"
         short = repo.rsplit("/", 1)[-1]
-        if _NAME.match(short) and (registry.resolve(self.settings, short) or self.orch.snapshots.find(short)):
+        if is_name(short) and (registry.resolve(self.settings, short) or self.orch.snapshots.find(short)):
             return short
         raise BadRequest(f"image {image!r} is not available: registry pulls are not supported here; "
                          "import it first (POST /templates/import) or use fromTemplate")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.ids import is_name
 from forkyard.templates import base as base_tmpl
 from forkyard.templates import beneath, registry, unpack
 
@@ -365,7 +366,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         unpack.LimitExceeded: the image unpacks past a limit of :mod:`~forkyard.templates.unpack`
             (``FORKYARD_MAX_UNPACKED_MB`` / ``_FILES`` / ``_FILE_MB``).
     """
-    if not registry._NAME.match(name or ""):
+    if not is_name(name):
         raise ImageImportError(f"invalid template name {name!r}")
     tdir = settings.templates_dir / name
     if (tdir / "rootfs").exists() or (tdir / registry.MARKER).exists():
@@ -441,7 +442,7 @@ def remove_imported(settings: Settings, name: str) -> None:
     Raises:
         ImageImportError: ``name`` is not an imported template.
     """
-    if not registry._NAME.match(name or "") or not is_imported(settings, name):
+    if not is_name(name) or not is_imported(settings, name):
         raise ImageImportError(f"{name!r} is not an imported template")
     tdir = settings.templates_dir / name
     (tdir / registry.MARKER).unlink(missing_ok=True)

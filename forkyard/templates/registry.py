@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from forkyard.config import Settings
+from forkyard.ids import is_name
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 MARKER = ".complete"
 #: A rootfs template's settings (``{"diskSizeMB": N}``), next to its ``rootfs``.
 SETTINGS_FILE = "template.json"
@@ -75,7 +74,7 @@ def resolve(settings: Settings, template_id: str) -> Template | None:
     """Template named ``template_id`` (an optional ``:tag`` suffix is ignored), or None
     when it is not a valid name or not built here."""
     name = template_id.split(":", 1)[0]
-    if not _NAME.match(name):
+    if not is_name(name):
         return None
     tdir = settings.templates_dir / name
     if not (tdir / "rootfs").is_dir() or not _marker_ok(tdir):

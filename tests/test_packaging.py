@@ -1,0 +1,59 @@
+"""What forkyard imports from outside the standard library is declared in pyproject.toml
+(issue 20: e2b and packaging were imported by the client and CLI but not declared, so a
+plain install failed on the first `forkyard exec`). Reads source files only."""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+from importlib.metadata import packages_distributions
+from pathlib import Path
+
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Imports that are optional by design, the module that guards each (ImportError is
+#: caught and turned into a message naming the extra) and the extra that provides it.
+OPTIONAL = {"opentelemetry": ("obs/tracing.py", "otel")}
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imports() -> dict[str, set[str]]:
+    """Top-level third-party module name -> the forkyard files importing it."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "forkyard").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top != "forkyard" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT / "forkyard")))
+    return found
+
+
+def test_every_imported_distribution_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_norm(Requirement(r).name) for r in project["dependencies"]}
+    extras = {k: {_norm(Requirement(r).name) for r in v} for k, v in project["optional-dependencies"].items()}
+    dists = packages_distributions()
+    missing = []
+    for top, files in sorted(_imports().items()):
+        provided_by = {_norm(d) for d in dists.get(top, [top])}
+        if top in OPTIONAL:
+            module, extra = OPTIONAL[top]
+            assert files == {module}, f"{top} is optional: import it only in {module} ({sorted(files)})"
+            assert provided_by & extras[extra], f"{top}: not in the {extra} extra"
+            continue
+        if not provided_by & declared:
+            missing.append(f"{top} (from {', '.join(sorted(files))}; distribution {', '.join(sorted(provided_by))})")
+    assert not missing, "imported at run time but not in [project] dependencies:\n" + "\n".join(missing)
