@@ -456,7 +456,7 @@ class Orchestrator(LifecycleMixin):
         "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool, "pool": {template:
         {"target", "ready", "starting", "memoryMB", "hits", "misses", "boots",
         "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …],
-        "spareDisks": [mount point, …], "memoryInUseMB": n}`` (hot
+        "spareDisks": [mount point, …], "memoryInUseMB": n, "sharesRestoredPages": bool}`` (hot
         paused: paused sandboxes whose frozen runtime is still kept here; spare slots
         include those being built; pauses in flight have answered but are still
         committing their image / releasing the runtime; gc deletes pause images nothing
@@ -466,13 +466,15 @@ class Orchestrator(LifecycleMixin):
         gets; spare disks: mount points of the disks the runtime made ahead,
         ``FORKYARD_SPARE_DISKS``; memory in use: MiB the running sandboxes hold that the
         host cannot take back, as an overcommitted node's admission counts it,
-        :meth:`Capacity.in_use_mb`)."""
+        :meth:`Capacity.in_use_mb`; shares restored pages: restored sandboxes share their
+        image's unchanged pages, :attr:`RuntimeDriver.shares_restored_pages`)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
                 counts[r.state] += 1
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
                 "memoryInUseMB": self.capacity.in_use_mb(self.list()),
+                "sharesRestoredPages": self.driver.shares_restored_pages,
                 "spareSlots": sorted({s.index for s in self._spares} | self._building),
                 "pausesInFlight": len(self._pending), "hotPaused": len(self._hot),
                 "gcInFlight": self._gc_task is not None and not self._gc_task.done(),

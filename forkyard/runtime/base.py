@@ -106,6 +106,9 @@ class RuntimeDriver(abc.ABC):
     #: in every checkpoint image, and a restore of an image of another build raises
     #: :class:`RuntimeMismatch`. Empty when unknown.
     build: str = ""
+    #: Sandboxes restored from one image share its unchanged memory pages on the host
+    #: (a page is copied when a sandbox writes it) instead of each holding a copy.
+    shares_restored_pages: bool = False
 
     @abc.abstractmethod
     async def create(self, spec: SandboxSpec) -> None:

@@ -75,6 +75,13 @@ SPARE_DISKS = int(os.environ.get("FORKYARD_SPARE_DISKS", "16"))
 #: without it (docs/runtime.md), and envd's accept poll still bounds a missed wake-up
 #: to 1 s.
 ENVD_REARM = os.environ.get("FORKYARD_ENVD_REARM", "0") == "1"
+#: Restored sandboxes map their memory copy-on-write from the checkpoint's pages file
+#: instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc patch 0002;
+#: docs/runtime.md "Memory"): children of one fork or snapshot share the host's page
+#: cache of its image. On when the runsc build has the flag; ``FORKYARD_SHARE_RESTORED_PAGES=0``
+#: turns it off (every restore copies its memory, as stock runsc does).
+SHARE_RESTORED_PAGES = os.environ.get("FORKYARD_SHARE_RESTORED_PAGES", "1") != "0"
+SHARE_PAGES_FLAG = "--share-restored-pages"
 #: Spare disks are made only once no start has ended for this long (s).
 SPARE_QUIET_S = 0.25
 CHECKPOINT_TIMEOUT_S = 300.0
@@ -175,8 +182,9 @@ def cgroup_memory_in_use(sandbox_id: str, root: Path = _CGROUP_ROOT) -> int | No
     it has no memory cgroup: anonymous + shmem pages — cgroup v1 ``memory.stat``
     ``total_rss`` + ``total_shmem``, v2 ``anon`` + ``shmem`` (kernel docs cgroup-v1/memory,
     cgroup-v2 "memory.stat"). Under gVisor the sandbox's memory is the sentry's memory
-    file, a memfd (shmem), plus the sentry's own heap (anon); page cache (files the
-    sandbox maps) can be evicted and read back, so it is not counted."""
+    file, a memfd (shmem), plus the sentry's own heap (anon); pages shared from a
+    checkpoint's pages file (:data:`SHARE_RESTORED_PAGES`) are page cache, which the
+    host can evict and read back, so they are not counted."""
     rel = ocispec.cgroup_path(sandbox_id).lstrip("/")
     try:
         v1 = root / "memory" / rel / "memory.stat"
@@ -210,6 +218,15 @@ def runsc_build(runsc: str) -> str:
         return out.splitlines()[0].strip() if out.strip() else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def runsc_supports(runsc: str, flag: str) -> bool:
+    """True when ``runsc`` accepts the global boolean ``flag`` (``runsc FLAG --version``
+    exits 0; an unknown flag exits 2). Blocking (≤ 10 s)."""
+    try:
+        return subprocess.run([runsc, flag, "--version"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def write_image_build(image_dir: Path, build: str) -> None:
@@ -319,6 +336,9 @@ class GVisorDriver(RuntimeDriver):
         found = shutil.which(settings.runsc)
         self.runsc_path = os.path.realpath(found) if found else None
         self.build = runsc_build(self.runsc_path) if self.runsc_path else ""
+        #: Restores share the image's pages (:data:`SHARE_RESTORED_PAGES`, see base).
+        self.shares_restored_pages = bool(SHARE_RESTORED_PAGES and self.runsc_path
+                                and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md); off with
         #: FORKYARD_REAPER_DAEMON=0.
@@ -359,6 +379,7 @@ class GVisorDriver(RuntimeDriver):
             "--net-disconnect-ok",
             "--cpu-num-from-quota",
             f"--overlay2={overlay}",
+            *([SHARE_PAGES_FLAG] if self.shares_restored_pages else []),
         ]
 
     @staticmethod
