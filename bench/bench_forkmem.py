@@ -46,7 +46,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, pct, row, start_server, stop_server, templates_dir  # noqa: E402
-from bench_lifecycle import Raw  # noqa: E402
+from bench_lifecycle import Raw, server_timing  # noqa: E402
 
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
 
@@ -154,6 +154,34 @@ class BigRaw(Raw):
         spec.memory_mb = self.memory_mb
         return spec
 
+    def _fresh_slots(self, indexes) -> None:
+        """As Raw's, retried: on the shared host a slot's devices vanished now and then
+        while it was made again (something outside this bench deleted them)."""
+        for j in indexes:
+            for attempt in range(5):
+                try:
+                    super()._fresh_slots([j])
+                    break
+                except Exception as e:  # noqa: BLE001 - NetworkError and the like, retried
+                    print(f"warning: making raw slot {j} again failed ({e}); retrying", flush=True)
+                    time.sleep(1)
+
+    async def restores(self, k: int, image: Path | None = None, phases: dict[str, float] | None = None) -> float:
+        """As Raw's, after making again any raw slot whose netns vanished (seen twice on
+        the shared host: something outside this bench deleted them)."""
+        self._ensure_slots(range(k))
+        return await super().restores(k, image, phases)
+
+    async def pause_resume(self, phases: dict[str, float] | None = None) -> tuple[float, float]:
+        self._ensure_slots([0])
+        return await super().pause_resume(phases)
+
+    def _ensure_slots(self, indexes) -> None:
+        gone = [j for j in indexes if not os.path.exists(self.slots[j].netns_path)]
+        if gone:
+            print(f"warning: raw slots {gone} lost their netns; made again", flush=True)
+            self._fresh_slots(gone)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -256,6 +284,7 @@ def main() -> None:
                     r = api.post(f"/sandboxes/{sid}/fork", json={"count": k, "timeout": 600})
                     add(f"fork{k}_{size}", (time.perf_counter() - t) * 1000)
                     assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text[:2000]
+                    add(f"fork{k}_{size}_ck", server_timing(r, "checkpoint"))
                     kids = [e["sandbox"]["sandboxID"] for e in r.json()]
                     time.sleep(1)
                     add(f"fork{k}_{size}_pss_kid_early", (pss_total_mib([sid, *kids]) - pss0) / k)
@@ -339,6 +368,7 @@ def report(args, sizes: list[int], fan: list[int], res: dict[str, list[float]], 
         for k in fan:
             pr(f"raw checkpoint + {k} restores", f"raw_fork{k}_{size}")
             pr(f"fork x{k}", f"fork{k}_{size}", f"raw_fork{k}_{size}")
+            pr("  of which the source stopped (checkpoint)", f"fork{k}_{size}_ck")
             for m, label in (("pss_kid_early", "PSS added per child, 1 s after"),
                              ("pss_kid", "PSS added per child, all read"),
                              ("free_kid", "MemFree drop per child"),

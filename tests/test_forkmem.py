@@ -4,8 +4,8 @@
 A process in the source holds 96 MiB of random bytes; every child, grandchild and
 resumed child must read back exactly those bytes (SHA-1 of the whole buffer, taken by
 the process in that sandbox), while a child's own memory file (its cgroup's shmem) stays
-far below the buffer until it writes: the unchanged pages are the host page cache of the
-image, one copy for all. A child's writes stay its own, a guest ``fork()`` over shared
+far below the buffer until it writes — and so does the source's after the fork: the
+unchanged pages are the host page cache of the image, one copy for all. A child's writes stay its own, a guest ``fork()`` over shared
 pages sees them too, and pausing / forking a child (whose image must hold its shared
 pages) loses nothing. Without the patch every child holds its own ≥ 96 MiB copy.
 """
@@ -96,7 +96,7 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
         assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text
         kids = [e["sandbox"]["sandboxID"] for e in r.json()]
         assert [ask(server, k) for k in kids] == [want] * 3  # each child read its whole buffer
-        for k in kids:  # … from the shared image, not from a copy of its own
+        for k in [*kids, sid]:  # … from the shared image, not from a copy of its own; the source too
             assert shmem_mib(k) < SIZE_MIB / 3, (k, shmem_mib(k))
 
         # A child's writes are its own (copied on write); the others still see the source's.
@@ -104,6 +104,10 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
         assert changed != want and ask(server, kids[0]) == changed
         assert shmem_mib(kids[0]) >= SIZE_MIB * 0.9
         assert ask(server, kids[1]) == want and ask(server, sid) == want
+        # The source forks again (its shared pages go into the new image first).
+        r = c.post(f"/sandboxes/{sid}/fork", json={"count": 1, "timeout": 600})
+        assert r.status_code == 201 and "sandbox" in r.json()[0], r.text
+        assert ask(server, r.json()[0]["sandbox"]["sandboxID"]) == want and ask(server, sid) == want
         # A process forked inside a child reads the shared pages too.
         assert ask(server, kids[1], "/forksum") == want
 

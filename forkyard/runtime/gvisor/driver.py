@@ -82,6 +82,13 @@ ENVD_REARM = os.environ.get("FORKYARD_ENVD_REARM", "0") == "1"
 #: turns it off (every restore copies its memory, as stock runsc does).
 SHARE_RESTORED_PAGES = os.environ.get("FORKYARD_SHARE_RESTORED_PAGES", "1") != "0"
 SHARE_PAGES_FLAG = "--share-restored-pages"
+#: A sandbox that keeps running after a checkpoint (fork, snapshot) then maps its
+#: unchanged memory from the image it just wrote instead of keeping its own copy
+#: (``runsc checkpoint --share-saved-pages``, same patch): a fork source and its
+#: children share one copy. Its next checkpoint first copies its still-shared pages back
+#: (docs/runtime.md "Memory"). ``FORKYARD_SHARE_SAVED_PAGES=0`` turns it off; it needs
+#: :data:`SHARE_RESTORED_PAGES` and uncompressed images.
+SHARE_SAVED_PAGES = os.environ.get("FORKYARD_SHARE_SAVED_PAGES", "1") != "0"
 #: Spare disks are made only once no start has ended for this long (s).
 SPARE_QUIET_S = 0.25
 CHECKPOINT_TIMEOUT_S = 300.0
@@ -338,7 +345,10 @@ class GVisorDriver(RuntimeDriver):
         self.build = runsc_build(self.runsc_path) if self.runsc_path else ""
         #: Restores share the image's pages (:data:`SHARE_RESTORED_PAGES`, see base).
         self.shares_restored_pages = bool(SHARE_RESTORED_PAGES and self.runsc_path
-                                and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
+                                          and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
+        #: Leave-running checkpoints share the image with the sandbox (:data:`SHARE_SAVED_PAGES`).
+        self.shares_saved_pages = (self.shares_restored_pages and SHARE_SAVED_PAGES
+                                   and checkpoint_compression == "none")
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md); off with
         #: FORKYARD_REAPER_DAEMON=0.
@@ -1097,6 +1107,8 @@ class GVisorDriver(RuntimeDriver):
         args = ["checkpoint", f"--image-path={image_dir}", f"--compression={self.checkpoint_compression}"]
         if leave_running:
             args.append("--leave-running")
+            if self.shares_saved_pages:
+                args.append("--share-saved-pages")
         rc, _, err = await self._run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         if rc != 0:
             raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")
