@@ -62,13 +62,13 @@ def _kill_sandboxes(url: str, key: str) -> None:
 def stop_server(proc: subprocess.Popen) -> None:
     """Kill the sandboxes of a server from :func:`start_server` (a server leaves running
     sandboxes running for re-adoption), stop it and remove its host iptables chains."""
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
     if getattr(proc, "forkyard", None):
         _kill_sandboxes(*proc.forkyard)
     proc.terminate()
     proc.wait(30)
-    NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
+    NetnsNetwork(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
 
 
 def _clean_previous(data: Path) -> None:

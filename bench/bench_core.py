@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 from forkyard.runtime.base import SandboxSpec
 from forkyard.runtime.gvisor.driver import GVisorDriver
 
@@ -67,7 +67,7 @@ async def raw_runsc(settings: Settings, rootfs: Path, n: int, loop_n: int = 0
                     ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Raw ``runsc run --detach`` (envd as init) until envd answers, direct Connect
     ``Start("true")`` calls to that envd, and ``runsc exec true`` timings, ms."""
-    net = NetworkManager(settings, outer_net="10.122.0.0/16", prefix="fbr")
+    net = NetnsNetwork(settings, outer_net="10.122.0.0/16", prefix="fbr")
     net.setup_host()
     driver = GVisorDriver(settings)
     runs, calls, execs, loop = [], [], [], []
@@ -76,7 +76,7 @@ async def raw_runsc(settings: Settings, rootfs: Path, n: int, loop_n: int = 0
         for i in range(n):
             sid = f"rawbench{i}"
             slot = net.allocate(i)  # fresh, made before the timer (the server keeps spares)
-            spec = SandboxSpec(sandbox_id=sid, rootfs=rootfs, netns_path=slot.netns_path, vcpus=2,
+            spec = SandboxSpec(sandbox_id=sid, rootfs=rootfs, network=slot.attachment, vcpus=2,
                                memory_mb=512, hostname="raw", workdir=settings.sandboxes_dir / sid)
             t = time.perf_counter()
             await driver.create(spec)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings  # noqa: E402
-from forkyard.network.slots import NetworkManager  # noqa: E402
+from forkyard.network.slots import NetnsNetwork  # noqa: E402
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
 from forkyard.runtime.gvisor.driver import GVisorDriver  # noqa: E402
 
@@ -49,7 +49,7 @@ class Raw:
     def __init__(self, rootfs: Path, fan: list[int]):
         self.rootfs = rootfs
         self.settings = Settings(data_dir=DATA / "raw")
-        self.net = NetworkManager(self.settings, outer_net=os.environ.get("FORKYARD_BENCH_RAW_NET", "10.122.0.0/16"),
+        self.net = NetnsNetwork(self.settings, outer_net=os.environ.get("FORKYARD_BENCH_RAW_NET", "10.122.0.0/16"),
                                   prefix=os.environ.get("FORKYARD_BENCH_RAW_PREFIX", "fbr"))
         self.drv = GVisorDriver(self.settings)
         self.server_drv = GVisorDriver(Settings(data_dir=DATA / "server"))
@@ -87,7 +87,7 @@ class Raw:
 
     def _spec(self, j: int) -> SandboxSpec:
         sid = self.ids[j]
-        return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, netns_path=self.slots[j].netns_path, vcpus=2,
+        return SandboxSpec(sandbox_id=sid, rootfs=self.rootfs, network=self.slots[j].attachment, vcpus=2,
                            memory_mb=512, hostname="raw", workdir=self.settings.sandboxes_dir / sid)
 
     async def _envd_answers(self, j: int) -> None:
@@ -106,7 +106,8 @@ class Raw:
         restored envd answers ``/health`` (ms); the restored sandboxes are destroyed.
         ``phases`` (k = 1) receives the driver's phases and ``envd`` (ms)."""
         t = time.perf_counter()
-        await asyncio.gather(*(self.drv.restore(self._spec(j), image or self.img, phases=phases) for j in range(k)))
+        await asyncio.gather(*(self.drv.create(self._spec(j), self.drv.image_at(image or self.img), phases=phases)
+                               for j in range(k)))
         t1 = time.perf_counter()
         await asyncio.gather(*(self._envd_answers(j) for j in range(k)))
         ms = (time.perf_counter() - t) * 1000
@@ -129,7 +130,7 @@ class Raw:
         """Raw pause and resume: restore the last checkpoint into a raw sandbox (untimed),
         then a stopping checkpoint of it (``pause``) and a restore of that image until
         envd answers (``resume``), ms; ``phases`` receives the resume's phases."""
-        await self.drv.restore(self._spec(0), self.img)
+        await self.drv.create(self._spec(0), self.drv.image_at(self.img))
         await self._envd_answers(0)
         stopped = self.settings.data_dir / "img-stopped"
         shutil.rmtree(stopped, ignore_errors=True)

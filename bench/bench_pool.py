@@ -32,14 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings  # noqa: E402
-from forkyard.network.slots import NetworkManager  # noqa: E402
+from forkyard.network.slots import NetnsNetwork  # noqa: E402
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
 from forkyard.runtime.gvisor.driver import GVisorDriver  # noqa: E402
 
 
 async def raw_run(settings: Settings, rootfs: Path, n: int) -> list[float]:
     """``runsc run --detach`` until envd answers ``/health``, ms, ``n`` times."""
-    net = NetworkManager(settings, outer_net="10.123.0.0/16", prefix="fbp")
+    net = NetnsNetwork(settings, outer_net="10.123.0.0/16", prefix="fbp")
     net.setup_host()
     driver = GVisorDriver(settings)
     out: list[float] = []
@@ -48,7 +48,7 @@ async def raw_run(settings: Settings, rootfs: Path, n: int) -> list[float]:
             for i in range(n):
                 sid = f"rawpool{i}"
                 slot = net.allocate(i)
-                spec = SandboxSpec(sandbox_id=sid, rootfs=rootfs, netns_path=slot.netns_path, vcpus=2,
+                spec = SandboxSpec(sandbox_id=sid, rootfs=rootfs, network=slot.attachment, vcpus=2,
                                    memory_mb=512, hostname="raw", workdir=settings.sandboxes_dir / sid)
                 t = time.perf_counter()
                 await driver.create(spec)

@@ -7,7 +7,7 @@ keep-alive client connection per path) so all see the same machine load:
 
 * ``direct`` — straight to the sandbox's outer address (the raw operation);
 * ``proxy`` — through the proxy as clients send it: a GET without a body takes the
-  fast path (forkyard.api.fastpath: the body is spliced socket to socket);
+  fast path (forkyard.relay.fastpath: the body is spliced socket to socket);
 * ``proxy, general relay`` — the same GET with ``Content-Length: 0``, which sends it
   through the general relay (h11 + asyncio, bodies copied through Python): what every
   GET cost before the fast path.
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DATA, NET_PREFIX, OUTER_NET, pct, row, start_server, stop_server, templates_dir  # noqa: E402
 
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 
 SIZE = 1 << 20
 
@@ -45,7 +45,7 @@ def outer_address(sandbox_id: str) -> str:
     db = Settings(data_dir=DATA / "server").db_path
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
         (slot,) = c.execute("SELECT slot FROM sandboxes WHERE id = ?", (sandbox_id,)).fetchone()
-    return NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)[1]
+    return NetnsNetwork(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)[1]
 
 
 def server_cpu_s(pid: int) -> tuple[float, float]:

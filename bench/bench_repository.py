@@ -39,7 +39,7 @@ from _minio import REGION as MINIO_REGION
 from _minio import MinIO
 
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 from forkyard.repository.config import RepoConfig
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore, new_snapshot_id
 from forkyard.runtime.base import SandboxSpec
@@ -69,13 +69,13 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
     and one 5 s later, 1.4 MB compressed; between two idle checkpoints 1.6-2 MB, 0.15 MB
     compressed)."""
     settings = Settings(data_dir=ROOT / "rt")
-    net = NetworkManager(settings, outer_net="10.123.0.0/16", prefix="fbs")
+    net = NetnsNetwork(settings, outer_net="10.123.0.0/16", prefix="fbs")
     net.setup_host()
     drv = GVisorDriver(settings)
 
     def spec(sid: str, i: int):
         slot = net.allocate(i)
-        return SandboxSpec(sandbox_id=sid, rootfs=rootfs, netns_path=slot.netns_path, vcpus=1, memory_mb=512,
+        return SandboxSpec(sandbox_id=sid, rootfs=rootfs, network=slot.attachment, vcpus=1, memory_mb=512,
                            hostname="bench", workdir=settings.sandboxes_dir / sid), slot
 
     def sh(sid: str, script: str) -> None:
@@ -96,7 +96,7 @@ async def make_images(rootfs: Path, out: Path, fill_mb: int, forks: int, settle_
         net.release(0)
         for i in range(forks):
             kid, kslot = spec(f"kid{i}", 1)
-            await drv.restore(kid, out / "c0")
+            await drv.create(kid, drv.image_at(out / "c0"))
             _wait_http(f"http://{kslot.outer_ip}:49983/health")
             sh(kid.sandbox_id, f"head -c 64K /dev/urandom > /root/kid{i}")
             await drv.checkpoint(kid.sandbox_id, out / f"fork{i}", leave_running=False)

@@ -339,9 +339,9 @@ def main() -> int:
               "sockets_to_sandboxes": [f for f in getattr(soak, "new_fds", []) if _to_sandbox(f)],
               "errors": soak.errors[:20]}
     print(json.dumps(report, indent=1))
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
-    NetworkManager(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
+    NetnsNetwork(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
     return 1 if any(v > 0 for v in leaks.values()) else 0
 
 

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"forkyard/envd/internal/identity"
+	"forkyard/envd/internal/portfwd"
 	"forkyard/envd/internal/reaper"
 	"forkyard/envd/internal/server"
 	"forkyard/envd/internal/state"
@@ -37,6 +38,7 @@ func main() {
 		setClock    = flag.Bool("set-clock", false, "let POST /init set the system clock from its timestamp")
 		verbose     = flag.Bool("verbose", false, "log every request")
 		showVersion = flag.Bool("version", false, "print the envd protocol version and exit")
+		forward     = flag.Bool("forward-localhost", true, "make servers listening only on 127.0.0.1/::1 reachable on the sandbox's own address, as E2B's envd does")
 	)
 	flag.Parse()
 	if *showVersion {
@@ -86,6 +88,16 @@ func main() {
 		}
 	}()
 	log.Printf("version %s listening on %s (pid %d)", state.Version, ln.Addr(), os.Getpid())
+
+	fwdCtx, stopFwd := context.WithCancel(context.Background())
+	defer stopFwd()
+	if *forward {
+		fw := portfwd.New()
+		fw.Busy = func() bool { return s.Processes.Running() > 0 }
+		fw.Logf = log.Printf
+		s.Processes.OnStart = fw.Kick
+		go fw.Run(fwdCtx)
+	}
 
 	served := make(chan error, 1)
 	go func() { served <- srv.Serve(ln) }()

@@ -8,6 +8,9 @@ absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 * :class:`ClusterSettings`: how ``forkyard node`` joins a cluster.
 * :class:`ObsSettings`: logs, tracing and the metrics token (node, gateway, scheduler).
 * :class:`ClientSettings`: where :mod:`forkyard.client` and the CLI find a server.
+* :class:`ProxySettings`: bounds on client connections of every HTTP server.
+* :class:`RepositorySettings`: where snapshots are committed, the node cache's bound.
+* :class:`GVisorSettings`: the gVisor driver's tunables.
 
 Each is read when it is made (``Settings()`` …), so a process that changes its
 environment sees the change at the next one. Secrets are kept out of their ``repr``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -164,7 +168,7 @@ class Settings:
         blocked_egress: IPv4 CIDRs no sandbox may reach whatever its egress policy
             (``FORKYARD_BLOCKED_EGRESS``, comma-separated; None = the built-in list of
             private, link-local/metadata, CGNAT, documentation and multicast ranges in
-            :data:`forkyard.network.slots.BLOCKED_EGRESS`). Replacing it lets sandboxes
+            :data:`forkyard.network.firewall.BLOCKED_EGRESS`). Replacing it lets sandboxes
             reach e.g. a private package mirror.
         tls_cert / tls_key: PEM certificate (chain) and key files (``FORKYARD_TLS_CERT``,
             ``FORKYARD_TLS_KEY``): when both are set the server speaks HTTPS only on its
@@ -183,6 +187,18 @@ class Settings:
             ``TEMPLATE:N,…``; ``off`` or ``0`` disables): sandboxes started ahead so a
             create is a hand-out (:mod:`forkyard.orchestrator.pool`); never in a cluster
             (E2B has no such setting: its orchestrator starts every sandbox on demand).
+        spare_slots: network slots kept built ahead of demand (``FORKYARD_SPARE_SLOTS``,
+            16): a start takes one instead of spending ~25 ms of CPU creating a netns,
+            veths and NAT rules (E2B's orchestrator keeps a similar pool of slots).
+        paused_retention_s: how long a paused sandbox is kept before it and its image
+            are deleted (``FORKYARD_PAUSED_RETENTION_S``, 30 days).
+        fork_image_ttl_s: in a cluster, a ``fork`` image older than this is deleted by
+            any node's image GC (``FORKYARD_FORK_IMAGE_TTL_S``, 3600): the gateway
+            deletes each once the fork's children run, so an older one was left by a
+            gateway that died mid-fork.
+        fork_parallelism: restores a fork runs at once (``FORKYARD_FORK_PARALLELISM``,
+            16). Measured on 2 cores, fork ×16: 4 → ~1.91 s, 8 → ~1.77–1.99 s, 16 →
+            ~1.80 s (bench/bench_lifecycle.py).
     """
 
     data_dir: Path = field(default_factory=lambda: _env_path("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
@@ -217,9 +233,14 @@ class Settings:
     hot_pause_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_HOT_PAUSE_S", "60")))
     hot_pause_max: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_HOT_PAUSE_MAX", "32")))
     pool: dict[str, int] = field(default_factory=lambda: parse_pool(os.environ.get("FORKYARD_POOL", DEFAULT_POOL)))
+    spare_slots: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_SPARE_SLOTS", "16")))
+    paused_retention_s: int = field(
+        default_factory=lambda: int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600))))
+    fork_image_ttl_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600")))
+    fork_parallelism: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16")))
     #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
     #: keeps one in :attr:`api_key_file`).
-    api_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_API_KEY") or None, repr=False)
+    api_key: str | None = field(default_factory=lambda: api_key_from_env(), repr=False)
 
     @property
     def public_domain(self) -> str:
@@ -323,3 +344,117 @@ class ClientSettings:
     data_dir: str = field(default_factory=lambda: _env("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
     config_file: str = field(default_factory=lambda: _env("FORKYARD_CONFIG"))
     xdg_config_home: str = field(default_factory=lambda: _env("XDG_CONFIG_HOME"))
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """Bounds on client connections of every HTTP server forkyard runs (node, gateway:
+    :func:`forkyard.api.limits.uvicorn_limits`).
+
+    Attributes:
+        header_timeout_s: ``FORKYARD_HEADER_TIMEOUT_S`` (20): a request head must be
+            complete this long after the connection opened or the previous response (s;
+            nginx's ``client_header_timeout`` default is 60 s).
+        max_connections_per_client: ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT`` (1024): open
+            connections one client address may hold (raise it on a node behind a busy
+            gateway, whose traffic all comes from one address).
+        max_connections: ``FORKYARD_MAX_CONNECTIONS`` (4096): open connections + running
+            requests in all; beyond it uvicorn answers 503.
+    """
+
+    header_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEADER_TIMEOUT_S", "20")))
+    max_connections_per_client: int = field(
+        default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", "1024")))
+    max_connections: int = field(default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS", "4096")))
+
+
+@dataclass(frozen=True)
+class RepositorySettings:
+    """Where snapshots are committed and how big the node's cache may grow, as given in
+    the environment (:class:`forkyard.repository.config.RepoConfig` checks them and opens
+    the backend). Read from ``env`` when given (tests), else the process environment.
+
+    Attributes:
+        repo: ``FORKYARD_REPO``: a directory or ``s3://bucket/prefix`` ("" when unset:
+            the node's own ``<data>/snapshots/repository``).
+        s3_endpoint / s3_region: ``FORKYARD_S3_ENDPOINT`` / ``FORKYARD_S3_REGION``
+            (required for ``s3://``; no default region on purpose).
+        access_key / secret_key: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
+            (required for ``s3://``; nothing else is consulted: no profiles, no instance
+            metadata).
+        cache_bytes: ``FORKYARD_CACHE_BYTES`` as given (None when unset: 10 GiB).
+        gc_grace_s: ``FORKYARD_GC_GRACE_S`` as given (None when unset: 3600 s).
+    """
+
+    repo: str = ""
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    access_key: str = field(default="", repr=False)
+    secret_key: str = field(default="", repr=False)
+    cache_bytes: str | None = None
+    gc_grace_s: str | None = None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> RepositorySettings:
+        """The settings in ``env`` (default: the process environment)."""
+        env = os.environ if env is None else env
+        return cls(repo=env.get("FORKYARD_REPO", ""), s3_endpoint=env.get("FORKYARD_S3_ENDPOINT", ""),
+                   s3_region=env.get("FORKYARD_S3_REGION", ""), access_key=env.get("AWS_ACCESS_KEY_ID", ""),
+                   secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""), cache_bytes=env.get("FORKYARD_CACHE_BYTES"),
+                   gc_grace_s=env.get("FORKYARD_GC_GRACE_S"))
+
+
+def api_key_from_env() -> str | None:
+    """``FORKYARD_API_KEY`` as given, None when unset or empty (the node then keeps its
+    key in :attr:`Settings.api_key_file`)."""
+    return os.environ.get("FORKYARD_API_KEY") or None
+
+
+def hold_dir() -> Path | None:
+    """``FORKYARD_TEST_HOLD_DIR``: where tests arm the orchestrator's hold points
+    (:mod:`forkyard.orchestrator.holds`); None (the default) turns them off. Read at each
+    call, so a test can arm a server it started with the variable set."""
+    d = os.environ.get("FORKYARD_TEST_HOLD_DIR")
+    return Path(d) if d else None
+
+
+@dataclass(frozen=True)
+class GVisorSettings:
+    """Tunables of the gVisor driver (:class:`forkyard.runtime.gvisor.GVisorDriver`); the
+    binary and its state directory are the node's (:attr:`Settings.runsc`,
+    :attr:`Settings.runsc_root`).
+
+    Attributes:
+        spare_disks: ``FORKYARD_SPARE_DISKS`` (16): per-sandbox disks of the node's default
+            size kept made ahead of demand (as many as a fork restores at once,
+            ``FORKYARD_FORK_PARALLELISM``: fork ×16 measured 1.07x of raw with 16 spares,
+            1.13-1.22x with 4); ~2 MB of host disk, one loop device and one mount each.
+        envd_rearm: ``FORKYARD_ENVD_REARM=1``: nudge every restored envd with SIGUSR1
+            (``runsc kill``, ~9-20 ms per restore) so it re-registers its listener. Off
+            by default: the epoll bug it works around (gVisor issue 13920) is fixed in the
+            pinned build (gVisor PR 14147), and envd's accept poll still bounds a missed
+            wake-up to 1 s (docs/runtime.md).
+        runsc_debug: ``FORKYARD_RUNSC_DEBUG=1``: runsc logs debug output under
+            ``<data>/runsc-debug/``.
+        reaper_daemon: ``FORKYARD_REAPER_DAEMON`` (on; ``0`` turns it off): sandboxes start
+            under the node's reaper daemon, which reaps them at once also after a server
+            restart (docs/runtime.md).
+        share_restored_pages: ``FORKYARD_SHARE_RESTORED_PAGES`` (on; ``0`` turns it off):
+            restored sandboxes map their memory copy-on-write from the checkpoint's pages
+            file instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc
+            patch 0020), so children of one fork or snapshot share the host's page cache
+            of its image; used only when the runsc build has the flag (docs/runtime.md
+            "Memory").
+        share_saved_pages: ``FORKYARD_SHARE_SAVED_PAGES`` (on; ``0`` turns it off): a
+            sandbox that keeps running after a checkpoint (fork, snapshot) then maps its
+            unchanged memory from the image it just wrote (``runsc checkpoint
+            --share-saved-pages``, same patch), so a fork source and its children share
+            one copy; needs ``share_restored_pages`` and uncompressed images.
+    """
+
+    spare_disks: int = field(default_factory=lambda: int(_env("FORKYARD_SPARE_DISKS", "16")))
+    envd_rearm: bool = field(default_factory=lambda: _env("FORKYARD_ENVD_REARM", "0") == "1")
+    runsc_debug: bool = field(default_factory=lambda: _env("FORKYARD_RUNSC_DEBUG") == "1")
+    reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")
+    share_restored_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_RESTORED_PAGES", "1") != "0")
+    share_saved_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_SAVED_PAGES", "1") != "0")

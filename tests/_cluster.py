@@ -193,7 +193,7 @@ class Cluster:
 def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:
     """Destroy every runsc sandbox under ``data_dir`` and the node's network slots."""
     from forkyard.config import Settings
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
     runsc_root = data_dir / "runsc"
     if runsc_root.is_dir():
@@ -210,7 +210,7 @@ def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:
     from conftest import stop_reaper
 
     stop_reaper(runsc_root)  # the node's reaper daemon outlives the node by design
-    nm = NetworkManager(Settings(data_dir=data_dir), outer_net=outer_net, prefix=prefix)
+    nm = NetnsNetwork(Settings(data_dir=data_dir), outer_net=outer_net, prefix=prefix)
     for idx in nm.existing_indexes():
         nm.release(idx)
     nm.teardown_host()

@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import median
 
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 
 from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
 
@@ -49,9 +49,9 @@ def runtime_settings() -> Settings:
     return Settings(data_dir=root / f"rt-{LETTER}", templates_override=str(root / "templates"))
 
 
-def network_manager(settings: Settings | None = None) -> NetworkManager:
-    """A NetworkManager on the test prefix and outer range."""
-    return NetworkManager(settings, outer_net=TEST_OUTER_NET, prefix=TEST_PREFIX)
+def network_manager(settings: Settings | None = None) -> NetnsNetwork:
+    """A NetnsNetwork on the test prefix and outer range."""
+    return NetnsNetwork(settings, outer_net=TEST_OUTER_NET, prefix=TEST_PREFIX)
 
 
 def runsc_exec(
@@ -154,7 +154,7 @@ def mirror_host() -> str:
 
 
 def nameserver() -> str:
-    from forkyard.templates.base import host_nameservers
+    from forkyard.guest.files import host_nameservers
 
     servers = host_nameservers()
     assert servers, "host has no usable nameserver"

@@ -254,9 +254,9 @@ def server(base_template) -> ServerProc:
         stop_reaper(data / "runsc")
     # The server leaves nothing behind once its sandboxes are killed.
     assert host_leftovers() == CLEAN
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
-    NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
+    NetnsNetwork(None, outer_net=OUTER_NET, prefix=NET_PREFIX).teardown_host()
 
 
 @pytest.fixture(autouse=True)

@@ -71,7 +71,8 @@ def public_server(tmp_path_factory):
 def egress_server(server, public_server, tmp_path_factory):
     """A forkyard server whose sandboxes may reach this session's TEST-NET-2 /29; the
     e2b SDK is pointed at it for the module."""
-    from forkyard.network.slots import BLOCKED_EGRESS, NetworkManager
+    from forkyard.network.firewall import BLOCKED_EGRESS
+    from forkyard.network.slots import NetnsNetwork
 
     blocked = [n for n in BLOCKED_EGRESS if n != "198.51.100.0/24"]
 
@@ -93,7 +94,7 @@ def egress_server(server, public_server, tmp_path_factory):
             srv.kill_all()
         finally:
             srv.stop()
-            NetworkManager(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
+            NetnsNetwork(None, outer_net=OUTER, prefix=PREFIX).teardown_host()
 
 
 def _reach(sbx, ip: str) -> bool:

@@ -113,7 +113,7 @@ def test_proxy_large_get_never_truncated(sandbox, server):
     """1 MiB from python3 -m http.server, 50 times over one keep-alive connection and
     50 times on fresh ones: every body complete (a chunked empty body on a GET used to
     make the server reset the connection mid-response). The bodies go socket to socket
-    (forkyard.api.fastpath: the spliced-bytes counter grows by about 100 MiB)."""
+    (forkyard.relay.fastpath: the spliced-bytes counter grows by about 100 MiB)."""
     sandbox.commands.run("mkdir -p /tmp/www && head -c 1048576 /dev/urandom > /tmp/www/big.bin && "
                          "sha256sum /tmp/www/big.bin > /tmp/www/big.sha", timeout=30)
     want = sandbox.commands.run("cut -d' ' -f1 /tmp/www/big.sha").stdout.strip()
@@ -212,7 +212,7 @@ def test_envd_early_error_passes_through(sandbox, server):
 
 
 def test_connect_frame_tracker_boundaries():
-    from forkyard.api.proxy import _ConnectFrames, connect_end_error
+    from forkyard.relay.http import ConnectFrames as _ConnectFrames, connect_end_error
 
     msg = b"\x00" + (3).to_bytes(4, "big") + b"abc"
     f = _ConnectFrames()
@@ -384,9 +384,9 @@ def test_server_default_auto_pause_setting(server, tmp_path):
     finally:
         srv.kill_all()
         srv.stop()
-        from forkyard.network.slots import NetworkManager
+        from forkyard.network.slots import NetnsNetwork
 
-        NetworkManager(None, outer_net=f"10.{176 + conftest.SLOT}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
+        NetnsNetwork(None, outer_net=f"10.{176 + conftest.SLOT}.0.0/16", prefix=conftest.NET_PREFIX + "k").teardown_host()
 
 
 # ---- URL-addressed features --------------------------------------------------------------
@@ -593,9 +593,9 @@ def test_tls_listener_serves_sandbox_urls(server, tmp_path):
             srv.kill_all()
         finally:
             srv.stop()
-            from forkyard.network.slots import NetworkManager
+            from forkyard.network.slots import NetnsNetwork
 
-            NetworkManager(None, outer_net=outer, prefix=prefix).teardown_host()
+            NetnsNetwork(None, outer_net=outer, prefix=prefix).teardown_host()
 
 
 # ---- base template parity ------------------------------------------------------------------

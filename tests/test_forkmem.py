@@ -1,5 +1,5 @@
 """Issue 21: fork children share their source's unchanged memory with it on the host
-(runsc patch 0002, ``--share-restored-pages``; docs/runtime.md "Memory").
+(runsc patch 0020, ``--share-restored-pages``; docs/runtime.md "Memory").
 
 A process in the source holds 96 MiB of random bytes; every child, grandchild and
 resumed child must read back exactly those bytes (SHA-1 of the whole buffer, taken by
@@ -12,6 +12,7 @@ pages) loses nothing. Without the patch every child holds its own ≥ 96 MiB cop
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -84,7 +85,7 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
     server.kill_all()
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"), server.api() as c:  # pauses write images
         c.timeout = 300
-        assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0002"
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
         src = Sandbox.create("base", timeout=600)
         sid = src.sandbox_id
         src.files.write("/home/user/holder.py", HOLDER)
@@ -123,4 +124,34 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
         assert ask(server, kids[2]) == want
         assert shmem_mib(kids[2]) < SIZE_MIB / 3
         assert ask(server, kids[0]) == changed
+        server.kill_all()
+
+
+def test_image_written_without_sharing_restores_shared(server):
+    """An image written by a node without sharing — the build without patch 0020 when
+    ``FORKYARD_TEST_RUNSC_WITHOUT_SHARING`` names one (the patch is restore-compatible:
+    same version stamp), else this build with ``FORKYARD_SHARE_RESTORED_PAGES=0`` (stock
+    save and restore paths) — resumes on a sharing node with every byte, shared, and forks."""
+    old = os.environ.get("FORKYARD_TEST_RUNSC_WITHOUT_SHARING")
+    env = {"FORKYARD_RUNSC": old} if old else {"FORKYARD_SHARE_RESTORED_PAGES": "0"}
+    server.kill_all()
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", **env), server.api() as c:
+        c.timeout = 300
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] is False
+        src = Sandbox.create("base", timeout=600)
+        sid = src.sandbox_id
+        src.files.write("/home/user/holder.py", HOLDER)
+        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 7", background=True)
+        want = ask(server, sid)
+        assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"), server.api() as c:
+        c.timeout = 300
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
+        r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})
+        assert r.status_code == 201, r.text
+        assert ask(server, sid) == want
+        assert shmem_mib(sid) < SIZE_MIB / 3, shmem_mib(sid)  # mapped from the image, not copied
+        r = c.post(f"/sandboxes/{sid}/fork", json={"count": 2, "timeout": 600})
+        assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text
+        assert [ask(server, e["sandbox"]["sandboxID"]) for e in r.json()] == [want] * 2
         server.kill_all()

@@ -353,7 +353,7 @@ def test_a_cold_booted_sandbox_memory_pauses_without_hot_pause_and_across_restar
 def test_image_rootfs_tar_reads_the_marker_or_the_checkpoint_header(tmp_path):
     """Images written before the marker: the annotation is read from the JSON metadata
     runsc writes at the head of ``checkpoint.img``; a marker wins, an empty one is none."""
-    from forkyard.runtime.gvisor.driver import image_rootfs_tar
+    from forkyard.runtime.gvisor.image import image_rootfs_tar
     from forkyard.runtime.gvisor.spec import ROOTFS_TAR_ANNOTATION, ROOTFS_TAR_MARKER
 
     assert image_rootfs_tar(tmp_path) is None

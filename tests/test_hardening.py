@@ -93,10 +93,10 @@ def test_proxy_forwards_only_client_headers(server, sandbox):
 async def test_unexpected_error_is_a_json_500_and_the_connection_stays_usable(tmp_path):
     """A bug in a handler answers ``{code: 500, message}`` (not a dropped connection);
     the same client then gets normal answers. In-process app, nothing started."""
-    from forkyard.api.app import create_app
     from forkyard.config import Settings
+    from forkyard.node import build_node
 
-    app = create_app(Settings(data_dir=tmp_path))
+    app = build_node(Settings(data_dir=tmp_path)).app
 
     async def boom():
         raise ValueError("kaput")

@@ -20,7 +20,7 @@ import _hostutil as hu
 
 P = hu.TEST_PREFIX
 from forkyard.config import GUEST_GATEWAY, GUEST_IP
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 
 
 def _ip_json(netns: str | None, *args: str) -> list[dict]:
@@ -59,15 +59,15 @@ def slots(nm):
 def test_slot_layout(nm, slots):
     slot = slots(3)
     host_ip, outer_ip = nm.addresses(3)
-    assert slot.index == 3 and slot.netns_path == f"/run/netns/{P}3s"
+    assert slot.index == 3 and slot.attachment.netns_path == f"/run/netns/{P}3s"
     base = ipaddress.ip_network(hu.TEST_OUTER_NET).network_address
     assert (host_ip, outer_ip) == (str(base + 13), str(base + 14)) and slot.outer_ip == outer_ip
 
-    guest = {l["ifname"]: l for l in _ip_json(slot.netns_path, "addr")}
+    guest = {l["ifname"]: l for l in _ip_json(slot.attachment.netns_path, "addr")}
     assert sorted(guest) == ["eth0", "lo"]
     addrs = [(a["local"], a["prefixlen"]) for a in guest["eth0"]["addr_info"] if a["family"] == "inet"]
     assert addrs == [(GUEST_IP, 30)]
-    routes = _ip_json(slot.netns_path, "route")
+    routes = _ip_json(slot.attachment.netns_path, "route")
     assert {"dst": "default", "gateway": GUEST_GATEWAY} in [{"dst": r["dst"], "gateway": r.get("gateway")} for r in routes]
 
     middle = {l["ifname"]: l for l in _ip_json(f"/run/netns/{P}3", "addr")}
@@ -111,9 +111,9 @@ def test_allocate_is_idempotent_and_rebuilds_partial_slots(nm, slots):
     subprocess.run(["nsenter", f"--net=/run/netns/{P}5s", "ip", "addr", "flush", "dev", "eth0"], check=True)
     subprocess.run(["nsenter", f"--net=/run/netns/{P}5s", "ip", "route", "flush", "all"], check=False)
     nm.allocate(5)
-    eth0 = _ip_json(first.netns_path, "addr", "show", "eth0")[0]
+    eth0 = _ip_json(first.attachment.netns_path, "addr", "show", "eth0")[0]
     assert [a["local"] for a in eth0["addr_info"] if a["family"] == "inet"] == [GUEST_IP]
-    assert any(r["dst"] == "default" for r in _ip_json(first.netns_path, "route"))
+    assert any(r["dst"] == "default" for r in _ip_json(first.attachment.netns_path, "route"))
 
 
 def test_existing_indexes(nm, slots):
@@ -159,7 +159,7 @@ def test_setup_host_is_idempotent(nm):
 
 
 def test_teardown_host():
-    other = NetworkManager(None, outer_net=f"10.211.{hu.SLOT * 16}.0/20", prefix="fw" + hu.LETTER)
+    other = NetnsNetwork(None, outer_net=f"10.211.{hu.SLOT * 16}.0/20", prefix="fw" + hu.LETTER)
     other.setup_host()
     assert f"FORKYARD-FW{hu.LETTER.upper()}-INPUT" in subprocess.run(["iptables", "-S"], capture_output=True, text=True).stdout
     other.teardown_host()
@@ -173,7 +173,7 @@ def test_overlapping_outer_range_is_refused():
     lan = _ip_json(None, "route", "show", "default")[0]["dev"]
     prefix = [r for r in _ip_json(None, "route", "show", "dev", lan) if r["dst"] != "default"][0]["dst"]
     with pytest.raises(Exception, match="overlaps"):
-        NetworkManager(None, outer_net=prefix if "/" in prefix else prefix + "/32", prefix="fw").setup_host()
+        NetnsNetwork(None, outer_net=prefix if "/" in prefix else prefix + "/32", prefix="fw").setup_host()
 
 
 class _Listener:
@@ -221,7 +221,7 @@ def test_native_traffic_rules(nm, slots):
     servers = []
     try:
         for slot in (a, b):
-            p = subprocess.Popen(["nsenter", f"--net={slot.netns_path}", "python3", "-c",
+            p = subprocess.Popen(["nsenter", f"--net={slot.attachment.netns_path}", "python3", "-c",
                                   GUEST_SERVER.format(ip=GUEST_IP, port=port)], stdout=subprocess.PIPE, text=True)
             servers.append(p)
             assert p.stdout.readline().strip() == "ready"
@@ -231,9 +231,9 @@ def test_native_traffic_rules(nm, slots):
 
         # guest -> DNS nameserver and TCP egress through the NAT
         ns = hu.nameserver()
-        r = hu.in_netns(a.netns_path, f"import socket; print(socket.gethostbyname({hu.mirror_host()!r}))")
+        r = hu.in_netns(a.attachment.netns_path, f"import socket; print(socket.gethostbyname({hu.mirror_host()!r}))")
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
-        r = hu.in_netns(a.netns_path, hu.CONNECT_SNIPPET.format(host=ns, port=53, timeout=3))
+        r = hu.in_netns(a.attachment.netns_path, hu.CONNECT_SNIPPET.format(host=ns, port=53, timeout=3))
         assert r.stdout.strip() == "OK"
 
         # guest -> host services, its slot's host address, another slot: blocked
@@ -243,7 +243,7 @@ def test_native_traffic_rules(nm, slots):
             targets = [(hu.host_source_ip(ns), listener.port), (host_ip, listener.port),
                        (nm.addresses(11)[0], listener.port), (b.outer_ip, port)]
             for host, p in targets:
-                r = hu.in_netns(a.netns_path, hu.CONNECT_SNIPPET.format(host=host, port=p, timeout=1.5))
+                r = hu.in_netns(a.attachment.netns_path, hu.CONNECT_SNIPPET.format(host=host, port=p, timeout=1.5))
                 assert r.stdout.strip().startswith("FAIL"), f"{host}:{p} reachable from a sandbox"
             assert _connect("127.0.0.1", listener.port) == b"ok"  # control: listener works
         finally:

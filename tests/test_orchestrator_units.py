@@ -459,11 +459,13 @@ async def test_pool_stop_waits_for_a_boot_in_flight_and_refills_no_more():
     assert b.booted == ["p1"] and p.ids() == []  # a stopped pool starts nothing
 
 
-# ---- pure parts of lifecycle / manager -----------------------------------------------------
+# ---- pure parts of images / staging -------------------------------------------------------
 def test_lifecycle_guest_defaults_staged_memory_and_ids(tmp_path):
-    from forkyard.orchestrator.lifecycle import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, guest_defaults, staged_memory
-    from forkyard.orchestrator.manager import new_sandbox_id
-    from forkyard.repository.snapshots import ROOTFS_TAR, SnapshotMeta
+    from forkyard.ids import new_sandbox_id
+    from forkyard.orchestrator.images import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY, guest_defaults
+    from forkyard.repository.snapshots import SnapshotMeta
+    from forkyard.runtime.base import ImageKind
+    from forkyard.runtime.gvisor.image import ROOTFS_TAR, image_at
 
     meta = SnapshotMeta("s", "snapshot", "base", "src", 1, 512,
                         metadata={DEFAULT_USER_KEY: "builder", DEFAULT_WORKDIR_KEY: "/app"})
@@ -473,11 +475,13 @@ def test_lifecycle_guest_defaults_staged_memory_and_ids(tmp_path):
     assert guest_defaults(meta) == ("root", "/srv")  # the source's own defaults win
     assert guest_defaults(SnapshotMeta("s", "pause", "base", "src", 1, 512)) == (None, None)
     (tmp_path / "image").mkdir()
-    assert staged_memory(tmp_path) is True  # a checkpoint
+    assert image_at(tmp_path / "image").kind is ImageKind.CHECKPOINT
+    (tmp_path / "image" / "forkyard-runtime.json").write_text('{"runtime": "gvisor", "build": "b1"}')
+    assert image_at(tmp_path / "image").build == "b1"  # the build it records (restores check it)
     (tmp_path / "image" / f"{ROOTFS_TAR}.tmp").touch()
-    assert staged_memory(tmp_path) is False  # a filesystem-only export, still being written
+    assert image_at(tmp_path / "image").kind is ImageKind.FILESYSTEM  # an export, still being written
     (tmp_path / "image" / f"{ROOTFS_TAR}.tmp").rename(tmp_path / "image" / ROOTFS_TAR)
-    assert staged_memory(tmp_path) is False
+    assert image_at(tmp_path / "image").kind is ImageKind.FILESYSTEM
     ids = {new_sandbox_id() for _ in range(200)}
     assert len(ids) == 200 and all(len(i) == 20 and i.isalnum() and i == i.lower() for i in ids)
 

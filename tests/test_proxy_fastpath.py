@@ -1,5 +1,5 @@
-"""The proxy's fast path (forkyard.api.fastpath) and uvicorn's zero-copy send
-(forkyard.api.zerocopy), in process: a real uvicorn server with forkyard's protocol in
+"""The proxy's fast path (forkyard.relay.fastpath) and uvicorn's zero-copy send
+(forkyard.relay.zerocopy), in process: a real uvicorn server with forkyard's protocol in
 front of :class:`SandboxProxy`, relaying to a real HTTP/1.1 server on loopback whose
 answers cover every framing (Content-Length, chunked, close-delimited, HEAD, 204,
 HTTP/1.0, a body cut short). The same relay to real sandboxes is tested in
@@ -17,9 +17,9 @@ import httpx
 import pytest
 import uvicorn
 
-from forkyard.api import zerocopy
 from forkyard.api.limits import uvicorn_limits
 from forkyard.api.proxy import SandboxProxy
+from forkyard.relay import zerocopy
 
 BIG = os.urandom(1 << 20)
 SLOW_PIECES = 4096  # × 64 KiB: a response the client gives up on long before its end

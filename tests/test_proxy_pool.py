@@ -12,8 +12,9 @@ import httpcore
 import httpx
 import pytest
 
-from forkyard.api.fastpath import FastConnections
-from forkyard.api.proxy import SandboxConnections, SandboxProxy, sandbox_client
+from forkyard.api.proxy import SandboxProxy
+from forkyard.relay.fastpath import FastConnections
+from forkyard.relay.upstream import SandboxConnections, sandbox_client
 
 
 class _GatedConnect(httpcore.AnyIOBackend):
@@ -88,7 +89,7 @@ async def test_pools_of_running_sandboxes_keep_serving():
         await proxy.aclose()
 
 
-# The upstream sockets (forkyard.api.upstream): plain asyncio transports under the pool.
+# The upstream sockets (forkyard.relay.upstream): plain asyncio transports under the pool.
 
 async def _serve(handler):
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
@@ -126,7 +127,7 @@ async def test_a_streamed_response_is_passed_on_piece_by_piece():
 async def test_a_slow_client_holds_at_most_the_read_buffer():
     """Reading from the sandbox pauses while READ_BUFFER_BYTES wait to be relayed, so a
     client that reads slowly never makes the proxy buffer the whole response."""
-    from forkyard.api.upstream import READ_BUFFER_BYTES
+    from forkyard.relay.upstream import READ_BUFFER_BYTES
 
     size = 16 << 20
 

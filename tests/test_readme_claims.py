@@ -28,7 +28,7 @@ import pytest
 from forkyard.config import Settings
 from conftest import TEST_ROOT, ServerProc
 
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 
 from _slot import LETTER, SLOT  # noqa: E402 — this session's slot (tests/_slot.py)
 
@@ -87,7 +87,7 @@ def claims(base_template):
             srv.kill_all()
     finally:
         srv.stop()
-        NetworkManager(None, outer_net=OUTER_NET, prefix=PREFIX).teardown_host()
+        NetnsNetwork(None, outer_net=OUTER_NET, prefix=PREFIX).teardown_host()
         shutil.rmtree(DATA, ignore_errors=True)
         for p in (wrapper, srv.wrapper_log, srv.envd_copy):
             p.unlink(missing_ok=True)

@@ -32,7 +32,7 @@ import pytest
 from conftest import TEST_ROOT, ServerProc
 
 from forkyard.config import Settings
-from forkyard.network.slots import NetworkManager
+from forkyard.network.slots import NetnsNetwork
 from forkyard.repository import (
     ChunkCorrupt,
     ChunkMissing,
@@ -95,7 +95,7 @@ class Rig:
         shutil.rmtree(self.dir, ignore_errors=True)
         self.settings = Settings(data_dir=self.dir, templates_override=str(root / "templates"))
         self.rootfs = build_base(hu.template_settings(), progress=lambda line: None)
-        self.nm = NetworkManager(self.settings, outer_net=OUTER_NET, prefix=PREFIX)
+        self.nm = NetnsNetwork(self.settings, outer_net=OUTER_NET, prefix=PREFIX)
         self.driver = GVisorDriver(self.settings, init_argv=hu.HTTP_INIT)
         self.images = self.dir / "images"
         self.live: dict[str, tuple[SandboxSpec, int]] = {}
@@ -103,7 +103,7 @@ class Rig:
 
     def spec(self, sandbox_id: str, index: int) -> tuple[SandboxSpec, object]:
         slot = self.nm.allocate(index)
-        spec = SandboxSpec(sandbox_id=sandbox_id, rootfs=self.rootfs, netns_path=slot.netns_path, vcpus=1,
+        spec = SandboxSpec(sandbox_id=sandbox_id, rootfs=self.rootfs, network=slot.attachment, vcpus=1,
                            memory_mb=256, hostname="e2b.local", workdir=self.settings.sandboxes_dir / sandbox_id)
         self.live[sandbox_id] = (spec, index)
         return spec, slot
@@ -131,7 +131,7 @@ class Rig:
         await self.stop(src.sandbox_id)
         for i in range(FORKS):
             kid, kslot = self.spec(f"{PREFIX}-kid{i}", 2)
-            await self.driver.restore(kid, self.images / "c0")
+            await self.driver.create(kid, self.driver.image_at(self.images / "c0"))
             _http_ok(kslot.outer_ip)
             self.sh(kid.sandbox_id, f"head -c 65536 /dev/urandom > /root/kid{i}")
             await self.driver.checkpoint(kid.sandbox_id, self.images / f"fork{i}", leave_running=True)
@@ -502,7 +502,7 @@ async def test_runsc_restores_from_materialized_s3_image(rig, make_store, s3_end
     path = await asyncio.to_thread(node.image, meta.snapshot_id)
     try:
         kid, slot = rig.spec(f"{PREFIX}-e2e", 3)
-        await rig.driver.restore(kid, path)
+        await rig.driver.create(kid, rig.driver.image_at(path))
     finally:
         node.release(meta.snapshot_id)
     try:
@@ -603,7 +603,7 @@ def test_server_pause_resume_and_snapshot_through_s3(base_template, s3_endpoint)
                 srv.kill_all()
         finally:
             srv.stop()
-            NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
+            NetnsNetwork(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
             shutil.rmtree(data, ignore_errors=True)
 
 
@@ -648,5 +648,5 @@ def test_pause_survives_an_unreachable_repository(base_template):
         finally:
             srv.stop()
             s3.stop()
-            NetworkManager(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
+            NetnsNetwork(None, outer_net=SERVER_OUTER_NET, prefix=SERVER_PREFIX).teardown_host()
             shutil.rmtree(data, ignore_errors=True)

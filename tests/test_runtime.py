@@ -21,8 +21,11 @@ import pytest
 
 import _hostutil as hu
 from forkyard.config import GUEST_IP
+from forkyard.network.base import NetnsAttachment
 from forkyard.runtime.base import RuntimeError_, SandboxSpec
 from forkyard.runtime.gvisor import GVisorDriver
+from forkyard.runtime.gvisor import disk as gdisk
+from forkyard.runtime.gvisor import spec as ocispec
 from forkyard.templates.base import build_base, is_protected
 
 
@@ -70,7 +73,7 @@ async def sandboxes(settings, nm, base_rootfs):
         spec = SandboxSpec(
             sandbox_id=sandbox_id,
             rootfs=base_rootfs,
-            netns_path=slot.netns_path,
+            network=slot.attachment,
             vcpus=1,
             memory_mb=256,
             hostname="e2b.local",
@@ -260,7 +263,7 @@ async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_pat
     not_a_netns = tmp_path / "not-a-netns"
     not_a_netns.write_text("")
     with pytest.raises(RuntimeError_) as err:
-        await driver.create(replace(spec, netns_path=str(not_a_netns)))
+        await driver.create(replace(spec, network=NetnsAttachment(str(not_a_netns))))
     assert f"runsc run {spec.sandbox_id} failed" in str(err.value)
     assert str(not_a_netns) in str(err.value)  # runsc's own words name the bad netns
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
@@ -268,7 +271,7 @@ async def test_failed_create_says_why_and_cleans_up(settings, sandboxes, tmp_pat
     with pytest.raises(RuntimeError_, match="does not exist in rootfs"):
         await GVisorDriver(settings, init_argv=["/nonexistent/init"]).create(spec)
     with pytest.raises(RuntimeError_, match="network namespace"):
-        await driver.create(replace(spec, netns_path="/run/netns/ft-missing"))
+        await driver.create(replace(spec, network=NetnsAttachment("/run/netns/ft-missing")))
     with pytest.raises(RuntimeError_, match="rootfs"):
         await driver.create(replace(spec, rootfs=Path("/nonexistent-rootfs")))
     hu.assert_sandbox_gone(settings, spec.sandbox_id, spec.workdir)
@@ -313,7 +316,7 @@ async def test_checkpoint_and_fork(settings, driver, sandboxes, nm):
         restore_ms = []
         for kid, _ in kids:
             t = time.perf_counter()
-            await driver.restore(kid, image)
+            await driver.create(kid, driver.image_at(image))
             restore_ms.append(1000 * (time.perf_counter() - t))
         for kid, slot in kids:
             assert await driver.is_running(kid.sandbox_id)
@@ -342,7 +345,7 @@ async def test_stopping_checkpoint_then_restore_same_id(settings, driver, sandbo
 
         assert nm.allocate(16) == slot  # puts the guest address back on eth0
         t = time.perf_counter()
-        await driver.restore(spec, image)
+        await driver.create(spec, driver.image_at(image))
         resume_ms = 1000 * (time.perf_counter() - t)
         assert http_get(slot.outer_ip) == 200
         assert sh(settings, spec.sandbox_id, "cat /root/state").strip() == "kept"
@@ -351,10 +354,39 @@ async def test_stopping_checkpoint_then_restore_same_id(settings, driver, sandbo
         shutil.rmtree(image, ignore_errors=True)
 
 
+@pytest.mark.parametrize("kind", [ocispec.TMP_SIZED, ocispec.TMP_INTERNAL])
+async def test_images_of_older_tmp_kinds_restore_with_their_tmp(settings, driver, sandboxes, nm, kind):
+    """Sandboxes paused before /tmp moved to the disk (issue 18 item 2) resume with the
+    /tmp they had: the image records it (a sized tmpfs, or runsc's own) and restore
+    mounts it so again, files included (runsc refuses other mounts); a new sandbox's
+    /tmp is a directory of its root filesystem."""
+    index = 18 if kind == ocispec.TMP_SIZED else 19
+    spec, slot = sandboxes(index, f"rt-tmp-{kind}")
+    bundle = ocispec.bundle_dir(spec.workdir)
+    await driver._start(spec, "run", ["run", "--detach", f"--bundle={bundle}", spec.sandbox_id], tmp=kind)
+    assert sh(settings, spec.sandbox_id, "df --output=target /tmp | tail -1").strip() == "/tmp"
+    sh(settings, spec.sandbox_id, "echo kept > /tmp/state")
+    image = settings.data_dir / "images" / f"rt-tmp-{kind}"
+    shutil.rmtree(image, ignore_errors=True)
+    try:
+        await driver.checkpoint(spec.sandbox_id, image, leave_running=False)
+        assert ocispec.image_tmp(image) == kind
+        assert nm.allocate(index) == slot
+        await driver.create(spec, driver.image_at(image))
+        assert http_get(slot.outer_ip) == 200
+        assert sh(settings, spec.sandbox_id, "cat /tmp/state; df --output=target /tmp | tail -1").split() == [
+            "kept", "/tmp"]
+    finally:
+        shutil.rmtree(image, ignore_errors=True)
+    new, _ = sandboxes(index + 10, f"rt-tmp-new-{kind}")
+    await driver.create(new)
+    assert sh(settings, new.sandbox_id, "df --output=target /tmp | tail -1").strip() == "/"
+
+
 async def test_restore_from_missing_image_fails(settings, driver, sandboxes):
     spec, _ = sandboxes(17, "rt-noimage")
     with pytest.raises(RuntimeError_, match="does not exist"):
-        await driver.restore(spec, settings.data_dir / "images" / "nope")
+        await driver.create(spec, driver.image_at(settings.data_dir / "images" / "nope"))
 
 
 # --------------------------------------------------------------------------- timing
@@ -487,7 +519,7 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
         await envd_driver.checkpoint(src.sandbox_id, image, leave_running=True)
         ckpt_ms = 1000 * (time.perf_counter() - t)
         t = time.perf_counter()
-        await envd_driver.restore(kid, image)
+        await envd_driver.create(kid, envd_driver.image_at(image))
         restore_ms = 1000 * (time.perf_counter() - t)
 
         t = time.perf_counter()
@@ -527,14 +559,14 @@ async def test_fork_with_open_envd_connections_child_answers(settings, sandboxes
 
 
 async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes):
-    """A node keeps disks made ahead (``start_spares``): a start of that size moves one
+    """A node keeps disks made ahead (``prepare``): a start of that size moves one
     in (its disk is then an ordinary one: a mount at its workdir, destroyed with it), the
     spares are made again, a start of another size makes its own, and a later
-    ``start_spares`` (a restarted node) or ``stop_spares`` removes every spare mount."""
+    ``prepare`` (a restarted node) or ``shutdown`` removes every spare mount."""
     drv = GVisorDriver(settings, init_argv=hu.HTTP_INIT)
     root = settings.data_dir / "spare-disks"
     leftover = GVisorDriver(settings, init_argv=hu.HTTP_INIT)  # a "crashed" earlier node's spares
-    await leftover.start_spares(64)
+    await leftover.prepare(64)
 
     async def ready(d: GVisorDriver) -> list[str]:
         deadline = time.time() + 30
@@ -544,7 +576,7 @@ async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes)
 
     assert len(await ready(leftover)) == leftover.spare_disks.count > 0
     try:
-        await drv.start_spares(64)  # removes the leftovers first
+        await drv.prepare(64)  # removes the leftovers first
         spares = await ready(drv)
         assert len(spares) == drv.spare_disks.count
         assert sorted(line.split()[4] for line in hu.mounts_mentioning(str(root))) == sorted(spares)
@@ -557,15 +589,15 @@ async def test_spare_disks_move_in_and_leave_nothing_behind(settings, sandboxes)
         assert drv.spare_disks.hits == 1 and (spec.workdir / "disk.img").is_file()
         assert [line.split()[4] for line in hu.mounts_mentioning(str(overlay))] == [str(overlay)]
         used, total = drv.disk_usage(spec.workdir)
-        assert 0 < used < total <= 64 << 20
+        assert 0 < used < total <= gdisk.image_mb(64) << 20
         assert len(await ready(drv)) == drv.spare_disks.count  # made again
         other, other_slot = sandboxes(36, "rt-spare2", disk_mb=80)
         await drv.create(other)
         assert drv.spare_disks.hits == 1  # another size: made in place
-        assert 64 << 20 < drv.disk_usage(other.workdir)[1] <= 80 << 20
+        assert gdisk.image_mb(64) << 20 < drv.disk_usage(other.workdir)[1] <= gdisk.image_mb(80) << 20
         await drv.destroy(spec.sandbox_id, spec.workdir)
         assert hu.mounts_mentioning(str(spec.workdir)) == []
     finally:
-        await drv.stop_spares()
+        await drv.shutdown()
         leftover.spare_disks = None  # its spares were removed by drv's start
     assert hu.mounts_mentioning(str(root)) == [] and not root.exists()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the gVisor runtime forkyard runs (runsc) from source, pinned, with forkyard's
 # patches (deploy/runsc/patches/*.patch, each explains itself), and installs it as
-#   $PREFIX/runsc-<tag>      (the build; never overwritten, so running nodes keep theirs)
+#   $PREFIX/runsc-<tag>      (the build; never overwritten, so running nodes keep theirs;
+#                             <tag> = its version, plus -boot.<hash> of boot-only patches)
 #   $PREFIX/runsc            (a link to the newest build; forkyard's default FORKYARD_RUNSC)
 # PREFIX defaults to /usr/local/lib/forkyard. Idempotent: a no-op once that build exists.
 # Needs Go >= 1.26 (gVisor's go.mod) and the Go module proxy; ~2 min on 2 idle cores.
@@ -13,11 +14,23 @@ GVISOR_MODULE=gvisor.dev/gvisor
 GVISOR_VERSION=v0.0.0-20260905035102-160fafc42237
 PREFIX=${PREFIX:-/usr/local/lib/forkyard}
 patches=("$here"/patches/*.patch)
-tag="0.0~20260905-160fafc42237-fy.$(cat "${patches[@]}" | sha256sum | cut -c1-8)"
+# The version stamped into the binary names the checkpoint format: gVisor's commit and
+# fy.<hash> of the patches that change what a checkpoint holds or how a restore reads it.
+# runsc restores an image only with the same version string (and forkyard records it in
+# every image), so patches marked "Restore-compatible: yes" (they act only when a sandbox
+# boots) are left out of it and named in the file name alone (-boot.<hash>): adding one
+# keeps every checkpoint restorable (docs/runtime.md).
+state=() boot=()
+for p in "${patches[@]}"; do
+  if grep -q '^Restore-compatible: yes$' "$p"; then boot+=("$p"); else state+=("$p"); fi
+done
+version="0.0~20260905-160fafc42237-fy.$(cat "${state[@]}" </dev/null | sha256sum | cut -c1-8)"
+tag=$version
+[ ${#boot[@]} -eq 0 ] || tag="$version-boot.$(cat "${boot[@]}" | sha256sum | cut -c1-8)"
 out="$PREFIX/runsc-$tag"
 link() { ln -sfn "runsc-$tag" "$PREFIX/.runsc.new" && mv -Tf "$PREFIX/.runsc.new" "$PREFIX/runsc"; }
 
-if [ -x "$out" ] && [[ "$("$out" --version 2>/dev/null)" == *"$tag"* ]]; then
+if [ -x "$out" ] && [ "$("$out" --version 2>/dev/null | head -1)" = "runsc version $version" ]; then
   link
   echo "ok: runsc $tag at $out"
   exit 0
@@ -36,8 +49,8 @@ for p in "${patches[@]}"; do
   patch -d "$work/gvisor" -p1 --quiet --forward < "$p"
 done
 (cd "$work/gvisor" && CGO_ENABLED=0 go build -trimpath \
-   -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$tag" -o "$work/runsc" ./runsc)
-"$work/runsc" --version | grep -q -- "$tag"
+   -ldflags "-X gvisor.dev/gvisor/runsc/version.version=$version" -o "$work/runsc" ./runsc)
+[ "$("$work/runsc" --version | head -1)" = "runsc version $version" ]
 mkdir -p "$PREFIX"
 install -m 0755 "$work/runsc" "$out.tmp"
 sync "$out.tmp"

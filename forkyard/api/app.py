@@ -22,17 +22,8 @@ from forkyard.config import Settings
 from forkyard.repository.errors import RepositoryError
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.manager import Orchestrator
-from forkyard.orchestrator.store import Store
 
 log = logging.getLogger("forkyard.api")
-
-
-def build_orchestrator(settings: Settings) -> Orchestrator:
-    """Wire the gVisor driver, network slots and SQLite store for ``settings``."""
-    from forkyard.network.slots import NetworkManager
-    from forkyard.runtime.gvisor.driver import GVisorDriver
-
-    return Orchestrator(settings, GVisorDriver(settings), NetworkManager(settings, outer_net=settings.outer_net, prefix=settings.net_prefix), Store(settings.db_path))
 
 
 class _CatchAll:
@@ -66,11 +57,10 @@ class _CatchAll:
             await response(scope, receive, send)
 
 
-def create_app(settings: Settings | None = None, orchestrator: Orchestrator | None = None):
-    """Build the ASGI app. Returns the proxy-wrapped app; the FastAPI instance is at
-    ``.app`` (for tests). The orchestrator starts/stops with the app lifespan."""
-    settings = settings or Settings()
-    orch = orchestrator or build_orchestrator(settings)
+def create_app(settings: Settings, orch: Orchestrator):
+    """Build the ASGI app serving ``orch`` (:func:`forkyard.node.build_node` puts the
+    two together). Returns the proxy-wrapped app; the FastAPI instance is at
+    ``.fastapi``. The orchestrator starts/stops with the app lifespan."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -13,11 +13,14 @@ from pathlib import Path
 
 from fastapi import HTTPException, Request
 
+from forkyard.config import api_key_from_env
+
 
 def load_or_create_key(path: Path) -> str:
-    """Return the API key: ``$FORKYARD_API_KEY`` if set, else the content of ``path``,
-    creating it (mode 0600, ``e2b_`` + 40 hex chars, the shape of E2B keys) when absent."""
-    env = os.environ.get("FORKYARD_API_KEY")
+    """Return the API key: ``$FORKYARD_API_KEY`` if set
+    (:func:`forkyard.config.api_key_from_env`), else the content of ``path``, creating
+    it (mode 0600, ``e2b_`` + 40 hex chars, the shape of E2B keys) when absent."""
+    env = api_key_from_env()
     if env:
         return env.strip()
     if path.exists():

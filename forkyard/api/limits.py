@@ -9,7 +9,7 @@ Two layers:
   uvicorn itself arms no timer before a connection's first response, so an idle or
   slow-header connection would otherwise be held forever.
 * :class:`RestGuard` — ASGI middleware in front of the REST app: refuses an ambiguous
-  path (:func:`forkyard.api.paths.path_problem`, 400), checks the API key
+  path (:func:`forkyard.relay.paths.path_problem`, 400), checks the API key
   (or cluster secret) from the headers *before any body byte is read*, caps each
   route's body (413 with a message, from ``Content-Length`` at once, else while
   reading) and times out a body that stops arriving (408).
@@ -24,7 +24,6 @@ import asyncio
 import hmac
 import json
 import logging
-import os
 import re
 
 from starlette.exceptions import HTTPException
@@ -32,17 +31,20 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.paths import path_problem
+from forkyard.config import ProxySettings
+from forkyard.relay.paths import path_problem
 
 log = logging.getLogger("forkyard.limits")
 
 #: A request head must be complete this many seconds after the connection opened (or
-#: after the previous response, for keep-alive connections). nginx's
+#: after the previous response, for keep-alive connections), unless configured
+#: (``FORKYARD_HEADER_TIMEOUT_S``, :class:`~forkyard.config.ProxySettings`). nginx's
 #: ``client_header_timeout`` default is 60 s; clients send their head at once.
 HEADER_TIMEOUT_S = 20.0
 #: Largest request line + headers (nginx: 4 × 8 KiB buffers; here 64 KiB).
 MAX_HEAD_BYTES = 64 * 1024
-#: Open connections one client address may hold at once.
+#: Open connections one client address may hold at once, unless configured
+#: (``FORKYARD_MAX_CONNECTIONS_PER_CLIENT``).
 MAX_CONNS_PER_CLIENT = 1024
 #: A body must make progress: at most this many seconds between two chunks.
 BODY_IDLE_TIMEOUT_S = 30.0
@@ -63,7 +65,7 @@ def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_b
                           max_conns_per_client: int = MAX_CONNS_PER_CLIENT, base: type = HttpToolsProtocol) -> type:
     """A uvicorn ``http=`` protocol class (httptools-based: ``base`` is uvicorn's
     ``HttpToolsProtocol`` or a subclass, e.g.
-    :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`) with the bounds above."""
+    :class:`forkyard.relay.zerocopy.ZeroCopyHttpToolsProtocol`) with the bounds above."""
     per_client: dict[str, int] = {}
 
     class GuardedHttpToolsProtocol(base):
@@ -177,27 +179,26 @@ def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_b
     return GuardedHttpToolsProtocol
 
 
-def uvicorn_limits(zero_copy: bool = False) -> dict:
+def uvicorn_limits(zero_copy: bool = False, settings: ProxySettings | None = None) -> dict:
     """Keyword arguments for ``uvicorn.run``: the guarded protocol (with ``zero_copy``,
-    over :class:`forkyard.api.zerocopy.ZeroCopyHttpToolsProtocol`: the sandbox proxy's
-    spliced response bodies) and a global bound on
-    open connections + running requests (beyond it uvicorn answers 503). Settings:
-    ``FORKYARD_MAX_CONNECTIONS`` (4096), ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT``
-    (:data:`MAX_CONNS_PER_CLIENT`; raise it on a node behind a busy gateway, whose
-    traffic all comes from one address), ``FORKYARD_HEADER_TIMEOUT_S``
-    (:data:`HEADER_TIMEOUT_S`)."""
+    over :class:`forkyard.relay.zerocopy.ZeroCopyHttpToolsProtocol`: the sandbox proxy's
+    spliced response bodies) and a global bound on open connections + running requests
+    (beyond it uvicorn answers 503). Bounds from ``settings`` (default: read now,
+    :class:`~forkyard.config.ProxySettings`: ``FORKYARD_MAX_CONNECTIONS`` 4096,
+    ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT`` 1024, ``FORKYARD_HEADER_TIMEOUT_S`` 20)."""
+    settings = settings or ProxySettings()
     return {
         "http": guarded_http_protocol(
-            header_timeout_s=float(os.environ.get("FORKYARD_HEADER_TIMEOUT_S", HEADER_TIMEOUT_S)),
-            max_conns_per_client=int(os.environ.get("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", MAX_CONNS_PER_CLIENT)),
+            header_timeout_s=settings.header_timeout_s,
+            max_conns_per_client=settings.max_connections_per_client,
             base=_zero_copy_protocol() if zero_copy else HttpToolsProtocol),
-        "limit_concurrency": int(os.environ.get("FORKYARD_MAX_CONNECTIONS", "4096")),
+        "limit_concurrency": settings.max_connections,
         "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
     }
 
 
 def _zero_copy_protocol() -> type:
-    from forkyard.api.zerocopy import ZeroCopyHttpToolsProtocol
+    from forkyard.relay.zerocopy import ZeroCopyHttpToolsProtocol
 
     return ZeroCopyHttpToolsProtocol
 

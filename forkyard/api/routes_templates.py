@@ -31,8 +31,9 @@ from fastapi.responses import JSONResponse
 from forkyard.api.auth import require_key
 from forkyard.config import ENVD_VERSION
 from forkyard.ids import rfc3339
+from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
-from forkyard.templates import build_oci, registry, unpack
+from forkyard.templates import build_oci, unpack
 from forkyard.templates.build import TemplateBuilds
 
 
@@ -78,9 +79,9 @@ def template_entries(request: Request) -> list[dict]:
     (``base``, imported images) and built templates (snapshots)."""
     settings = request.app.state.settings
     out = []
-    for t in registry.list_templates(settings):
+    for t in images.list_templates(settings):
         try:
-            ts = (settings.templates_dir / t.template_id / registry.MARKER).stat().st_mtime
+            ts = (settings.templates_dir / t.template_id / images.MARKER).stat().st_mtime
         except OSError:
             ts = 0.0
         out.append(_entry(t.template_id, t.template_id, settings.default_vcpu, settings.default_memory_mb, ts, ts, 1,
@@ -135,8 +136,8 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str):
     builds = _builds(request)
     if not builds.known_template(template_id):
         raise NotFound(f"template {template_id!r} not found")
-    path = builds.file_path(files_hash)
-    url = str(request.base_url).rstrip("/") + f"/template-files/{files_hash}?token={builds.upload_token(files_hash)}"
+    path = builds.uploads.file_path(files_hash)
+    url = str(request.base_url).rstrip("/") + f"/template-files/{files_hash}?token={builds.uploads.upload_token(files_hash)}"
     return JSONResponse({"present": path.exists(), "url": url}, status_code=201)
 
 
@@ -144,12 +145,12 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str):
 async def upload_files(request: Request, files_hash: str, token: str = ""):
     """Receive a COPY tarball (signed URL from the route above; no API key)."""
     builds = _builds(request)
-    builds.file_path(files_hash)
-    if not builds.check_upload_token(files_hash, token):
+    builds.uploads.file_path(files_hash)
+    if not builds.uploads.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
     try:
-        size = await builds.store_upload(files_hash, request.stream(), limit)
+        size = await builds.uploads.store_upload(files_hash, request.stream(), limit)
     except unpack.LimitExceeded as e:
         return _too_large(f"upload refused: {e}")
     return JSONResponse({"size": size}, status_code=201)
@@ -175,7 +176,7 @@ async def build_status(request: Request, template_id: str, build_id: str,
 async def get_alias(request: Request, alias: str):
     """``{templateID, public}`` of a usable template named ``alias``; 404 otherwise."""
     name = alias.partition(":")[0]
-    if registry.resolve(request.app.state.settings, name) or _builds(request).template_snapshot(name):
+    if images.resolve(request.app.state.settings, name) or _builds(request).template_snapshot(name):
         return {"templateID": name, "public": False}
     raise NotFound(f"template alias {alias!r} not found")
 
@@ -211,7 +212,7 @@ async def delete_template(request: Request, template_id: str):
     if build_oci.is_imported(settings, name):
         await asyncio.to_thread(build_oci.remove_imported, settings, name)
         return Response(status_code=204)
-    if registry.resolve(settings, name) is not None:
+    if images.resolve(settings, name) is not None:
         raise BadRequest(f"template {name!r} is built on the host and cannot be deleted over the API")
     builds = _builds(request)
     if builds.known_template(name):
@@ -231,10 +232,10 @@ async def import_template(request: Request, name: str = Query(...),
     settings = request.app.state.settings
     if disk_size_mb is not None:
         try:
-            registry.check_disk_mb(settings, disk_size_mb)
+            images.check_disk_mb(settings, disk_size_mb)
         except ValueError as e:
             raise BadRequest(str(e)) from None
-    if registry.resolve(settings, name) is not None or _builds(request).template_snapshot(name) is not None:
+    if images.resolve(settings, name) is not None or _builds(request).template_snapshot(name) is not None:
         raise Conflict(f"template {name!r} already exists")
     tmp = settings.data_dir / f"import-{secrets.token_hex(6)}.tar"
     limit = settings.max_upload_mb << 20

@@ -44,9 +44,9 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     a missing runsc/envd, a failed ``base`` build or a taken network prefix."""
     import uvicorn
 
-    from forkyard.api.app import create_app
+    from forkyard.node import build_node
     from forkyard.repository.errors import RepositoryConfigError
-    from forkyard.templates import registry
+    from forkyard.orchestrator import images
 
     try:
         settings = Settings()
@@ -64,7 +64,7 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     if build_base:
         from forkyard.templates.base import build_base as build
 
-        if registry.resolve(settings, "base") is None:
+        if images.resolve(settings, "base") is None:
             err.print("[bold]Building template `base`[/bold] (once; cached afterwards)…")
         try:  # cached: returns at once when an up-to-date build exists
             build(settings, progress=_BuildProgress())
@@ -76,7 +76,7 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     fsperms.private_umask()  # from here on every file forkyard writes is 0600 (secrets at rest)
     fsperms.lock_down(settings.data_dir)  # and an older data dir is made private too
     try:
-        application = create_app(settings)
+        application = build_node(settings).app
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
         fail(f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
     except RepositoryConfigError as e:  # the message names the setting to fix

@@ -8,7 +8,7 @@
 * domain entries need an HTTP/TLS-SNI egress proxy, which forkyard does not have: they are
   refused (:class:`PolicyError`) rather than accepted and ignored.
 
-The policy is enforced in the slot's middle netns (:meth:`NetworkManager.set_egress`) on
+The policy is enforced in the slot's middle netns (:meth:`NetnsNetwork.set_egress`) on
 packets the sandbox sends out (``vg`` → ``vo``); replies of connections made *to* the
 sandbox (the API proxy, user ports) always pass. Host-wide blocks (private ranges,
 metadata addresses: ``FORKYARD_BLOCKED_EGRESS``) still apply to allowed entries.

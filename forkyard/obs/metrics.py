@@ -61,7 +61,7 @@ PROXY_BYTES = Counter(
 PROXY_SPLICED = Counter(
     "forkyard_proxy_spliced_bytes_total",
     "Response body bytes of sandbox traffic moved socket to socket (splice, no copy through the "
-    "process: forkyard.api.fastpath); also counted in forkyard_proxy_bytes_total.",
+    "process: forkyard.relay.fastpath); also counted in forkyard_proxy_bytes_total.",
     registry=REGISTRY)
 PROXY_ERRORS = Counter(
     "forkyard_proxy_errors_total",

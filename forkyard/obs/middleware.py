@@ -138,7 +138,7 @@ class ObsMiddleware:
                     [(b"x-request-id", rid.encode())]  # one, also when relaying a node's answer
             elif traffic and msg["type"] == "http.response.body":
                 metrics.BYTES_OUT.inc(len(msg.get("body", b"")))
-            elif traffic and msg["type"] == "http.response.zerocopysend":  # forkyard.api.zerocopy
+            elif traffic and msg["type"] == "http.response.zerocopysend":  # forkyard.relay.zerocopy
                 await send(msg)
                 metrics.BYTES_OUT.inc(msg["count"])
                 metrics.PROXY_SPLICED.inc(msg["count"])

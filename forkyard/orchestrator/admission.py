@@ -36,7 +36,7 @@ Capacity (environment):
 
 The warm pool's sandboxes hold capacity too but never take it from users: user starts are
 admitted against user sandboxes, then pooled sandboxes that no longer fit are dropped
-(``Orchestrator._admit``); the pool refills only into room left over
+(``Creator.admit``); the pool refills only into room left over
 (:mod:`forkyard.orchestrator.pool`).
 
 A start beyond capacity is refused with :class:`AtCapacity` (503, with what is used and

@@ -1,7 +1,7 @@
 """Test-only hold points: stop a lifecycle operation at a named phase so a test can fire
 a competing request (or kill the server) at exactly that moment, then let it go on.
 
-Off unless ``FORKYARD_TEST_HOLD_DIR`` names a directory (never set it in production);
+Off unless ``FORKYARD_TEST_HOLD_DIR`` (:func:`forkyard.config.hold_dir`) names a directory (never set it in production);
 then :func:`hold` costs one ``stat`` per phase passed. Protocol, all files in that
 directory (tests/_holds.py drives it):
 
@@ -11,7 +11,8 @@ directory (tests/_holds.py drives it):
   (at most :data:`MAX_HOLD_S`, then it goes on and logs a warning);
 * it then removes ``.reached`` and ``.release`` and continues.
 
-Phases (see where :func:`hold` is called in :mod:`forkyard.orchestrator.lifecycle`):
+Phases (see where :func:`hold` is called in :mod:`forkyard.orchestrator.pause`,
+:mod:`~forkyard.orchestrator.snapshot` and :mod:`~forkyard.orchestrator.fork`):
 ``pause.before-checkpoint`` (state ``pausing`` persisted, lock held),
 ``pause.checkpointed`` (image staged, sandbox stopped, not yet marked or ``paused``),
 ``pause.before-commit`` (reply sent; background commit not started),
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from pathlib import Path
+
+from forkyard.config import hold_dir
 
 log = logging.getLogger("forkyard.orchestrator")
 
@@ -37,15 +38,10 @@ MAX_HOLD_S = 120.0
 _POLL_S = 0.02
 
 
-def _dir() -> Path | None:
-    d = os.environ.get("FORKYARD_TEST_HOLD_DIR")
-    return Path(d) if d else None
-
-
 async def hold(phase: str, sandbox_id: str) -> None:
     """Wait at ``phase`` if a test armed it for ``sandbox_id`` (or for any sandbox);
     return at once otherwise (and always when hold points are off)."""
-    d = _dir()
+    d = hold_dir()
     if d is None:
         return
     arm = d / f"{phase}.arm"

@@ -13,7 +13,7 @@ sandbox is handed out once, to one create; it is never shared or reused.
 What a pooled sandbox cannot honour, it is never used for: a create asking for other
 vCPUs or memory than the node defaults, or for a built (snapshot) template, is a cold
 create. Everything else the create asks for is applied at hand-out (see
-``Orchestrator._handout``).
+``Creator._handout`` in :mod:`forkyard.orchestrator.create`).
 
 Memory: a pooled sandbox holds its memory limit in admission like a user sandbox
 (``Capacity``), so the pool never makes the node overcommit; it yields to user
@@ -48,7 +48,7 @@ class Pooled:
         sandbox_id: its runtime id, which becomes the sandbox id at hand-out.
         template_id: the rootfs template it was booted from.
         vcpus / memory_mb: its limits (the node defaults; counted in admission).
-        stamp: the template's build identity at boot (:func:`Orchestrator._template_stamp`):
+        stamp: the template's build identity at boot (:func:`forkyard.orchestrator.images.template_stamp`):
             a rebuilt template makes older pooled sandboxes stale.
         slot: its network slot once built (None while booting before that).
         slot_index: the slot's index once reserved (kept from other sandboxes until the

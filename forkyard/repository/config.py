@@ -1,4 +1,5 @@
-"""Repository settings from the environment.
+"""Repository settings (read from the environment by
+:class:`forkyard.config.RepositorySettings`), checked, and the backend they name.
 
 =========================  ================================================================
 ``FORKYARD_REPO``          committed repository: a directory (``posix_fs``, default
@@ -15,10 +16,11 @@
 
 from __future__ import annotations
 
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkyard.config import RepositorySettings
 from forkyard.repository.backends import Backend, PosixBackend, S3Backend
 from forkyard.repository.errors import RepositoryConfigError
 
@@ -46,27 +48,36 @@ class RepoConfig:
     gc_grace_s: float = DEFAULT_GC_GRACE_S
 
     @classmethod
-    def from_env(cls, default_dir: Path, env: dict[str, str] | None = None) -> RepoConfig:
-        """Settings from ``env`` (default ``os.environ``); ``default_dir`` is the posix
+    def from_env(cls, default_dir: Path, env: Mapping[str, str] | None = None) -> RepoConfig:
+        """Settings from ``env`` (default: the process environment, read by
+        :class:`forkyard.config.RepositorySettings`); ``default_dir`` is the posix
         repository used when ``FORKYARD_REPO`` is unset.
 
         Raises:
             RepositoryConfigError: a malformed number.
         """
-        env = os.environ if env is None else env
+        return cls.from_settings(RepositorySettings.read(env), default_dir)
+
+    @classmethod
+    def from_settings(cls, given: RepositorySettings, default_dir: Path) -> RepoConfig:
+        """The checked configuration of ``given``; ``default_dir`` as for :meth:`from_env`.
+
+        Raises:
+            RepositoryConfigError: a malformed number.
+        """
         try:
-            cache = int(env.get("FORKYARD_CACHE_BYTES", DEFAULT_CACHE_BYTES))
-            grace = float(env.get("FORKYARD_GC_GRACE_S", DEFAULT_GC_GRACE_S))
+            cache = int(DEFAULT_CACHE_BYTES if given.cache_bytes is None else given.cache_bytes)
+            grace = float(DEFAULT_GC_GRACE_S if given.gc_grace_s is None else given.gc_grace_s)
         except ValueError as e:
             raise RepositoryConfigError(f"FORKYARD_CACHE_BYTES / FORKYARD_GC_GRACE_S must be numbers: {e}") from e
         if cache <= 0:
             raise RepositoryConfigError("FORKYARD_CACHE_BYTES must be a positive number of bytes")
         return cls(
-            url=env.get("FORKYARD_REPO") or str(default_dir),
-            s3_endpoint=env.get("FORKYARD_S3_ENDPOINT") or None,
-            s3_region=env.get("FORKYARD_S3_REGION") or None,
-            access_key=env.get("AWS_ACCESS_KEY_ID") or None,
-            secret_key=env.get("AWS_SECRET_ACCESS_KEY") or None,
+            url=given.repo or str(default_dir),
+            s3_endpoint=given.s3_endpoint or None,
+            s3_region=given.s3_region or None,
+            access_key=given.access_key or None,
+            secret_key=given.secret_key or None,
             cache_bytes=cache,
             gc_grace_s=grace,
         )

@@ -76,11 +76,13 @@ class SnapshotMeta:
             a restored child with a new one); it is stored in the manifest, so the
             repository (directory or bucket) must be as private as the data dir.
         parent_image_id: snapshot the source itself was restored from (lineage).
-        memory: True for a checkpoint (memory, processes and files; ``runsc
-            restore``); False for a filesystem-only image: one file,
-            :data:`ROOTFS_TAR`, that a cold boot lays over the template's rootfs
-            (E2B ``memory: false`` / SDK ``mode="filesystem"``). Manifests from before
-            the field are checkpoints.
+        memory: True for a checkpoint (memory, processes and files: a restore
+            continues them); False for a filesystem-only image, whose files a cold boot
+            lays over the template's rootfs (E2B ``memory: false`` / SDK
+            ``mode="filesystem"``). Manifests from before the field are checkpoints.
+            The image's files are the runtime driver's (its format,
+            :meth:`forkyard.runtime.base.RuntimeDriver.image_at`); the repository stores
+            them as they are.
         default_user, default_workdir: the source's envd defaults (set by a template
             build), for a cold boot's ``/init``; None: envd's own.
         disk_mb: the source's disk size (MiB), which sandboxes restored from it get;
@@ -104,11 +106,6 @@ class SnapshotMeta:
     default_user: str | None = None
     default_workdir: str | None = None
     disk_mb: int = 0
-
-
-#: The one file of a filesystem-only image (``SnapshotMeta.memory`` False): the
-#: sandbox's writable layer as ``runsc tar rootfs-upper`` writes it.
-ROOTFS_TAR = "rootfs-upper.tar"
 
 
 _META_FIELDS = {f.name for f in dataclasses.fields(SnapshotMeta)}

@@ -2,16 +2,27 @@
 
 A driver owns the isolation boundary (gVisor now; QEMU/Firecracker later). It never
 touches the database or the network slots: the orchestrator allocates a network slot,
-passes its netns path in :class:`SandboxSpec`, and records state. Commands and files go
-through envd (started by the driver as the sandbox's init process), never through the
-driver.
+passes its attachment (:attr:`SandboxSpec.network`, of the kind the driver takes:
+:attr:`RuntimeDriver.attachment`) in :class:`SandboxSpec`, and records state. Commands and
+files go through envd (started by the driver as the sandbox's init process), never
+through the driver.
+
+A driver also owns its image format: it writes images into directories it is given
+(:meth:`RuntimeDriver.checkpoint`, :meth:`RuntimeDriver.export_filesystem`) with its own
+file names, says what a directory holds (:meth:`RuntimeDriver.image_at`: an
+:class:`Image` of an :class:`ImageKind`) and starts sandboxes from one
+(:meth:`RuntimeDriver.create`). Above the driver an image is an opaque directory: the
+repository stores and chunks its files, the orchestrator moves it around.
 """
 
 from __future__ import annotations
 
 import abc
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from forkyard.network.base import NetnsAttachment
 
 
 class RuntimeError_(Exception):
@@ -19,7 +30,7 @@ class RuntimeError_(Exception):
 
 
 class ExportTooLarge(RuntimeError_):
-    """A filesystem-only image would exceed its bound (:meth:`RuntimeDriver.export_rootfs`
+    """A filesystem-only image would exceed its bound (:meth:`RuntimeDriver.export_filesystem`
     ``max_bytes``); nothing was kept and the sandbox is unchanged.
 
     Attributes:
@@ -48,30 +59,56 @@ class RuntimeMismatch(RuntimeError_):
                          f"restore it on a node with {image_build!r} (or reinstall that runtime build)")
 
 
+class ImageKind(enum.Enum):
+    """What an image holds."""
+
+    #: Memory, processes and files: a sandbox started from it continues them.
+    CHECKPOINT = "checkpoint"
+    #: Files only (the sandbox's changes to its template): a sandbox started from it
+    #: cold-boots its template with them laid over (new processes, new boot id).
+    FILESYSTEM = "filesystem"
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image in a directory whose layout its driver owns.
+
+    Attributes:
+        path: the directory.
+        kind: what it holds.
+        build: the runtime build that wrote it (None: not recorded; images of a
+            checkpoint are restored only by the build that wrote them,
+            :class:`RuntimeMismatch`).
+    """
+
+    path: Path
+    kind: ImageKind
+    build: str | None = None
+
+
 @dataclass
 class SandboxSpec:
-    """What a driver needs to start one sandbox.
+    """What a driver needs to start one sandbox, whatever the runtime.
 
     Attributes:
         sandbox_id: forkyard sandbox id (also the runtime container id).
         rootfs: template rootfs directory, shared read-only by all its sandboxes;
-            writes land in a per-sandbox writable layer that the driver owns.
-        netns_path: path of the network namespace the sandbox must run in
-            (e.g. ``/var/run/netns/fy-3-s``).
+            writes land in a per-sandbox writable layer that the driver owns (a driver
+            that boots a block device derives one from the directory and keeps it).
+        network: the network slot's attachment the sandbox joins (for a driver whose
+            :attr:`RuntimeDriver.attachment` is :class:`NetnsAttachment`: the network
+            namespace it must run in, e.g. ``/run/netns/fy3s``).
         vcpus: CPU limit in cores.
         memory_mb: memory limit in MiB.
         hostname: hostname seen inside the sandbox.
         workdir: per-sandbox directory for the bundle, logs and writable state.
         env: environment for envd itself (PATH etc.); user env goes through envd ``/init``.
         disk_mb: disk size (MiB) of the writable layer, 0 for none.
-        rootfs_upper_tar: a filesystem-only image (:meth:`RuntimeDriver.export_rootfs`)
-            laid over ``rootfs`` as the writable layer's initial contents (files,
-            directories and deletions), or None for an empty layer. Cold boot only.
     """
 
     sandbox_id: str
     rootfs: Path
-    netns_path: str
+    network: NetnsAttachment
     vcpus: int
     memory_mb: int
     hostname: str
@@ -80,7 +117,6 @@ class SandboxSpec:
     #: size of the sandbox's writable layer in MiB (writes beyond: ENOSPC inside);
     #: 0 = unbounded (the host filesystem's free space).
     disk_mb: int = 0
-    rootfs_upper_tar: Path | None = None
 
 
 @dataclass
@@ -109,12 +145,25 @@ class RuntimeDriver(abc.ABC):
     #: Sandboxes restored from one image share its unchanged memory pages on the host
     #: (a page is copied when a sandbox writes it) instead of each holding a copy.
     shares_restored_pages: bool = False
+    #: The kind of network attachment it runs sandboxes on (:attr:`SandboxSpec.network`);
+    #: the composition root pairs it with a network whose slots carry that kind.
+    attachment: type = NetnsAttachment
 
     @abc.abstractmethod
-    async def create(self, spec: SandboxSpec) -> None:
-        """Start a sandbox running envd as init. Returns once the runtime reports it
-        running (envd readiness is the orchestrator's job). On failure everything it
-        created is removed before raising."""
+    async def create(self, spec: SandboxSpec, image: Image | None = None,
+                     phases: dict[str, float] | None = None) -> None:
+        """Start a sandbox running envd as init: fresh from ``spec.rootfs`` (``image``
+        None), from ``spec.rootfs`` with a :attr:`ImageKind.FILESYSTEM` image's files
+        laid over it, or restored from a :attr:`ImageKind.CHECKPOINT` image (``spec``
+        may name another id, slot and workdir than the checkpointed sandbox: a fork).
+        Returns once the runtime reports it running (envd readiness is the
+        orchestrator's job). ``phases`` (when given) receives the runtime's own phase
+        durations (ms). On failure everything it created is removed before raising.
+
+        Raises:
+            RuntimeMismatch: a checkpoint written by another runtime build.
+            RuntimeError_: the runtime failed (its message).
+        """
 
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str, workdir: Path | None = None) -> None:
@@ -145,12 +194,19 @@ class RuntimeDriver(abc.ABC):
         """True when the sandbox exists and is frozen."""
         return False
 
-    async def checkpoint(self, sandbox_id: str, image_dir: Path, leave_running: bool,
-                         keep_stopped: bool = False) -> None:
-        """Write memory + filesystem state of the sandbox into ``image_dir``; without
-        ``leave_running`` the sandbox stops once the image is complete (and is deleted
-        unless ``keep_stopped``: then :meth:`destroy` removes it later)."""
+    async def checkpoint(self, sandbox_id: str, into: Path, leave_running: bool,
+                         keep_stopped: bool = False) -> Image:
+        """Write memory + filesystem state of the sandbox into directory ``into`` (a
+        :attr:`ImageKind.CHECKPOINT` image, returned); without ``leave_running`` the
+        sandbox stops once the image is complete (and is deleted unless
+        ``keep_stopped``: then :meth:`destroy` removes it later)."""
         raise NotImplementedError(f"{self.name} runtime has no checkpoint")
+
+    def image_at(self, path: Path) -> Image:
+        """What the image directory ``path`` (staged or committed; written by this
+        driver's :meth:`checkpoint` or :meth:`export_filesystem`, possibly still being
+        written) holds. Blocking, cheap (a few ``stat`` calls)."""
+        raise NotImplementedError(f"{self.name} runtime has no images")
 
     async def wait_checkpoints(self, timeout_s: float) -> list[str]:
         """Wait (≤ ``timeout_s``) until no checkpoint started by an earlier server
@@ -162,33 +218,34 @@ class RuntimeDriver(abc.ABC):
         ``min_bytes``, or None when the runtime cannot tell (then nothing is checked)."""
         return None
 
-    async def export_rootfs(self, sandbox_id: str, path: Path, max_bytes: int | None = None) -> int:
+    async def export_filesystem(self, sandbox_id: str, into: Path, max_bytes: int | None = None) -> int:
         """Write the sandbox's writable filesystem layer (its changes to the template
-        rootfs: new and changed files, directories, deletions) to ``path`` as a
-        filesystem-only image that :attr:`SandboxSpec.rootfs_upper_tar` takes back.
-        The sandbox keeps its state (the caller freezes it for a consistent cut).
-        Written under a temporary name, fsynced and renamed, so ``path`` is either
-        complete or absent. Returns its size in bytes. With ``max_bytes`` an image
-        larger than that raises :class:`ExportTooLarge` (nothing is left at ``path``)."""
+        rootfs: new and changed files, directories, deletions) into directory ``into``
+        as a :attr:`ImageKind.FILESYSTEM` image that :meth:`create` takes back. The
+        sandbox keeps its state (the caller freezes it for a consistent cut). The image
+        is either complete or absent (temporary names, fsync, rename). Returns its size
+        in bytes. With ``max_bytes`` an image larger than that raises
+        :class:`ExportTooLarge` (nothing is left)."""
         raise NotImplementedError(f"{self.name} runtime cannot export its filesystem")
 
-    async def start_spares(self, disk_mb: int) -> None:
-        """Keep per-sandbox resources made ahead of demand from now on (gVisor: disks of
-        ``disk_mb`` MiB), after removing any that a crashed earlier process left. Called
-        by the node's orchestrator at start; drivers used otherwise make everything on
-        demand. Default: nothing."""
+    async def prepare(self, default_disk_mb: int) -> None:
+        """Keep made ahead of demand what starts of the node's default sandbox need
+        (gVisor: disks of ``default_disk_mb`` MiB; a VM driver: block images, booted
+        VMs), after removing any that a crashed earlier process left. Called by the
+        node's orchestrator at start; drivers used otherwise make everything on demand.
+        Default: nothing."""
 
-    async def stop_spares(self) -> None:
-        """Remove what :meth:`start_spares` keeps (node shutdown). Never raises."""
+    async def shutdown(self) -> None:
+        """Remove what :meth:`prepare` keeps (node shutdown). Never raises."""
 
     def spare_mounts(self) -> list[str]:
-        """Host mount points held by spares (metrics, leak checks)."""
+        """Host mount points held by what :meth:`prepare` keeps (metrics, leak checks)."""
         return []
 
-    async def restore(self, spec: SandboxSpec, image_dir: Path, phases: dict[str, float] | None = None) -> None:
-        """Start a new sandbox from a checkpoint image written by :meth:`checkpoint`.
-        ``phases`` (when given) receives the runtime's own phase durations (ms)."""
-        raise NotImplementedError(f"{self.name} runtime has no restore")
+    def disk_usage(self, workdir: Path) -> tuple[int, int] | None:
+        """``(used, total)`` bytes of the disk of the sandbox whose workdir is
+        ``workdir``, None when it has no disk of its own. Blocking."""
+        return None
 
     async def usage(self, sandbox_id: str) -> RuntimeUsage | None:
         """Host-side resource use of a running sandbox, or None when the runtime has

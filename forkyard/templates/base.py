@@ -29,11 +29,12 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from forkyard.config import Settings
-from forkyard.templates import sudo as sudo_broker
+from forkyard.guest import sudo as sudo_broker
+from forkyard.guest.files import host_nameservers, hosts_file
 
 TEMPLATE_NAME = "base"
 #: Bumped whenever the build changes; a build with another version is redone.
-BUILD_VERSION = 8
+BUILD_VERSION = 9
 SUITE = "bookworm"
 #: Packages on top of debootstrap's ``minbase``: what an E2B ``base`` user expects.
 PACKAGES = [
@@ -57,6 +58,7 @@ PACKAGES = [
     "nano",
     "vim-tiny",
     "build-essential",
+    "python3-dev",  # Python.h: building C extensions (pip wheels with C code, cffi, Cython)
 ]
 #: Installed with apt inside the rootfs after debootstrap (debootstrap's own resolver
 #: cannot configure npm's dependency tree): Node.js with npm, as in E2B's base.
@@ -123,32 +125,6 @@ def debian_mirrors(
     if main is None:
         raise TemplateBuildError(f"no Debian {SUITE} mirror found in {sources} or {sources_list}")
     return main, security
-
-
-def host_nameservers(resolv_conf: Path = Path("/etc/resolv.conf")) -> list[str]:
-    """Nameservers from the host's resolv.conf that a sandbox can reach through NAT.
-
-    Loopback resolvers (``127.*``, ``::1``, e.g. systemd-resolved's stub) are not reachable
-    from a sandbox; in that case the upstream list of systemd-resolved is used instead.
-    Returns an empty list if nothing usable is found.
-    """
-    candidates = [resolv_conf, Path("/run/systemd/resolve/resolv.conf")]
-    for path in candidates:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        servers = []
-        for line in text.splitlines():
-            parts = line.split()
-            if len(parts) >= 2 and parts[0] == "nameserver":
-                ns = parts[1]
-                if ns.startswith("127.") or ns == "::1" or ":" in ns:
-                    continue  # loopback unreachable; IPv6 not routed to sandboxes
-                servers.append(ns)
-        if servers:
-            return servers
-    return []
 
 
 def _mountinfo_entry(path: Path) -> list[str] | None:
@@ -318,16 +294,6 @@ def _configure(root: Path, mirror: str, security: str | None, progress: Progress
         envd.touch(mode=0o755)
 
 
-def hosts_file(hostname: str) -> str:
-    """``/etc/hosts`` content mapping ``hostname`` to loopback (so ``sudo`` resolves it)."""
-    return (
-        "127.0.0.1\tlocalhost\n"
-        f"127.0.1.1\t{hostname}\n"
-        "::1\tlocalhost ip6-localhost ip6-loopback\n"
-        "ff02::1\tip6-allnodes\nff02::2\tip6-allrouters\n"
-    )
-
-
 def template_rootfs(settings: Settings, name: str = TEMPLATE_NAME) -> Path:
     """Path of template ``name``'s rootfs (it may not be built yet)."""
     return settings.templates_dir / name / "rootfs"
@@ -354,7 +320,7 @@ def build_base(settings: Settings, progress: Progress = print, force: bool = Fal
     host-side read-only protection). Otherwise any half-built leftovers are removed and
     the rootfs is rebuilt with debootstrap (``minbase`` + :data:`PACKAGES`) from the
     host's configured Debian mirror, then configured (user ``user`` uid 1000 with
-    passwordless sudo — through the broker of :mod:`forkyard.templates.sudo`, since
+    passwordless sudo — through the broker of :mod:`forkyard.guest.sudo`, since
     gVisor ignores set-user-ID bits —, resolv.conf from the host's nameservers, the
     host's locally added CA certificates, hostname files). A build of an older :data:`BUILD_VERSION` is redone; the old tree is moved
     aside (sandboxes may still use it) and deleted by a later call. A file lock

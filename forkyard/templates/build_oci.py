@@ -10,7 +10,7 @@ a member that leads outside the image (``..``) is refused; device nodes are skip
 Layers are read as streams within the limits of :mod:`~forkyard.templates.unpack`
 (unpacked bytes, entries, file size; sparse files at their apparent size, written
 sparse). The result is renamed to ``rootfs``, made read-only (``ro,nosuid,nodev``) like
-``base`` and marked complete with the ``.complete`` marker :mod:`forkyard.templates.registry`
+``base`` and marked complete with the ``.complete`` marker :mod:`forkyard.orchestrator.images`
 expects (content starts with ``imported``). What the runtime needs is added when
 missing: mount points for envd (``/usr/local/bin/envd``), ``/etc/hosts``,
 ``/etc/hostname``; ``/etc/passwd`` and ``/etc/group`` with root; ``/tmp``;
@@ -36,9 +36,11 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.guest.files import host_nameservers, hosts_file
 from forkyard.ids import is_name
+from forkyard.orchestrator import images
 from forkyard.templates import base as base_tmpl
-from forkyard.templates import beneath, registry, unpack
+from forkyard.templates import beneath, unpack
 
 Progress = Callable[[str], None]
 WHITEOUT = ".wh."
@@ -304,14 +306,14 @@ def _runtime_files(root: beneath.Root) -> None:
         for name, text, keep_link in (
                 ("passwd", "root:x:0:0:root:/root:/bin/sh\n", False),
                 ("group", "root:x:0:\n", False),
-                ("hosts", base_tmpl.hosts_file(base_tmpl.DEFAULT_HOSTNAME), True),
+                ("hosts", hosts_file(base_tmpl.DEFAULT_HOSTNAME), True),
                 ("hostname", base_tmpl.DEFAULT_HOSTNAME + "\n", True)):
             if _resolves(root, f"etc/{name}") or (keep_link and beneath.Root.lstat(etc, name) is not None):
                 continue
             beneath.Root.write_file(etc, name, text.encode())
         resolv = beneath.Root.lstat(etc, "resolv.conf")
         if resolv is None or stat.S_ISLNK(resolv.st_mode):
-            servers = "".join(f"nameserver {s}\n" for s in base_tmpl.host_nameservers())
+            servers = "".join(f"nameserver {s}\n" for s in host_nameservers())
             beneath.Root.write_file(etc, "resolv.conf", servers.encode())
     finally:
         os.close(etc)
@@ -342,7 +344,7 @@ def _resolves(root: beneath.Root, rel: str) -> bool:
 
 
 def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None,
-                 disk_mb: int = 0) -> registry.Template:
+                 disk_mb: int = 0) -> images.Template:
     """Import the image at ``source`` as rootfs template ``name``.
 
     Args:
@@ -353,8 +355,8 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         name: template name (``[a-z0-9][a-z0-9_-]{0,63}``).
         progress: called with one line per layer.
         disk_mb: disk size (MiB) of the template's sandboxes, recorded in its
-            :data:`~forkyard.templates.registry.SETTINGS_FILE`; 0 = the node's default.
-            The caller checks it (:func:`~forkyard.templates.registry.check_disk_mb`).
+            :data:`~forkyard.templates.images.SETTINGS_FILE`; 0 = the node's default.
+            The caller checks it (:func:`~forkyard.templates.images.check_disk_mb`).
 
     Returns:
         The new template (usable at once as ``templateID``).
@@ -369,7 +371,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
     if not is_name(name):
         raise ImageImportError(f"invalid template name {name!r}")
     tdir = settings.templates_dir / name
-    if (tdir / "rootfs").exists() or (tdir / registry.MARKER).exists():
+    if (tdir / "rootfs").exists() or (tdir / images.MARKER).exists():
         raise TemplateExists(f"template {name!r} already exists")
     limits = unpack.Limits.from_settings(settings)
     src = _Source(Path(source), limits)
@@ -401,23 +403,23 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         if (tdir / "rootfs").exists():
             raise TemplateExists(f"template {name!r} already exists")
         if disk_mb:  # before the rootfs appears: a usable template has its settings
-            registry.write_settings(tdir, disk_mb)
+            images.write_settings(tdir, disk_mb)
         partial.rename(tdir / "rootfs")
         base_tmpl.protect_rootfs(tdir / "rootfs")
         env = (config.get("config") or config.get("Config") or {}).get("Env") or []
-        (tdir / registry.MARKER).write_text(
+        (tdir / images.MARKER).write_text(
             f"imported from {source}\nlayers {len(layers)}\nenv {json.dumps(env)}\n"
             f"built {time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.monotonic() - started:.1f}s\n"
         )
     except BaseException:
-        if not (tdir / registry.MARKER).exists():
+        if not (tdir / images.MARKER).exists():
             _remove_tree(tdir / ".rootfs.partial")
             if not (tdir / "rootfs").exists():
                 _remove_tree(tdir)
         raise
     finally:
         src.close()
-    return registry.Template(name, tdir / "rootfs", disk_mb)
+    return images.Template(name, tdir / "rootfs", disk_mb)
 
 
 def _remove_tree(path: Path) -> None:
@@ -431,7 +433,7 @@ def _remove_tree(path: Path) -> None:
 def is_imported(settings: Settings, name: str) -> bool:
     """True when rootfs template ``name`` was made by :func:`import_image`."""
     try:
-        return (settings.templates_dir / name / registry.MARKER).read_text().startswith("imported")
+        return (settings.templates_dir / name / images.MARKER).read_text().startswith("imported")
     except OSError:
         return False
 
@@ -445,6 +447,6 @@ def remove_imported(settings: Settings, name: str) -> None:
     if not is_name(name) or not is_imported(settings, name):
         raise ImageImportError(f"{name!r} is not an imported template")
     tdir = settings.templates_dir / name
-    (tdir / registry.MARKER).unlink(missing_ok=True)
+    (tdir / images.MARKER).unlink(missing_ok=True)
     base_tmpl.unprotect_rootfs(tdir / "rootfs")
     shutil.rmtree(tdir, ignore_errors=True)

@@ -49,6 +49,11 @@ def test_writes_beyond_the_disk_are_enospc_and_the_host_is_unharmed(small_disks)
     with srv.api() as c:
         m = c.get(f"/sandboxes/{sid}/metrics").json()[0]
     assert m["diskTotal"] <= DISK_MB << 20 and m["diskUsed"] >= 50 << 20, m
+    # The sandbox sees its own disk (issue 18 item 4; before: an unbounded 8.0E overlay),
+    # and metrics say the same as statfs inside.
+    size, used = map(int, sbx.commands.run("df -B1 --output=size,used / | tail -1").stdout.split())
+    assert size == DISK_MB << 20 == m["diskTotal"], (size, m)
+    assert abs(used - m["diskUsed"]) <= 1 << 20 and used >= (DISK_MB - 4) << 20, (used, m)
     # Room again once the file is gone; files survive pause/resume and fork.
     sbx.commands.run("rm /home/user/big && head -c 5M /dev/urandom > /home/user/keep && md5sum /home/user/keep "
                      "> /home/user/keep.md5", user="user")

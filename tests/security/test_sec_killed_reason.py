@@ -27,7 +27,7 @@ def test_an_oom_killed_sandbox_tells_the_client_why(server):
     assert sbx.get_info().memory_mb == 512
     t0 = time.monotonic()
     with pytest.raises(SandboxException) as err:
-        # 900 MiB touched in a 512 MiB sandbox (/tmp is sized, so use process memory).
+        # 900 MiB touched in a 512 MiB sandbox (process memory: /tmp is on the disk).
         sbx.commands.run("python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\"",
                          timeout=90)
     took = time.monotonic() - t0

@@ -75,13 +75,13 @@ def test_other_local_users_cannot_reach_sandboxes_directly(server):
     import subprocess
 
     from conftest import NET_PREFIX, OUTER_NET
-    from forkyard.network.slots import NetworkManager
+    from forkyard.network.slots import NetnsNetwork
 
     sbx = Sandbox.create("base", timeout=120)
     try:
         with sqlite3.connect(server.data_dir / "state.db") as db:
             slot = db.execute("SELECT slot FROM sandboxes WHERE id = ?", (sbx.sandbox_id,)).fetchone()[0]
-        _, outer_ip = NetworkManager(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)
+        _, outer_ip = NetnsNetwork(None, outer_net=OUTER_NET, prefix=NET_PREFIX).addresses(slot)
         url = f"http://{outer_ip}:49983/health"
         as_root = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-m", "5", url],
                                  capture_output=True, text=True)

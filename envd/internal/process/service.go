@@ -31,6 +31,10 @@ type Service struct {
 
 	mu    sync.RWMutex
 	procs map[uint32]*Proc
+
+	// OnStart, when set (before serving), is called after each process starts
+	// (envd's port forwarder scans at once: a server may be coming up).
+	OnStart func()
 }
 
 var _ processconnect.ProcessHandler = (*Service)(nil)
@@ -110,6 +114,9 @@ func (s *Service) register(p *Proc) {
 	s.mu.Lock()
 	s.procs[p.pid] = p
 	s.mu.Unlock()
+	if s.OnStart != nil {
+		s.OnStart()
+	}
 }
 
 func (s *Service) unregister(p *Proc) {

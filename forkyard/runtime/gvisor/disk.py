@@ -5,9 +5,15 @@ a "filestore" file under ``--overlay2=root:dir=<workdir>/overlay`` (a deleted fi
 ``du`` cannot see it). Left on the host's filesystem, one sandbox could fill the host
 and break the database and the repository for everyone (measured: 2 GiB in 1.3 s).
 So ``<workdir>/overlay`` is a mount of its own: a sparse file ``<workdir>/disk.img`` of
-the sandbox's disk size, formatted ext4 and loop-mounted. Writes beyond it fail inside
-the sandbox with ENOSPC; the host loses at most the disk size. Costs ~30 ms per start
-(truncate + mkfs + mount, measured); the file only takes the blocks really written.
+the sandbox's disk size (:func:`image_mb`: a little more, for ext4's metadata), formatted
+ext4 and loop-mounted. Writes beyond it fail inside the sandbox with ENOSPC; the host
+loses at most the disk size. Costs ~30 ms per start (truncate + mkfs + mount, measured);
+the file only takes the blocks really written.
+
+The mount is ``nosuid,nodev`` and executable: gVisor maps the filestore's pages into
+the sandbox's address space, so programs and libraries written inside the sandbox run
+from it (with ``noexec`` every ``PROT_EXEC`` mapping failed: SIGSEGV). What protects it
+instead is in docs/security.md.
 
 A checkpoint carries the filestore's contents (it is part of the sandbox's state), so
 pause/resume and fork work unchanged: each restore gets a fresh disk.
@@ -15,17 +21,20 @@ pause/resume and fork work unchanged: each restore gets a fresh disk.
 :class:`SpareDisks` makes disks ahead of demand (a node keeps a few of its default
 size, made and mounted while nothing starts): a start then takes one with a rename and
 one ``mount(MS_MOVE)`` (well under 1 ms) instead of ~12-17 ms of ``mkfs`` and a loop
-mount on its critical path (measured on resume: docs/runtime.md).
+mount on its critical path (measured on resume: docs/runtime.md); :class:`SpareKeeper`
+makes them in the background while no start needs the host.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("forkyard.runtime.disk")
@@ -66,17 +75,33 @@ def _move_mount(source: Path, target: Path) -> None:
         raise OSError(err, f"moving the mount {source} to {target}: {os.strerror(err)}")
 
 
+def image_mb(size_mb: int) -> int:
+    """Size (MiB) of the ext4 image holding a disk of ``size_mb`` MiB: a little more,
+    for ext4's own metadata, so that the sentry's bound on the overlay (exactly
+    ``size_mb``, what ``df /`` shows inside; see the driver's ``_overlay_flag``) is
+    reached first and a full disk is a clean ENOSPC at the size the sandbox sees.
+    Measured with :func:`_make`'s options: ext4 offers 96,264 KiB of a 96 MiB image
+    and 4,177,452 KiB of 4 GiB (2.0 % and 0.4 % short); the margin is 1/64 + 4 MiB."""
+    return size_mb + size_mb // 64 + 4
+
+
 def _make(workdir: Path, overlay_dir: Path, size_mb: int) -> None:
     image = workdir / IMAGE_NAME
     fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, size_mb << 20)
+        os.ftruncate(fd, image_mb(size_mb) << 20)
     finally:
         os.close(fd)
     # No journal and no reserved blocks: a scratch layer, discarded with the sandbox.
-    _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E", "lazy_itable_init=1,nodiscard",
-          str(image)])
-    _run(["mount", "-o", "loop,nosuid,nodev,noexec", str(image), str(overlay_dir)])
+    # It holds one file (runsc's filestore), so a handful of inodes and no room to grow
+    # (no resize inode) keep ext4's metadata small (the default inode tables took 2.4 %).
+    _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-N", "64", "-O", "^has_journal,^resize_inode",
+          "-E", "lazy_itable_init=1,nodiscard", str(image)])
+    # nosuid,nodev but not noexec: gVisor maps the filestore's pages into the sandbox,
+    # and a noexec mount refuses PROT_EXEC mappings, so every program or library
+    # written inside the sandbox crashed with SIGSEGV (docs/security.md says what
+    # protects this mount instead).
+    _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(overlay_dir)])
     os.chmod(overlay_dir, 0o700)
 
 
@@ -250,3 +275,45 @@ class SpareDisks:
                 subprocess.run(["umount", "-l", str(path)], capture_output=True)
         except OSError as e:
             log.warning("unmounting %s failed: %s", path, e)
+
+
+class SpareKeeper:
+    """Fills :class:`SpareDisks` in the background, one disk at a time, each only while
+    ``busy()`` is False (no start in flight nor just ended: they need the CPU now; spares
+    are for the next one).
+
+    Args:
+        spares: the disks to keep made.
+        busy: whether starts need the host now.
+    """
+
+    def __init__(self, spares: SpareDisks, busy: Callable[[], bool]):
+        self.spares = spares
+        self.busy = busy
+        self._task: asyncio.Task | None = None
+        self._stopped = False
+
+    def refill(self) -> None:
+        """Start making disks until enough are ready (no-op while that runs)."""
+        if not self._stopped and (self._task is None or self._task.done()):
+            self._task = asyncio.get_running_loop().create_task(self._fill(), name="spare-disks")
+
+    async def _fill(self) -> None:
+        while not self._stopped and self.spares.wanted():
+            # Also not right after a start: its caller still waits for that sandbox's envd.
+            while self.busy():
+                await asyncio.sleep(0.05)
+            try:
+                await asyncio.to_thread(self.spares.fill, True)
+            except (DiskError, OSError) as e:
+                log.warning("making a spare disk failed: %s; starts make their own", e)
+                return
+
+    async def stop(self) -> None:
+        """Stop making disks (the one being made is finished) and remove the ready ones.
+        Never raises."""
+        self._stopped = True
+        if self._task is not None:
+            await asyncio.wait([self._task])
+            self._task = None
+        await asyncio.to_thread(self.spares.clear)

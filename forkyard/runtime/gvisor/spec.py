@@ -6,8 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from forkyard.guest.files import hosts_file
 from forkyard.runtime.base import SandboxSpec
-from forkyard.templates.base import hosts_file
 
 #: Where the envd binary appears inside every sandbox.
 ENVD_GUEST_PATH = "/usr/local/bin/envd"
@@ -62,11 +62,29 @@ def nproc_limit(memory_mb: int) -> int:
 
 
 def tmpfs_size_mb(memory_mb: int) -> int:
-    """Size of a sandbox's ``/tmp`` and ``/dev/shm`` tmpfs (MiB): a quarter of its
-    memory each, so filling both leaves half the memory to its processes. (gVisor
-    would otherwise mount a tmpfs as large as the host's RAM, which fills past the
-    sandbox's memory limit and gets the whole sandbox OOM-killed.)"""
+    """Size of a sandbox's ``/dev/shm`` tmpfs (MiB; and of ``/tmp`` in images of
+    :data:`TMP_SIZED`): a quarter of its memory, which it lives in. (gVisor would
+    otherwise mount a tmpfs as large as the host's RAM, which fills past the sandbox's
+    memory limit and gets the whole sandbox OOM-killed.)"""
     return max(16, memory_mb // 4)
+
+
+#: How a sandbox's ``/tmp`` is mounted. A restore must use the mounts its image was
+#: made with (runsc compares the spec's mounts; a new ``/tmp`` mount over a restored
+#: one would hide its files), so each checkpoint records its kind (:func:`image_tmp`).
+#:
+#: * ``rootfs`` (every sandbox started now): ``/tmp`` is a directory of the root
+#:   overlay, as on E2B's VM disk: ``mv``/``ln`` between ``/tmp`` and ``~`` work, it is
+#:   bounded by the sandbox's disk and kept by every pause. runsc would mount a tmpfs
+#:   over an empty ``/tmp`` by itself; :data:`TMP_ANNOTATION` stops that (forkyard's
+#:   runsc patch 0002). ``/dev/shm`` is a tmpfs of :func:`tmpfs_size_mb`.
+#: * ``sized`` (images from 2026-11-30 to this change, :data:`SIZED_TMP_MARKER`):
+#:   ``/tmp`` and ``/dev/shm`` tmpfs of :func:`tmpfs_size_mb` each.
+#: * ``internal`` (older images): no ``/tmp`` mount in the spec, so runsc's own
+#:   unsized tmpfs; ``/dev/shm`` unsized.
+TMP_ROOTFS, TMP_SIZED, TMP_INTERNAL = "rootfs", "sized", "internal"
+#: OCI annotation (runsc patch 0002) that keeps ``/tmp`` on the rootfs, and its value.
+TMP_ANNOTATION = "dev.forkyard.tmp"
 
 
 def bundle_dir(workdir: Path) -> Path:
@@ -80,8 +98,27 @@ def cgroup_path(sandbox_id: str) -> str:
 
 
 #: File in a checkpoint image saying its sandbox had the sized ``/tmp`` and
-#: ``/dev/shm`` mounts (restore must use the mounts an image was made with).
+#: ``/dev/shm`` mounts (:data:`TMP_SIZED`).
 SIZED_TMP_MARKER = "forkyard-sized-tmp"
+#: File in a checkpoint image saying its sandbox had ``/tmp`` on the rootfs
+#: (:data:`TMP_ROOTFS`).
+ROOTFS_TMP_MARKER = "forkyard-tmp-on-rootfs"
+
+
+def image_tmp(image_dir: Path) -> str:
+    """The ``/tmp`` kind (:data:`TMP_ROOTFS`, :data:`TMP_SIZED` or :data:`TMP_INTERNAL`)
+    of the sandbox checkpointed in ``image_dir``, from its marker files."""
+    if (image_dir / ROOTFS_TMP_MARKER).exists():
+        return TMP_ROOTFS
+    if (image_dir / SIZED_TMP_MARKER).exists():
+        return TMP_SIZED
+    return TMP_INTERNAL
+
+
+def tmp_marker(tmp: str) -> str | None:
+    """The marker file a checkpoint of a sandbox of ``/tmp`` kind ``tmp`` carries
+    (None for :data:`TMP_INTERNAL`)."""
+    return {TMP_ROOTFS: ROOTFS_TMP_MARKER, TMP_SIZED: SIZED_TMP_MARKER}.get(tmp)
 
 
 #: File in a checkpoint image naming the :data:`ROOTFS_TAR_ANNOTATION` value its
@@ -123,13 +160,18 @@ def rootfs_tar_annotation(bundle: Path) -> str | None:
     return str(value) if value else None
 
 
-def has_sized_tmp(bundle: Path) -> bool:
-    """Whether the bundle's ``config.json`` mounts a sized tmpfs at ``/tmp``."""
+def bundle_tmp(bundle: Path) -> str:
+    """The ``/tmp`` kind of the sandbox whose bundle is ``bundle`` (read from its
+    ``config.json``; :data:`TMP_INTERNAL` when unreadable)."""
     try:
-        mounts = json.loads((bundle / "config.json").read_text()).get("mounts", [])
+        data = json.loads((bundle / "config.json").read_text())
     except (OSError, ValueError):
-        return False
-    return any(m.get("destination") == "/tmp" for m in mounts)
+        return TMP_INTERNAL
+    if (data.get("annotations") or {}).get(TMP_ANNOTATION) == TMP_ROOTFS:
+        return TMP_ROOTFS
+    if any(m.get("destination") == "/tmp" for m in data.get("mounts", [])):
+        return TMP_SIZED
+    return TMP_INTERNAL
 
 
 def build_spec(
@@ -137,7 +179,7 @@ def build_spec(
     init_argv: list[str],
     envd_binary: Path | None,
     etc_dir: Path,
-    sized_tmp: bool = True,
+    tmp: str = TMP_ROOTFS,
     rootfs_tar: str | None = None,
 ) -> dict:
     """Return the OCI spec dict for ``spec``.
@@ -149,7 +191,8 @@ def build_spec(
             to mount nothing there.
         etc_dir: per-sandbox host directory holding the generated ``hosts`` and
             ``hostname`` files (bind-mounted over the template's).
-        sized_tmp: mount sized ``/tmp`` and ``/dev/shm`` tmpfs (see :func:`tmpfs_size_mb`).
+        tmp: how ``/tmp`` and ``/dev/shm`` are mounted (:data:`TMP_ROOTFS` and the
+            other kinds; ``ValueError`` for an unknown one).
         rootfs_tar: value of :data:`ROOTFS_TAR_ANNOTATION` (normally
             :data:`ROOTFS_TAR_PLACEHOLDER`), or None for no annotation.
     """
@@ -166,11 +209,17 @@ def build_spec(
         {"destination": "/etc/hosts", "type": "bind", "source": str(etc_dir / "hosts"), "options": ["rbind", "rw"]},
         {"destination": "/etc/hostname", "type": "bind", "source": str(etc_dir / "hostname"), "options": ["rbind", "ro"]},
     ]
-    if sized_tmp:
+    if tmp not in (TMP_ROOTFS, TMP_SIZED, TMP_INTERNAL):
+        raise ValueError(f"unknown /tmp kind {tmp!r}")
+    annotations: dict[str, str] = {}
+    if tmp != TMP_INTERNAL:
         size = f"size={tmpfs_size_mb(spec.memory_mb)}m"
         mounts[3]["options"].append(size)  # /dev/shm
+    if tmp == TMP_SIZED:
         mounts.append({"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
                        "options": ["nosuid", "nodev", "mode=1777", size]})
+    elif tmp == TMP_ROOTFS:
+        annotations[TMP_ANNOTATION] = TMP_ROOTFS
     if envd_binary is not None:
         mounts.append(
             {"destination": ENVD_GUEST_PATH, "type": "bind", "source": str(envd_binary), "options": ["rbind", "ro"]}
@@ -195,7 +244,7 @@ def build_spec(
         "linux": {
             "namespaces": [
                 {"type": "pid"},
-                {"type": "network", "path": spec.netns_path},
+                {"type": "network", "path": spec.network.netns_path},
                 {"type": "ipc"},
                 {"type": "uts"},
                 {"type": "mount"},
@@ -210,12 +259,14 @@ def build_spec(
     if rootfs_tar is not None:
         # runsc fills the rootfs overlay's upper layer from this tar before init starts
         # (honoured only with ``--allow-rootfs-tar-annotation``; gVisor "Rootfs Snapshot").
-        out["annotations"] = {ROOTFS_TAR_ANNOTATION: rootfs_tar}
+        annotations[ROOTFS_TAR_ANNOTATION] = rootfs_tar
+    if annotations:
+        out["annotations"] = annotations
     return out
 
 
 def write_bundle(
-    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None, sized_tmp: bool = True,
+    spec: SandboxSpec, init_argv: list[str], envd_binary: Path | None, tmp: str = TMP_ROOTFS,
     rootfs_tar: str | None = None,
 ) -> Path:
     """Write ``<workdir>/bundle/config.json`` and the per-sandbox ``/etc`` files.
@@ -230,7 +281,7 @@ def write_bundle(
     (etc_dir / "hostname").write_text(spec.hostname + "\n")
     for name in ("hosts", "hostname"):  # bind-mounted: every user inside reads them
         (etc_dir / name).chmod(0o644)
-    data = build_spec(spec, init_argv, envd_binary, etc_dir, sized_tmp=sized_tmp, rootfs_tar=rootfs_tar)
+    data = build_spec(spec, init_argv, envd_binary, etc_dir, tmp=tmp, rootfs_tar=rootfs_tar)
     tmp = bdir / "config.json.tmp"
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, bdir / "config.json")

@@ -3,7 +3,7 @@
 uvicorn does not implement the ASGI ``http.response.zerocopysend`` extension
 (asgi.readthedocs.io, "Extensions" → "Zero Copy Send"). :class:`ZeroCopyHttpToolsProtocol`
 is uvicorn's own httptools protocol (pass it as ``uvicorn.run(..., http=…)``) whose
-request cycles implement it, so :mod:`forkyard.api.fastpath` can hand a sandbox's
+request cycles implement it, so :mod:`forkyard.relay.fastpath` can hand a sandbox's
 ``Content-Length`` response body from the upstream socket to the client socket with
 ``splice(2)`` — no copy through Python (issue 9 item 8: the proxy's throughput goal).
 

@@ -1,4 +1,5 @@
-"""The proxy's upstream sockets: an httpcore network backend on plain asyncio transports.
+"""The relays' upstream sockets: an httpcore network backend on plain asyncio transports,
+and the per-upstream connection set and httpx client built on it.
 
 httpcore's default backend (anyio) costs the relay most of its CPU on a 1 MiB GET
 (measured with cProfile, bench/bench_proxy.py): a thread-pool ``getaddrinfo`` for every
@@ -18,15 +19,20 @@ HTTP framing stays h11's (httpcore): this module moves bytes only.
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import typing
+import weakref
 
 import httpcore
+import httpx
 
 #: Most bytes buffered from one upstream connection before reading from it pauses, and
 #: the most one ``read`` returns (bytes): about what one uvloop ``recv`` delivers at most
 #: (``UV_STREAM_RECV_BUF_SIZE`` = 256 000 bytes), so a read seldom has to join pieces.
 READ_BUFFER_BYTES = 256 * 1024
+
+log = logging.getLogger("forkyard.proxy")
 
 
 class _Reader(asyncio.Protocol):
@@ -192,3 +198,72 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
 
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
+
+
+class SandboxConnections(httpcore.AsyncNetworkBackend):
+    """The network backend of one sandbox's connection pool: it knows every connection it
+    opened, so :meth:`aclose` closes them all — including one that was still connecting
+    when the pool was closed. httpcore's ``AsyncConnectionPool.aclose`` only closes the
+    connections it lists, and a connection whose TCP connect completes after that is
+    used for its request and then kept open (idle, out of every list): ESTABLISHED to a
+    sandbox that is gone, for the server's lifetime (found by bench/soak.py: 3 sockets
+    after 200 cycles with sandboxes killed mid-request). After :meth:`aclose` every new
+    connection is closed at once and raises ``httpcore.ConnectError`` (httpx: 502).
+    ``backend`` makes the connections; by default
+    :class:`AsyncioBackend` (plain asyncio sockets: the relay's CPU cost, see the
+    module doc).
+    """
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend | None = None):
+        self._backend = backend or AsyncioBackend()
+        self._streams: weakref.WeakSet = weakref.WeakSet()
+        self.closed = False
+
+    async def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        """Connect like the wrapped backend, and remember the stream (weakly)."""
+        stream = await self._backend.connect_tcp(host, port, timeout=timeout, local_address=local_address,
+                                                 socket_options=socket_options)
+        if self.closed:
+            await stream.aclose()
+            raise httpcore.ConnectError("the sandbox's connections were closed: it is gone")
+        self._streams.add(stream)
+        return stream
+
+    async def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        raise httpcore.ConnectError("sandbox traffic goes over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+    @property
+    def open_streams(self) -> int:
+        """Connections opened and not yet collected (closed ones may still count)."""
+        return len(self._streams)
+
+    async def aclose(self) -> None:
+        """Close every connection this backend opened, and any it opens from now on."""
+        self.closed = True
+        for stream in list(self._streams):
+            try:
+                await stream.aclose()
+            except Exception as e:  # noqa: BLE001 — closing what is already broken
+                log.debug("closing a sandbox connection failed: %r", e)
+        self._streams = weakref.WeakSet()
+
+
+def sandbox_client(connections: SandboxConnections) -> httpx.AsyncClient:
+    """An httpx client for one sandbox's traffic whose pool connects through
+    ``connections`` (httpx takes no network backend, so its transport's pool is
+    replaced by an equal one that does: no proxies from the environment, no timeouts
+    but a 5 s connect, at most 32 idle connections)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=32)
+    transport = httpx.AsyncHTTPTransport(trust_env=False, limits=limits)
+    transport._pool = httpcore.AsyncConnectionPool(  # noqa: SLF001 — see the docstring
+        max_connections=limits.max_connections, max_keepalive_connections=limits.max_keepalive_connections,
+        keepalive_expiry=limits.keepalive_expiry, network_backend=connections)
+    client = httpx.AsyncClient(trust_env=False, transport=transport,
+                               timeout=httpx.Timeout(connect=5.0, read=None, write=None, pool=None))
+    # Forward only what the client sent (see forkyard.relay.http.relay_http: httpx re-adds
+    # its defaults on this setter, relay_http removes them per request).
+    client.headers = httpx.Headers()
+    return client

@@ -1,8 +1,11 @@
-"""Lookup of built templates on this node.
+"""What a sandbox starts from: the rootfs templates built on this node (the registry)
+and what an image's metadata says about the sandboxes made from it.
 
 A template ``NAME`` is usable when ``<templates_dir>/NAME/rootfs`` exists and the build
 wrote its completion marker. Template ids follow E2B's alias rules: lower-case letters,
-digits, ``-`` and ``_``, at most 64 characters.
+digits, ``-`` and ``_``, at most 64 characters. Template builds
+(:mod:`forkyard.templates`) write templates; the orchestrator resolves them on every
+create, so the registry lives here, below both.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 from forkyard.config import Settings
 from forkyard.ids import is_name
+from forkyard.repository.snapshots import SnapshotMeta
 
 MARKER = ".complete"
 #: A rootfs template's settings (``{"diskSizeMB": N}``), next to its ``rootfs``.
@@ -92,3 +96,41 @@ def list_templates(settings: Settings) -> list[Template]:
         if t:
             out.append(t)
     return out
+
+
+def template_stamp(settings: Settings, template_id: str) -> int:
+    """Build identity of rootfs template ``template_id``: its completion marker's
+    mtime (ns), rewritten by every (re)build; 0 when unreadable."""
+    try:
+        return (settings.templates_dir / template_id / MARKER).stat().st_mtime_ns
+    except OSError:
+        return 0
+
+
+# --------------------------------------------------------------------------- image metadata
+
+#: Metadata keys recording a fork child's lineage.
+PARENT_KEY = "forkyard.parentSandboxID"
+SNAPSHOT_KEY = "forkyard.snapshotID"
+#: Metadata keys a template build leaves on its snapshot (forkyard.templates.build).
+DEFAULT_USER_KEY = "forkyard.defaultUser"
+DEFAULT_WORKDIR_KEY = "forkyard.defaultWorkdir"
+#: Metadata key a template build puts on its sandbox and so on the snapshot it commits
+#: (named after the template): such a snapshot *is* the template, not a user snapshot.
+TEMPLATE_KEY = "forkyard.template"
+
+
+def is_template_build(meta: SnapshotMeta) -> bool:
+    """True when ``meta`` is a built template's own snapshot (kept out of the snapshot
+    API: deleting it would delete the template)."""
+    name = meta.metadata.get(TEMPLATE_KEY)
+    return bool(name) and name in meta.names
+
+
+def guest_defaults(image: SnapshotMeta | None) -> tuple[str | None, str | None]:
+    """``(default user, default workdir)`` of envd in sandboxes started from ``image``:
+    its recorded source defaults, else a template build's metadata, else ``(None, None)``."""
+    if image is None:
+        return None, None
+    return (image.default_user or image.metadata.get(DEFAULT_USER_KEY),
+            image.default_workdir or image.metadata.get(DEFAULT_WORKDIR_KEY))

@@ -1,0 +1,190 @@
+"""The host side of the slots' network: forkyard's iptables chains in the root netns,
+and the check that the outer range steals no host route.
+
+Chains (``FORKYARD-*``, or ``FORKYARD-<PREFIX>-*`` for a server with its own prefix):
+``FORKYARD-INPUT`` (drop everything from ``<prefix>v+`` except replies: sandboxes cannot
+reach host services, the API port or a slot's host address), ``FORKYARD-FORWARD`` (no
+slot-to-slot traffic, no private/link-local/metadata addresses but the host's resolvers,
+no new connections from outside into slots, egress allowed), ``FORKYARD-OUTPUT`` (only
+root on the host connects to a slot: other local users are refused) and nat
+``FORKYARD-POSTROUTING`` (masquerade the outer range leaving the host).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import re
+import subprocess
+
+from pyroute2 import IPRoute
+
+from forkyard.guest.files import host_nameservers
+from forkyard.network.netns import off_loop, sysctl
+
+log = logging.getLogger(__name__)
+
+CHAIN_PREFIX = "FORKYARD-"
+#: Destinations sandboxes may never reach (RFC 1918, CGNAT, link-local incl. cloud
+#: metadata, loopback, this-network, TEST-NETs, multicast/reserved).
+BLOCKED_EGRESS = [
+    "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16",
+    "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
+    "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/3",
+]
+
+
+class NetworkError(Exception):
+    """A network slot or host operation failed; the message says which step and why."""
+
+
+def iptables(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``iptables -w ARGS`` in the calling thread's netns.
+
+    Raises:
+        NetworkError: it failed and ``check`` (the message carries its stderr).
+    """
+    proc = subprocess.run(["iptables", "-w", *args], capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise NetworkError(f"iptables {' '.join(args)}: {proc.stderr.strip()}")
+    return proc
+
+
+class HostFirewall:
+    """forkyard's chains in the root netns for one server's slots.
+
+    Args:
+        prefix: the server's name prefix (host veths ``<prefix>v<N>``).
+        chain_prefix: its chains' name prefix (``FORKYARD-`` or ``FORKYARD-<PREFIX>-``).
+        outer_net: its outer range (one /30 per slot).
+        blocked_egress: destinations no sandbox may reach.
+    """
+
+    def __init__(self, prefix: str, chain_prefix: str, outer_net: ipaddress.IPv4Network, blocked_egress: list[str]):
+        self.prefix = prefix
+        self.chain_prefix = chain_prefix
+        self.outer_net = outer_net
+        self.blocked_egress = blocked_egress
+        self._if_re = re.compile(rf"^{prefix}v(\d+)$")
+
+    @off_loop
+    def setup_host(self) -> None:
+        """Prepare the root netns: ip_forward, ``FORKYARD-*`` iptables chains and jumps.
+
+        Idempotent: chains are flushed and refilled, jumps inserted once at position 1.
+
+        Raises:
+            NetworkError: the outer range overlaps a host route, or iptables failed.
+        """
+        self._check_no_overlap()
+        sysctl("net/ipv4/ip_forward", "1")
+        outer = str(self.outer_net)
+        hif = f"{self.prefix}v+"
+        rules: dict[tuple[str, str], list[list[str]]] = {
+            ("filter", "INPUT"): [
+                ["-i", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                ["-i", hif, "-j", "DROP"],
+            ],
+            ("filter", "FORWARD"): [
+                ["-i", hif, "-o", hif, "-j", "DROP"],
+                # DNS to the host's resolvers (which may sit in a private range) ...
+                *[["-i", hif, "-d", ns, "-p", proto, "--dport", "53", "-j", "ACCEPT"]
+                  for ns in host_nameservers() for proto in ("udp", "tcp")],
+                # ... but no other private, link-local (metadata), CGNAT or documentation
+                # address: the host's network neighbours are not the sandbox's business.
+                *[["-i", hif, "-d", net, "-j", "DROP"] for net in self.blocked_egress],
+                ["-i", hif, "-s", outer, "-j", "ACCEPT"],
+                ["-i", hif, "-j", "DROP"],
+                ["-o", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                ["-o", hif, "-j", "DROP"],
+            ],
+            # Only root on the host (the server) opens connections to sandboxes: other
+            # local users must not reach envd or user ports directly at a slot's outer
+            # address, around the proxy's tokens (a pooled sandbox has none yet).
+            ("filter", "OUTPUT"): [
+                ["-o", hif, "-m", "owner", "!", "--uid-owner", "0", "-j", "REJECT",
+                 "--reject-with", "icmp-admin-prohibited"],
+            ],
+            ("nat", "POSTROUTING"): [
+                ["-s", outer, "!", "-o", hif, "-j", "MASQUERADE"],
+            ],
+        }
+        for (table, parent), chain_rules in rules.items():
+            chain = self.chain_prefix + parent
+            if iptables("-t", table, "-n", "-L", chain, check=False).returncode != 0:
+                iptables("-t", table, "-N", chain)
+            iptables("-t", table, "-F", chain)
+            for rule in chain_rules:
+                iptables("-t", table, "-A", chain, *rule)
+            if iptables("-t", table, "-C", parent, "-j", chain, check=False).returncode != 0:
+                iptables("-t", table, "-I", parent, "1", "-j", chain)
+
+    #: Built-in chains forkyard jumps from, with the table.
+    HOST_JUMPS = (("filter", "INPUT"), ("filter", "FORWARD"), ("filter", "OUTPUT"), ("nat", "POSTROUTING"))
+
+    @off_loop
+    def ensure_jumps_first(self) -> list[str]:
+        """Keep each jump into this server's ``FORKYARD-*`` chains ahead of every rule
+        that is not forkyard's (Docker, firewalld and others insert theirs at the top of
+        ``FORWARD`` when they start, after forkyard). Other forkyard servers' jumps may
+        stay ahead: each only needs to precede foreign rules, so two servers on one
+        host do not fight. A missing chain (``setup_host`` not run) is left alone.
+        Returns ``"table/parent"`` for each jump moved (an empty list: nothing to do).
+
+        Raises:
+            NetworkError: iptables failed.
+        """
+        moved = []
+        for table, parent in self.HOST_JUMPS:
+            chain = self.chain_prefix + parent
+            listing = iptables("-t", table, "-S", parent, check=False)
+            if listing.returncode != 0:
+                continue
+            rules = [line.split() for line in listing.stdout.splitlines() if line.startswith("-A ")]
+            ours = [i for i, r in enumerate(rules) if r[2:] == ["-j", chain]]
+            if not ours:
+                if iptables("-t", table, "-n", "-L", chain, check=False).returncode != 0:
+                    continue  # chain gone: not set up
+            foreign = [i for i, r in enumerate(rules)
+                       if not (len(r) == 4 and r[2] == "-j" and r[3].startswith(CHAIN_PREFIX))]
+            if ours and len(ours) == 1 and (not foreign or ours[0] < foreign[0]):
+                continue
+            while iptables("-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
+                pass
+            iptables("-t", table, "-I", parent, "1", "-j", chain)
+            moved.append(f"{table}/{parent}")
+        if moved:
+            log.warning("forkyard's firewall jumps were behind other rules (%s); moved them first",
+                        ", ".join(moved))
+        return moved
+
+    @off_loop
+    def teardown_host(self) -> None:
+        """Remove the ``FORKYARD-*`` chains and their jumps (tests; a server that stops with
+        no sandbox running). Leaves ip_forward on.
+        Idempotent; never raises for missing chains."""
+        for table, parent in self.HOST_JUMPS:
+            chain = self.chain_prefix + parent
+            while iptables("-t", table, "-D", parent, "-j", chain, check=False).returncode == 0:
+                pass
+            iptables("-t", table, "-F", chain, check=False)
+            iptables("-t", table, "-X", chain, check=False)
+
+    def _check_no_overlap(self) -> None:
+        with IPRoute() as ipr:
+            for route in ipr.get_routes(family=2):
+                if route.get_attr("RTA_TABLE") != 254:
+                    continue  # only main-table routes can steal the outer range
+                dst = route.get_attr("RTA_DST")
+                if dst is None:
+                    continue
+                net = ipaddress.IPv4Network(f"{dst}/{route['dst_len']}", strict=False)
+                if not net.overlaps(self.outer_net):
+                    continue
+                oif = route.get_attr("RTA_OIF")
+                links = ipr.link("get", index=oif) if oif else []
+                name = links[0].get_attr("IFLA_IFNAME") if links else ""
+                if not self._if_re.match(name or ""):
+                    raise NetworkError(
+                        f"outer range {self.outer_net} overlaps host route {net} on {name or '?'}"
+                    )

@@ -1,0 +1,182 @@
+"""What a template build may be asked: names and tags, the base it starts from, the
+steps (E2B's ``TemplateBuildStartV2``), and the record of a build (status and logs, E2B's
+``TemplateBuildInfo`` shapes).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forkyard.config import Settings
+from forkyard.guest import envd
+from forkyard.ids import is_name, rfc3339
+from forkyard.orchestrator import images
+from forkyard.orchestrator.errors import BadRequest
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31})?$")
+_MODE = re.compile(r"^[0-7]{3,4}$")
+STEP_TYPES = {"RUN", "COPY", "ENV", "WORKDIR", "USER"}
+#: Tags accepted on a build name (``name:tag``); other tags are not supported.
+DEFAULT_TAGS = {"default", "latest"}
+#: Image names that mean our ``base`` template (E2B's default ``fromImage``).
+BASE_IMAGES = {"e2bdev/base"}
+MAX_LOG_ENTRIES = 20000
+#: Characters of log messages one build keeps (the oldest go first), so a step that
+#: prints without end holds at most this much server memory.
+MAX_LOG_BYTES = 16 << 20
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``"name:tag"`` → ``("name", "tag")``; validates both.
+
+    Raises:
+        BadRequest: invalid name, or a tag other than ``default``/``latest``.
+    """
+    if not isinstance(name, str):
+        raise BadRequest("template name must be a string")
+    base, _, tag = name.partition(":")
+    if not is_name(base):
+        raise BadRequest(f"invalid template name {base!r}: 1-64 of a-z, 0-9, '-', '_', starting with a letter or digit")
+    if tag and tag not in DEFAULT_TAGS:
+        raise BadRequest(f"tag {tag!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
+    return base, tag or None
+
+
+@dataclass
+class BuildRecord:
+    """One build of a template: status, resources and log entries (E2B's shapes)."""
+
+    build_id: str
+    template_id: str
+    status: str  # waiting | building | ready | error
+    created_at: float
+    cpu_count: int
+    memory_mb: int
+    finished_at: float | None = None
+    #: disk size (MiB) of the template's sandboxes; 0 = the node's FORKYARD_DISK_MB.
+    disk_mb: int = 0
+    snapshot_id: str | None = None
+    reason: dict | None = None
+    logs: list[dict] = field(default_factory=list)
+
+    def log(self, message: str, level: str = "info", step: str | None = None) -> None:
+        """Append a log entry (oldest entries are dropped past :data:`MAX_LOG_ENTRIES`
+        entries or :data:`MAX_LOG_BYTES` of messages; a message is cut at
+        :data:`forkyard.guest.envd.MAX_LINE_BYTES` characters)."""
+        if len(message) > envd.MAX_LINE_BYTES:
+            message = message[: envd.MAX_LINE_BYTES]
+        entry = {"timestamp": rfc3339(time.time()), "level": level, "message": message}
+        if step is not None:
+            entry["step"] = step
+        self.logs.append(entry)
+        size = self.__dict__.get("_log_bytes")
+        if size is None:
+            size = sum(len(e.get("message", "")) for e in self.logs[:-1])
+        size += len(message)
+        if len(self.logs) > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES:
+            drop = 0
+            while drop < len(self.logs) - 1 and (len(self.logs) - drop > MAX_LOG_ENTRIES or size > MAX_LOG_BYTES):
+                size -= len(self.logs[drop].get("message", ""))
+                drop += 1
+            del self.logs[:drop]
+        self.__dict__["_log_bytes"] = size  # not a field: never saved
+
+
+class StepFailed(Exception):
+    """A build step failed; ``step`` is E2B's step name (``base``, ``1``…, ``finalize``)."""
+
+    def __init__(self, step: str, message: str):
+        super().__init__(message)
+        self.step = step
+
+
+def resolve_base(settings: Settings, snapshots, body: dict) -> str:
+    """The template a build starts from (E2B ``fromTemplate``/``fromImage``; default
+    ``base``): a rootfs template built here or a snapshot in ``snapshots``
+    (``find(name)``). E2B's base image names mean ``base``.
+
+    Raises:
+        BadRequest: both given, a malformed value, or nothing of that name here
+            (registry pulls are not supported: import the image first).
+    """
+    tmpl = body.get("fromTemplate")
+    image = body.get("fromImage")
+    if tmpl is not None and image is not None:
+        raise BadRequest("give fromTemplate or fromImage, not both")
+    if tmpl is not None:
+        if not isinstance(tmpl, str):
+            raise BadRequest("fromTemplate must be a string")
+        name = tmpl.partition(":")[0]
+        if images.resolve(settings, name) or snapshots.find(name):
+            return name
+        raise BadRequest(f"base template {tmpl!r} not found")
+    if image is None:
+        return "base"
+    if not isinstance(image, str) or not image:
+        raise BadRequest("fromImage must be a non-empty string")
+    repo = image.split("@", 1)[0]
+    if ":" in repo.rsplit("/", 1)[-1]:
+        repo = repo.rsplit(":", 1)[0]
+    if repo in BASE_IMAGES or repo.startswith("docker.io/library/") and repo[18:] in BASE_IMAGES:
+        return "base"
+    short = repo.rsplit("/", 1)[-1]
+    if is_name(short) and (images.resolve(settings, short) or snapshots.find(short)):
+        return short
+    raise BadRequest(f"image {image!r} is not available: registry pulls are not supported here; "
+                     "import it first (POST /templates/import) or use fromTemplate")
+
+
+
+def validate_steps(steps, file_path: Callable[[str], Path]) -> list[dict]:
+    """The build's steps (E2B ``TemplateStep``: ``{"type", "args", "filesHash"}``)
+    checked: supported types, their arguments, users and modes, COPY sources inside the
+    build context and uploaded (``file_path(files_hash)`` names the stored tarball).
+    Returns them as ``{"type", "args", "filesHash"}`` dicts.
+
+    Raises:
+        BadRequest: the first problem found, naming the step.
+    """
+    if steps is None:
+        return []
+    if not isinstance(steps, list):
+        raise BadRequest("steps must be a list")
+    out = []
+    for i, s in enumerate(steps, 1):
+        if not isinstance(s, dict):
+            raise BadRequest(f"step {i} must be an object")
+        typ, args = s.get("type"), s.get("args") or []
+        if typ not in STEP_TYPES:
+            raise BadRequest(f"step {i}: unsupported type {typ!r} (supported: {', '.join(sorted(STEP_TYPES))})")
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise BadRequest(f"step {i}: args must be a list of strings")
+        if typ == "RUN" and (not 1 <= len(args) <= 2 or not args[0].strip()):
+            raise BadRequest(f"step {i}: RUN needs a command and an optional user")
+        if typ in ("RUN",) and len(args) == 2 and args[1] and not _USER.match(args[1]):
+            raise BadRequest(f"step {i}: invalid user {args[1]!r}")
+        if typ == "ENV" and (len(args) % 2 or not args or not all(_ENV_NAME.match(k) for k in args[::2])):
+            raise BadRequest(f"step {i}: ENV needs name/value pairs with valid names")
+        if typ in ("WORKDIR", "USER") and (len(args) != 1 or not args[0]):
+            raise BadRequest(f"step {i}: {typ} needs exactly one argument")
+        if typ == "USER" and not _USER.match(args[0]):
+            raise BadRequest(f"step {i}: invalid user {args[0]!r}")
+        if typ == "COPY":
+            if not 2 <= len(args) <= 4 or not args[0] or not args[1]:
+                raise BadRequest(f"step {i}: COPY needs src, dest, [user, mode]")
+            if len(args) > 2 and args[2] and not _USER.match(args[2]):
+                raise BadRequest(f"step {i}: invalid COPY user {args[2]!r}")
+            if len(args) > 3 and args[3] and not _MODE.match(args[3]):
+                raise BadRequest(f"step {i}: invalid COPY mode {args[3]!r}")
+            src = posixpath.normpath(args[0])
+            if src.startswith(("/", "../")) or src == "..":
+                raise BadRequest(f"step {i}: COPY source must be relative to the build context")
+            path = file_path(s.get("filesHash") or "")
+            if not path.exists():
+                raise BadRequest(f"step {i}: files of COPY {args[0]!r} were not uploaded (filesHash {s.get('filesHash')})")
+        out.append({"type": typ, "args": list(args), "filesHash": s.get("filesHash")})
+    return out
