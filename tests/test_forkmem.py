@@ -89,7 +89,7 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
         src = Sandbox.create("base", timeout=600)
         sid = src.sandbox_id
         src.files.write("/home/user/holder.py", HOLDER)
-        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 21", background=True)
+        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 21", background=True, timeout=0)
         want = ask(server, sid)
         assert shmem_mib(sid) >= SIZE_MIB  # the source's own copy
 
@@ -141,7 +141,7 @@ def test_image_written_without_sharing_restores_shared(server):
         src = Sandbox.create("base", timeout=600)
         sid = src.sandbox_id
         src.files.write("/home/user/holder.py", HOLDER)
-        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 7", background=True)
+        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 7", background=True, timeout=0)
         want = ask(server, sid)
         assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"), server.api() as c:

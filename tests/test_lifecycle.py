@@ -51,7 +51,10 @@ def value(server, sbx, set_to: int | None = None) -> int:
 
 def with_counter(sbx) -> None:
     sbx.files.write("/home/user/counter.py", COUNTER)
-    sbx.commands.run("python3 /home/user/counter.py", background=True)
+    # timeout=0: envd SIGKILLs a command when its request's Connect timeout (the SDK's
+    # default 60 s) passes, and a restored sandbox's clock has moved on by the wall time
+    # since the checkpoint, so children restored > 60 s after this lost the counter.
+    sbx.commands.run("python3 /home/user/counter.py", background=True, timeout=0)
 
 
 def state_of(server, sandbox_id: str) -> str | None:
