@@ -195,6 +195,7 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     fan = [int(x) for x in args.fan.split(",")]
     os.environ["FORKYARD_HOT_PAUSE_S"] = "0"
+    os.environ.setdefault("FORKYARD_SHARE_RESTORED_PAGES", "1")  # off by default on nodes (docs/runtime.md)
     os.environ.setdefault("FORKYARD_MEMORY_OVERCOMMIT", str(max(fan) * args.template_mb / 16000 + 2))
     templates = templates_dir()
     loop = asyncio.new_event_loop()
@@ -356,7 +357,8 @@ def report(args, sizes: list[int], fan: list[int], res: dict[str, list[float]], 
             print(row(name, res[k], res.get(rawk) if rawk else None))
 
     print(f"\nforkmem benchmark, n={args.n}, forks n={args.forks}, template {args.template_mb} MiB, "
-          f"runsc {build}, load {os.getloadavg()[0]:.1f}")
+          f"runsc {build}, FORKYARD_SHARE_RESTORED_PAGES={os.environ.get('FORKYARD_SHARE_RESTORED_PAGES')}, "
+          f"load {os.getloadavg()[0]:.1f}")
     for size in sizes:
         if not res.get(f"src_pss{size}"):
             continue

@@ -1,5 +1,6 @@
 """Issue 21: fork children share their source's unchanged memory with it on the host
-(runsc patch 0020, ``--share-restored-pages``; docs/runtime.md "Memory").
+(runsc patch 0020, ``--share-restored-pages``, on with ``FORKYARD_SHARE_RESTORED_PAGES=1``;
+docs/runtime.md "Memory").
 
 A process in the source holds 96 MiB of random bytes; every child, grandchild and
 resumed child must read back exactly those bytes (SHA-1 of the whole buffer, taken by
@@ -83,7 +84,8 @@ def shmem_mib(sandbox_id: str) -> float:
 
 def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
     server.kill_all()
-    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"), server.api() as c:  # pauses write images
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
+        # (hot pause off: pauses write images)
         c.timeout = 300
         assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
         src = Sandbox.create("base", timeout=600)
@@ -144,7 +146,7 @@ def test_image_written_without_sharing_restores_shared(server):
         src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 7", background=True, timeout=0)
         want = ask(server, sid)
         assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
-    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0"), server.api() as c:
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
         c.timeout = 300
         assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
         r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})

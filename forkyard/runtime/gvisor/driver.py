@@ -131,6 +131,9 @@ class GVisorDriver(RuntimeDriver):
         #: with the flag; see :attr:`RuntimeDriver.shares_restored_pages`).
         self.shares_restored_pages = bool(runtime.share_restored_pages and self.runsc_path
                                           and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
+        if runtime.share_restored_pages and self.runsc_path and not self.shares_restored_pages:
+            log.warning("FORKYARD_SHARE_RESTORED_PAGES=1 but %s lacks %s (forkyard's runsc patch 0020, "
+                        "deploy/runsc/build.sh): restores copy their memory", self.runsc_path, SHARE_PAGES_FLAG)
         #: Leave-running checkpoints share the image with the sandbox (``runtime.share_saved_pages``).
         self.shares_saved_pages = (self.shares_restored_pages and runtime.share_saved_pages
                                    and checkpoint_compression == "none")
