@@ -177,7 +177,7 @@ class BigRaw(Raw):
         return await super().pause_resume(phases)
 
     def _ensure_slots(self, indexes) -> None:
-        gone = [j for j in indexes if not os.path.exists(self.slots[j].netns_path)]
+        gone = [j for j in indexes if not os.path.exists(self.slots[j].attachment.netns_path)]
         if gone:
             print(f"warning: raw slots {gone} lost their netns; made again", flush=True)
             self._fresh_slots(gone)
