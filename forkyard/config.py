@@ -293,11 +293,27 @@ class ClusterSettings:
         scheduler_url: ``FORKYARD_SCHEDULER_URL``: join the cluster of this scheduler.
         node_id: ``FORKYARD_NODE_ID``: this node's name (default: the host name).
         advertise_url: ``FORKYARD_ADVERTISE_URL``: the URL gateways reach this node at.
+        repo: ``FORKYARD_REPO`` as given ("" when unset): a cluster node refuses to start
+            without the shared repository unless ``allow_local_repo``
+            (``FORKYARD_ALLOW_LOCAL_REPO=1``).
+        restart_grace_s: ``FORKYARD_NODE_RESTART_GRACE_S`` (120): how long a node stopped
+            with SIGTERM asks not to be declared down (s).
+        commit_retry_s: ``FORKYARD_COMMIT_RETRY_S`` (30): how often paused images a
+            failed commit left staged are committed again (s).
+        mass_silence_fraction: ``FORKYARD_MASS_SILENCE_FRACTION`` (0.5), read by the
+            scheduler: more nodes than this fraction silent at once are not declared down
+            (:mod:`forkyard.cluster.liveness`).
     """
 
     scheduler_url: str | None = field(default_factory=lambda: _env("FORKYARD_SCHEDULER_URL") or None)
     node_id: str | None = field(default_factory=lambda: _env("FORKYARD_NODE_ID") or None)
     advertise_url: str | None = field(default_factory=lambda: _env("FORKYARD_ADVERTISE_URL") or None)
+    repo: str = field(default_factory=lambda: _env("FORKYARD_REPO").strip())
+    allow_local_repo: bool = field(default_factory=lambda: _env("FORKYARD_ALLOW_LOCAL_REPO") == "1")
+    restart_grace_s: float = field(default_factory=lambda: float(_env("FORKYARD_NODE_RESTART_GRACE_S", "120")))
+    commit_retry_s: float = field(default_factory=lambda: float(_env("FORKYARD_COMMIT_RETRY_S", "30")))
+    mass_silence_fraction: float = field(
+        default_factory=lambda: float(_env("FORKYARD_MASS_SILENCE_FRACTION", "0.5")))
 
 
 @dataclass(frozen=True)

@@ -32,28 +32,35 @@ http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
 '''
 
 
-def value(server, sbx, set_to: int | None = None) -> int:
-    """Read (or first set) the in-memory value of the process inside ``sbx``."""
-    deadline = time.time() + 20
+def value(server, sbx, set_to: int | None = None, wait_s: float = 60) -> int:
+    """Read (or first set) the in-memory value of the process inside ``sbx``, retrying for
+    up to ``wait_s`` s (a host running 100 fork children answers slowly).
+
+    Raises:
+        AssertionError: no 200 within ``wait_s`` s; says the last answer or error.
+    """
+    deadline = time.time() + wait_s
     path = "/" if set_to is None else f"/set/{set_to}"
+    last = "no answer"
     while True:
         try:
             r = httpx.get(f"{server.url}{path}", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
                           timeout=5)
             if r.status_code == 200:
                 return int(r.text)
-        except httpx.HTTPError:
-            pass
+            last = f"{r.status_code} {r.text}"
+        except httpx.HTTPError as e:
+            last = repr(e)
         if time.time() > deadline:
-            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer: {r.status_code} {r.text}")
+            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer in {wait_s} s: {last}")
         time.sleep(0.1)
 
 
 def with_counter(sbx) -> None:
+    """Start the counter server in ``sbx``. ``timeout=0``: envd ends a command at its
+    request's deadline (the SDK's default 60 s, as on E2B), also in fork children restored
+    after it; a test that runs longer than that would find the counter killed."""
     sbx.files.write("/home/user/counter.py", COUNTER)
-    # timeout=0: envd SIGKILLs a command when its request's Connect timeout (the SDK's
-    # default 60 s) passes, and a restored sandbox's clock has moved on by the wall time
-    # since the checkpoint, so children restored > 60 s after this lost the counter.
     sbx.commands.run("python3 /home/user/counter.py", background=True, timeout=0)
 
 

@@ -359,7 +359,9 @@ class Orchestrator:
 
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         """Replace a sandbox's egress policy (E2B ``PUT /sandboxes/{id}/network``): applied
-        at once when it runs, stored for its next resume when paused.
+        at once when it runs, and to the slot it keeps while hot-paused (its unfreeze is
+        then filtered by the new rules: issue 25 item 4); stored for its next resume in any
+        case (a cold resume or another node applies the record's policy to its new slot).
 
         Raises:
             NotFound: unknown sandbox.
@@ -368,7 +370,7 @@ class Orchestrator:
         async with table.locks[sandbox_id]:
             await table.settle(sandbox_id)
             rec = table.get(sandbox_id)
-            slot = table.slots.get(sandbox_id)
+            slot = table.slots.get(sandbox_id) or table.hot.slot(sandbox_id)
             if slot is not None:
                 await asyncio.to_thread(self.network.set_egress, slot.index, policy)
             rec.egress = {} if policy.empty else policy.to_json()
@@ -388,6 +390,16 @@ class Orchestrator:
                     memory: bool = True) -> SandboxRecord:
         """Pause a running sandbox; behaviour and errors: :meth:`Pauser.pause`."""
         return await self._pauser.pause(sandbox_id, require_healthy=require_healthy, only_if=only_if, memory=memory)
+
+    def pause_committed(self, rec: SandboxRecord) -> bool:
+        """Whether paused ``rec``'s image is in the repository, so another node can
+        resume it (:meth:`Pauser.committed`; True for anything not paused)."""
+        return self._pauser.committed(rec)
+
+    async def commit_staged_pauses(self) -> int:
+        """Commit again the pause images a failed commit left staged on this node
+        (:meth:`Pauser.commit_staged`); returns how many were committed."""
+        return await self._pauser.commit_staged()
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None,
                      auto_pause: bool | None = None) -> SandboxRecord:

@@ -23,11 +23,14 @@ SUDO_GID = 27
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def run(rootfs: Path, scratch: Path, script: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run(rootfs: Path, scratch: Path, script: str, env: dict[str, str], timeout: float,
+        cgroup: Path | None = None) -> subprocess.CompletedProcess:
     """Run bash ``script`` as ``user`` (uid 1000, groups user and sudo) in a chroot of
     ``rootfs`` whose writes go to ``scratch`` (created; the caller removes it), with
     ``env`` added to a login-like environment. Returns the completed process (text
-    output, both streams).
+    output, both streams). With ``cgroup`` (a cgroup directory, e.g. a cgroup v1
+    ``cpuacct`` one), everything runs in that cgroup (bench/bench_workload.py counts
+    its CPU time).
 
     Raises:
         subprocess.TimeoutExpired: it ran longer than ``timeout`` s (the namespace's
@@ -52,6 +55,7 @@ def run(rootfs: Path, scratch: Path, script: str, env: dict[str, str], timeout: 
         f"/usr/bin/env -i {' '.join(q(f'{k}={v}') for k, v in envs.items())} "
         f"/bin/bash -c {q(f'cd ~ && {script}')}",
     ])
-    return subprocess.run(["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private",
-                           "sh", "-c", outer],
-                          capture_output=True, text=True, timeout=timeout)
+    argv = ["unshare", "--mount", "--pid", "--fork", "--kill-child", "--propagation", "private", "sh", "-c", outer]
+    if cgroup is not None:
+        argv = ["sh", "-c", f'echo $$ > {q(str(cgroup / "cgroup.procs"))} && exec "$@"', "sh", *argv]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
