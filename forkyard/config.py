@@ -477,9 +477,26 @@ class GVisorSettings:
         reaper_daemon: ``FORKYARD_REAPER_DAEMON`` (on; ``0`` turns it off): sandboxes start
             under the node's reaper daemon, which reaps them at once also after a server
             restart (docs/runtime.md).
+        share_restored_pages: ``FORKYARD_SHARE_RESTORED_PAGES=1`` (off by default):
+            restored sandboxes map their memory copy-on-write from the checkpoint's pages
+            file instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc
+            patch 0020), so children of one fork or snapshot share the host's page cache
+            of its image; used only when the runsc build has the flag (a node whose build
+            lacks it logs a warning and copies). Off by default because every sandbox
+            restored from one image, templates included, then shares physical pages with
+            the others (a timing side channel between tenants) and an unlinked image's disk
+            space stays held, unseen by the image cache's bound, while a sandbox maps it
+            (docs/runtime.md "Memory").
+        share_saved_pages: ``FORKYARD_SHARE_SAVED_PAGES`` (on; ``0`` turns it off): a
+            sandbox that keeps running after a checkpoint (fork, snapshot) then maps its
+            unchanged memory from the image it just wrote (``runsc checkpoint
+            --share-saved-pages``, same patch), so a fork source and its children share
+            one copy; needs ``share_restored_pages`` and uncompressed images.
     """
 
     spare_disks: int = field(default_factory=lambda: int(_env("FORKYARD_SPARE_DISKS", "16")))
     envd_rearm: bool = field(default_factory=lambda: _env("FORKYARD_ENVD_REARM", "0") == "1")
     runsc_debug: bool = field(default_factory=lambda: _env("FORKYARD_RUNSC_DEBUG") == "1")
     reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")
+    share_restored_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_RESTORED_PAGES", "0") == "1")
+    share_saved_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_SAVED_PAGES", "1") != "0")
