@@ -317,6 +317,36 @@ class ClusterSettings:
 
 
 @dataclass(frozen=True)
+class AdmissionSettings:
+    """What this host admits (:class:`forkyard.orchestrator.admission.Capacity` turns these
+    into limits; its module doc says how each is used).
+
+    Attributes:
+        reserved_memory_mb: ``FORKYARD_RESERVED_MEMORY_MB`` (1024): host memory kept out
+            of admission (MiB).
+        memory_overcommit: ``FORKYARD_MEMORY_OVERCOMMIT`` (1.0): admitted memory over
+            host memory (ratio > 0).
+        cpu_overcommit: ``FORKYARD_CPU_OVERCOMMIT`` (unset: vCPUs are not limited): vCPUs
+            admitted per host core.
+        max_sandboxes: ``FORKYARD_MAX_SANDBOXES`` (unset: 125 per core; 0: no limit).
+        min_available_memory_pct: ``FORKYARD_MIN_AVAILABLE_MEMORY_PCT`` (10): below this
+            much available host memory nothing new starts (%).
+        sandbox_host_mb: ``FORKYARD_SANDBOX_HOST_MB`` (64): host memory a sandbox is
+            counted at least (MiB).
+    """
+
+    reserved_memory_mb: int = field(default_factory=lambda: int(_env("FORKYARD_RESERVED_MEMORY_MB", "1024")))
+    memory_overcommit: float = field(default_factory=lambda: float(_env("FORKYARD_MEMORY_OVERCOMMIT", "1.0")))
+    cpu_overcommit: float | None = field(
+        default_factory=lambda: float(v) if (v := _env("FORKYARD_CPU_OVERCOMMIT")) else None)
+    max_sandboxes: int | None = field(
+        default_factory=lambda: int(v) if (v := _env("FORKYARD_MAX_SANDBOXES")) else None)
+    min_available_memory_pct: float = field(
+        default_factory=lambda: float(_env("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")))
+    sandbox_host_mb: int = field(default_factory=lambda: int(_env("FORKYARD_SANDBOX_HOST_MB", "64")))
+
+
+@dataclass(frozen=True)
 class ControlPlaneSettings:
     """Timings and sizes the control plane and the node agent share, read once at import
     by :mod:`forkyard.cluster.types`, :mod:`forkyard.cluster.scheduler` and

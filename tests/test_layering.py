@@ -79,7 +79,6 @@ ENV_READS_TO_MOVE = {
     # the control plane's config module (its secret file, Redis and scheduler URLs, each
     # also taken from a given mapping): stays, config.py's ClusterSettings says so
     "cluster/config.py": 3,
-    "orchestrator/admission.py": 6,   # FORKYARD_RESERVED_MEMORY_MB, _MEMORY_OVERCOMMIT, ...
     "runtime/gvisor/reaper.py": 1,    # not a setting: hands the environment to the daemon it spawns
 }
 

@@ -49,6 +49,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from forkyard.config import AdmissionSettings
 from forkyard.orchestrator.errors import OrchestratorError
 
 
@@ -101,19 +102,18 @@ class Capacity:
     @classmethod
     def from_env(cls) -> "Capacity":
         """Capacity of this host from the environment (see the module doc)."""
-        reserve = int(os.environ.get("FORKYARD_RESERVED_MEMORY_MB", "1024"))
-        overcommit = float(os.environ.get("FORKYARD_MEMORY_OVERCOMMIT", "1.0"))
+        env = AdmissionSettings()
+        overcommit = env.memory_overcommit
         if not overcommit > 0:
             raise ValueError(f"FORKYARD_MEMORY_OVERCOMMIT must be a ratio > 0, not {overcommit}")
-        host = max(0, _host_memory_mb() - reserve)
+        host = max(0, _host_memory_mb() - env.reserved_memory_mb)
         mem = int(host * overcommit)
-        cpu = os.environ.get("FORKYARD_CPU_OVERCOMMIT")
-        count = os.environ.get("FORKYARD_MAX_SANDBOXES")
-        count_limit = SANDBOXES_PER_CORE * (os.cpu_count() or 1) if count is None or count == "" else int(count)
-        return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
+        cores = os.cpu_count() or 1
+        count_limit = SANDBOXES_PER_CORE * cores if env.max_sandboxes is None else env.max_sandboxes
+        return cls(memory_mb=max(0, mem), vcpus=cores * env.cpu_overcommit if env.cpu_overcommit else None,
                    max_sandboxes=count_limit or None,
-                   min_available_pct=float(os.environ.get("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")),
-                   sandbox_host_mb=int(os.environ.get("FORKYARD_SANDBOX_HOST_MB", "64")),
+                   min_available_pct=env.min_available_memory_pct,
+                   sandbox_host_mb=env.sandbox_host_mb,
                    overcommit=overcommit, host_memory_mb=host)
 
     def in_use_mb(self, live, held: list[tuple[int, int]] = ()) -> int | None:
