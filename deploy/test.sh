@@ -13,7 +13,10 @@ fi
 # downloads are unreachable; the test passes executable_path).
 # Also docker.io: tests/test_deploy.py starts dockerd through deploy/docker/dockerd.sh and
 # checks the host is left as it was (skipped where dockerd is missing).
+# faketime: libfaketime, which the chaos suite preloads to skew a process's clock
+# (tests/chaos/_faults.py).
 obs_pkgs=()
+[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || obs_pkgs+=(faketime)
 command -v prometheus >/dev/null || obs_pkgs+=(prometheus)
 command -v chromium >/dev/null || obs_pkgs+=(chromium)
 command -v dockerd >/dev/null || obs_pkgs+=(docker.io)

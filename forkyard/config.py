@@ -293,11 +293,79 @@ class ClusterSettings:
         scheduler_url: ``FORKYARD_SCHEDULER_URL``: join the cluster of this scheduler.
         node_id: ``FORKYARD_NODE_ID``: this node's name (default: the host name).
         advertise_url: ``FORKYARD_ADVERTISE_URL``: the URL gateways reach this node at.
+        repo: ``FORKYARD_REPO`` as given ("" when unset): a cluster node refuses to start
+            without the shared repository unless ``allow_local_repo``
+            (``FORKYARD_ALLOW_LOCAL_REPO=1``).
+        restart_grace_s: ``FORKYARD_NODE_RESTART_GRACE_S`` (120): how long a node stopped
+            with SIGTERM asks not to be declared down (s).
+        commit_retry_s: ``FORKYARD_COMMIT_RETRY_S`` (30): how often paused images a
+            failed commit left staged are committed again (s).
+        mass_silence_fraction: ``FORKYARD_MASS_SILENCE_FRACTION`` (0.5), read by the
+            scheduler: more nodes than this fraction silent at once are not declared down
+            (:mod:`forkyard.cluster.liveness`).
     """
 
     scheduler_url: str | None = field(default_factory=lambda: _env("FORKYARD_SCHEDULER_URL") or None)
     node_id: str | None = field(default_factory=lambda: _env("FORKYARD_NODE_ID") or None)
     advertise_url: str | None = field(default_factory=lambda: _env("FORKYARD_ADVERTISE_URL") or None)
+    repo: str = field(default_factory=lambda: _env("FORKYARD_REPO").strip())
+    allow_local_repo: bool = field(default_factory=lambda: _env("FORKYARD_ALLOW_LOCAL_REPO") == "1")
+    restart_grace_s: float = field(default_factory=lambda: float(_env("FORKYARD_NODE_RESTART_GRACE_S", "120")))
+    commit_retry_s: float = field(default_factory=lambda: float(_env("FORKYARD_COMMIT_RETRY_S", "30")))
+    mass_silence_fraction: float = field(
+        default_factory=lambda: float(_env("FORKYARD_MASS_SILENCE_FRACTION", "0.5")))
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """What this host admits (:class:`forkyard.orchestrator.admission.Capacity` turns these
+    into limits; its module doc says how each is used).
+
+    Attributes:
+        reserved_memory_mb: ``FORKYARD_RESERVED_MEMORY_MB`` (1024): host memory kept out
+            of admission (MiB).
+        memory_overcommit: ``FORKYARD_MEMORY_OVERCOMMIT`` (1.0): admitted memory over
+            host memory (ratio > 0).
+        cpu_overcommit: ``FORKYARD_CPU_OVERCOMMIT`` (unset: vCPUs are not limited): vCPUs
+            admitted per host core.
+        max_sandboxes: ``FORKYARD_MAX_SANDBOXES`` (unset: 125 per core; 0: no limit).
+        min_available_memory_pct: ``FORKYARD_MIN_AVAILABLE_MEMORY_PCT`` (10): below this
+            much available host memory nothing new starts (%).
+        sandbox_host_mb: ``FORKYARD_SANDBOX_HOST_MB`` (64): host memory a sandbox is
+            counted at least (MiB).
+    """
+
+    reserved_memory_mb: int = field(default_factory=lambda: int(_env("FORKYARD_RESERVED_MEMORY_MB", "1024")))
+    memory_overcommit: float = field(default_factory=lambda: float(_env("FORKYARD_MEMORY_OVERCOMMIT", "1.0")))
+    cpu_overcommit: float | None = field(
+        default_factory=lambda: float(v) if (v := _env("FORKYARD_CPU_OVERCOMMIT")) else None)
+    max_sandboxes: int | None = field(
+        default_factory=lambda: int(v) if (v := _env("FORKYARD_MAX_SANDBOXES")) else None)
+    min_available_memory_pct: float = field(
+        default_factory=lambda: float(_env("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")))
+    sandbox_host_mb: int = field(default_factory=lambda: int(_env("FORKYARD_SANDBOX_HOST_MB", "64")))
+
+
+@dataclass(frozen=True)
+class ControlPlaneSettings:
+    """Timings and sizes the control plane and the node agent share, read once at import
+    by :mod:`forkyard.cluster.types`, :mod:`forkyard.cluster.scheduler` and
+    :mod:`forkyard.cluster.agent` (a process reads its environment once).
+
+    Attributes:
+        heartbeat_timeout_s: ``FORKYARD_HEARTBEAT_TIMEOUT_S`` (5): a node silent this long
+            gets no new placements, and is declared down when the control plane was
+            healthy meanwhile (:mod:`forkyard.cluster.liveness`) (s).
+        orphan_move_s: ``FORKYARD_ORPHAN_MOVE_S`` (300): a node silent this long has its
+            committed paused sandboxes moved to live nodes without waiting for a call (s).
+        node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
+            admission lets run of the default size): what a node reports as its capacity.
+    """
+
+    heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
+    orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
+    node_max_sandboxes: int | None = field(
+        default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
 
 
 @dataclass(frozen=True)
@@ -439,9 +507,26 @@ class GVisorSettings:
         reaper_daemon: ``FORKYARD_REAPER_DAEMON`` (on; ``0`` turns it off): sandboxes start
             under the node's reaper daemon, which reaps them at once also after a server
             restart (docs/runtime.md).
+        share_restored_pages: ``FORKYARD_SHARE_RESTORED_PAGES=1`` (off by default):
+            restored sandboxes map their memory copy-on-write from the checkpoint's pages
+            file instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc
+            patch 0020), so children of one fork or snapshot share the host's page cache
+            of its image; used only when the runsc build has the flag (a node whose build
+            lacks it logs a warning and copies). Off by default because every sandbox
+            restored from one image, templates included, then shares physical pages with
+            the others (a timing side channel between tenants) and an unlinked image's disk
+            space stays held, unseen by the image cache's bound, while a sandbox maps it
+            (docs/runtime.md "Memory").
+        share_saved_pages: ``FORKYARD_SHARE_SAVED_PAGES`` (on; ``0`` turns it off): a
+            sandbox that keeps running after a checkpoint (fork, snapshot) then maps its
+            unchanged memory from the image it just wrote (``runsc checkpoint
+            --share-saved-pages``, same patch), so a fork source and its children share
+            one copy; needs ``share_restored_pages`` and uncompressed images.
     """
 
     spare_disks: int = field(default_factory=lambda: int(_env("FORKYARD_SPARE_DISKS", "16")))
     envd_rearm: bool = field(default_factory=lambda: _env("FORKYARD_ENVD_REARM", "0") == "1")
     runsc_debug: bool = field(default_factory=lambda: _env("FORKYARD_RUNSC_DEBUG") == "1")
     reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")
+    share_restored_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_RESTORED_PAGES", "0") == "1")
+    share_saved_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_SAVED_PAGES", "1") != "0")

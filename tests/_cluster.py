@@ -29,15 +29,24 @@ from _slot import LETTER as _LETTER, SLOT as _N  # noqa: E402 — this session's
 class Proc:
     """One subprocess with a log file and a health URL."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, health: str | None):
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, health: str | None,
+                 cgroup: Path | None = None):
         self.name, self.argv, self.env, self.log, self.health = name, argv, env, log, health
+        #: a cgroup v2 directory the process starts in (so firewall rules can match its sockets)
+        self.cgroup = cgroup
         self.proc: subprocess.Popen | None = None
 
     def start(self, wait_s: float = 120) -> None:
         logf = os.fdopen(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
         os.fchmod(logf.fileno(), 0o600)  # an older log may predate this
+        procs = str(self.cgroup / "cgroup.procs") if self.cgroup else None
+
+        def enter_cgroup():  # in the child, before exec: every socket it opens is in the group
+            with open(procs, "w") as f:
+                f.write(str(os.getpid()))
+
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=enter_cgroup if procs else None)
         deadline = time.time() + wait_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -56,8 +65,15 @@ class Proc:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process itself (not its children: SIGSTOP of a node
+        freezes the node, not its sandboxes)."""
+        if self.running():
+            self.proc.send_signal(sig)
+
     def stop(self, sig_kill: bool = False) -> None:
         if self.running():
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process cannot act on SIGTERM
             self.proc.send_signal(signal.SIGKILL if sig_kill else signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
@@ -73,9 +89,21 @@ class Cluster:
     Attributes:
         gateway_url, scheduler_url, api_key, secret: what clients and tests use.
         sdk: keyword arguments for the e2b SDK (``api_url``, ``sandbox_url``, ``api_key``).
+        schedulers: every scheduler replica (``scheduler`` is the first); nodes and the
+            gateway are given all their URLs.
+
+    Args:
+        schedulers: scheduler replicas to run.
+        env: settings for every process (e.g. an S3 ``FORKYARD_REPO``).
+        data_fs_mb: ``{node index: MiB}``: that node's data dir is a filesystem of its own
+            of this size (a loop-mounted ext4 image), so a test can fill it.
+        node_cgroups: start each node process in a cgroup v2 group of its own
+            (:data:`CGROUP2`), so firewall rules can match its traffic (a partition).
     """
 
-    def __init__(self, root: Path, nodes: int = 3, max_sandboxes: dict[int, int] | None = None):
+    def __init__(self, root: Path, nodes: int = 3, max_sandboxes: dict[int, int] | None = None,
+                 schedulers: int = 1, env: dict[str, str] | None = None, data_fs_mb: dict[int, int] | None = None,
+                 node_cgroups: bool = False):
         self.root = root
         shutil.rmtree(root, ignore_errors=True)
         root.mkdir(parents=True)
@@ -83,7 +111,10 @@ class Cluster:
         self.api_key = "e2b_" + secrets.token_hex(20)
         self.secret = secrets.token_hex(24)
         self.redis_port, self.sched_port, self.gw_port = free_port(), free_port(), free_port()
+        self.sched_ports = [self.sched_port] + [free_port() for _ in range(schedulers - 1)]
         self.scheduler_url = f"http://127.0.0.1:{self.sched_port}"
+        self.scheduler_urls = ",".join(f"http://127.0.0.1:{p}" for p in self.sched_ports)
+        self.data_fs_mb = data_fs_mb or {}
         self.gateway_url = f"http://127.0.0.1:{self.gw_port}"
         self.redis_url = f"redis://127.0.0.1:{self.redis_port}/0"
         self.sdk = {"api_url": self.gateway_url, "sandbox_url": self.gateway_url, "api_key": self.api_key}
@@ -91,17 +122,19 @@ class Cluster:
         for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
             base.pop(k, None)
         base.update(FORKYARD_CLUSTER_SECRET=self.secret, FORKYARD_API_KEY=self.api_key,
-                    FORKYARD_REDIS_URL=self.redis_url, FORKYARD_SCHEDULER_URL=self.scheduler_url,
+                    FORKYARD_REDIS_URL=self.redis_url, FORKYARD_SCHEDULER_URL=self.scheduler_urls,
                     FORKYARD_REPO=str(root / "repository"), FORKYARD_TEMPLATES_DIR=str(TEST_ROOT / "templates"),
                     PYTHONUNBUFFERED="1")
+        base.update(env or {})
         self.env = base
         (root / "redis").mkdir()
-        self.redis = Proc("redis", ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-                                    "--dir", str(root / "redis"), "--appendonly", "yes", "--appendfsync", "always",
-                                    "--save", ""], base, root / "redis.log", None)
+        self.redis = Proc("redis", self._redis_argv(aof=True), base, root / "redis.log", None)
         cli = [sys.executable, "-m", "forkyard.cli.main"]
-        self.scheduler = Proc("scheduler", cli + ["scheduler", "--port", str(self.sched_port)], base,
-                              root / "scheduler.log", f"{self.scheduler_url}/health")
+        self.schedulers = [Proc("scheduler" if i == 0 else f"scheduler{i + 1}",
+                                cli + ["scheduler", "--port", str(port)], base,
+                                root / ("scheduler.log" if i == 0 else f"scheduler{i + 1}.log"),
+                                f"http://127.0.0.1:{port}/health") for i, port in enumerate(self.sched_ports)]
+        self.scheduler = self.schedulers[0]
         self.gateway = Proc("gateway", cli + ["gateway", "--port", str(self.gw_port)], base,
                             root / "gateway.log", f"{self.gateway_url}/health")
         self.nodes: list[Proc] = []
@@ -113,14 +146,25 @@ class Cluster:
                        FORKYARD_OUTER_NET=f"10.{240 + _N}.{i * 64}.0/18", FORKYARD_NODE_ID=f"node{i}",
                        FORKYARD_NODE_MAX_SANDBOXES=str((max_sandboxes or {}).get(i, 40)))
             self.nodes.append(Proc(f"node{i}", cli + ["node", "--no-build-base", "--log-level", os.environ.get("FORKYARD_TEST_NODE_LOG", "info")], env,
-                                   root / f"node{i}.log", f"http://127.0.0.1:{port}/health"))
+                                   root / f"node{i}.log", f"http://127.0.0.1:{port}/health",
+                                   cgroup=CGROUP2 / f"fy-test-{os.getpid()}-node{i}" if node_cgroups else None))
             self.node_urls.append(f"http://127.0.0.1:{port}")
+
+    def _redis_argv(self, aof: bool) -> list[str]:
+        return ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1", "--dir", str(self.root / "redis"),
+                "--appendonly", "yes" if aof else "no", "--appendfsync", "always", "--save", ""]
 
     def start(self) -> Cluster:
         """Start everything and wait until every node has registered."""
+        for i, mb in self.data_fs_mb.items():
+            _mount_small_fs(Path(self.nodes[i].env["FORKYARD_DATA_DIR"]), mb)
+        for n in self.nodes:
+            if n.cgroup:
+                n.cgroup.mkdir(exist_ok=True)
         self.redis.start()
         self._wait_redis()
-        self.scheduler.start()
+        for s in self.schedulers:
+            s.start()
         self.gateway.start()
         for n in self.nodes:
             n.start()
@@ -145,9 +189,21 @@ class Cluster:
         self.redis.start()
         self._wait_redis()
 
+    def start_redis(self, aof: bool = True) -> None:
+        """Start Redis again; ``aof`` False: as a Redis without its append-only file
+        (the data is gone: what a restart without persistence does)."""
+        if not aof:
+            shutil.rmtree(self.root / "redis", ignore_errors=True)
+            (self.root / "redis").mkdir()
+        self.redis.argv = self._redis_argv(aof=True)  # the cluster's Redis keeps AOF on afterwards
+        self.redis.start()
+        self._wait_redis()
+
     def sched(self) -> httpx.Client:
-        """A client for the scheduler's API (cluster secret set)."""
-        return httpx.Client(base_url=self.scheduler_url, headers={"x-forkyard-cluster-secret": self.secret},
+        """A client for the scheduler's API (cluster secret set): the first replica whose
+        process runs."""
+        port = next((p for s, p in zip(self.schedulers, self.sched_ports) if s.running()), self.sched_port)
+        return httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"x-forkyard-cluster-secret": self.secret},
                             timeout=30, trust_env=False)
 
     def api(self) -> httpx.Client:
@@ -181,10 +237,16 @@ class Cluster:
         for n in self.nodes:
             n.stop()
         self.gateway.stop()
-        self.scheduler.stop()
+        for s in self.schedulers:
+            s.stop()
         self.redis.stop()
         for n in self.nodes:
             _wipe_node(Path(n.env["FORKYARD_DATA_DIR"]), n.env["FORKYARD_NET_PREFIX"], n.env["FORKYARD_OUTER_NET"])
+        for i in self.data_fs_mb:
+            _unmount_small_fs(Path(self.nodes[i].env["FORKYARD_DATA_DIR"]))
+        for n in self.nodes:
+            if n.cgroup and n.cgroup.is_dir():
+                _remove_cgroup(n.cgroup)
         # keep the logs (*.log) for a failed run; drop the state
         for d in [Path(n.env["FORKYARD_DATA_DIR"]) for n in self.nodes] + [self.root / "repository", self.root / "redis"]:
             shutil.rmtree(d, ignore_errors=True)
@@ -218,3 +280,45 @@ def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:
         mnt = line.split()[1]
         if mnt.startswith(str(data_dir)):
             subprocess.run(["umount", "-l", mnt], capture_output=True)
+
+
+#: Where cgroup v2 is mounted (a hybrid host mounts it at /sys/fs/cgroup/unified).
+CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.procs").exists() else Path("/sys/fs/cgroup")
+
+
+def _remove_cgroup(group: Path) -> None:
+    """Move what is left in ``group`` back to the root group, then remove it."""
+    for pid in (group / "cgroup.procs").read_text().split():
+        try:
+            (CGROUP2 / "cgroup.procs").write_text(pid)
+        except OSError:
+            pass
+    try:
+        group.rmdir()
+    except OSError:
+        pass
+
+
+def _mount_small_fs(path: Path, size_mb: int) -> None:
+    """Make ``path`` an ext4 filesystem of ``size_mb`` MiB of its own (a sparse image next
+    to it, loop-mounted), so a test can fill a node's data dir without filling the host."""
+    image = path.with_name(path.name + ".img")
+    path.mkdir(parents=True, exist_ok=True)
+    with open(image, "wb") as f:
+        f.truncate(size_mb << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True)
+
+
+def _unmount_small_fs(path: Path) -> None:
+    """Undo :func:`_mount_small_fs` (``_wipe_node`` may have detached it lazily already)."""
+    def mounted() -> bool:
+        return any(line.split()[1] == str(path) for line in Path("/proc/self/mounts").read_text().splitlines())
+
+    for _ in range(20):
+        if not mounted() or subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.5)
+    else:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+    path.with_name(path.name + ".img").unlink(missing_ok=True)

@@ -115,6 +115,8 @@ def test_sdk_through_gateway_spreads_over_nodes(cluster):
     try:
         owners = [c.owner(b.sandbox_id) for b in boxes]
         assert sorted(owners) == ["node0", "node1", "node2"], owners
+        # the SDK's get_host() points at the gateway, not at a node (the node's own domain)
+        assert boxes[0].get_host(8000) == f"8000-{boxes[0].sandbox_id}.localhost:{c.gw_port}"
         # each node acknowledged its placement in a heartbeat: nothing stays pending in Redis
         import redis
 
@@ -239,10 +241,11 @@ def _holders(c: Cluster, ids: list[str]) -> dict[str, tuple[str | None, list[str
 
 
 def test_node_sigkill(cluster):
-    """SIGKILL a node: within the heartbeat timeout its running sandbox answers E2B's
-    404; its paused sandbox resumes on another node with memory and files; a snapshot
-    taken there still creates sandboxes. When the node comes back it destroys the
-    sandbox that was reported gone and drops the one that moved."""
+    """SIGKILL a node: its paused sandbox resumes on another node at once (memory and
+    files), within the heartbeat timeout its running sandbox answers E2B's 404; a
+    snapshot taken there still creates sandboxes. When the node comes back it destroys
+    the sandbox that was reported gone (its runsc container included) and drops the one
+    that moved."""
     c = cluster
     with only_on(c, "node0"):
         run = Sandbox.create("base", timeout=300, **c.sdk)
@@ -254,6 +257,10 @@ def test_node_sigkill(cluster):
     snap = run.create_snapshot(name="before-crash")
     c.nodes[0].stop(sig_kill=True)
     t0 = time.time()
+    # resumed at once, before node0 is declared down: moved at the first try (it answered
+    # 502 for ~5 s: the gateway sent the call to the dead node)
+    moved = Sandbox.connect(paused.sandbox_id, **c.sdk)
+    assert c.owner(paused.sandbox_id) in ("node1", "node2")
     with c.api() as api:
         wait_for(lambda: api.get(f"/sandboxes/{run.sandbox_id}").status_code == 404, HEARTBEAT_TIMEOUT_S + 5,
                  "the dead node's running sandbox to be reported gone")
@@ -263,8 +270,6 @@ def test_node_sigkill(cluster):
     assert elapsed <= HEARTBEAT_TIMEOUT_S + 2, elapsed
     with pytest.raises(NotFoundException):
         Sandbox.connect(run.sandbox_id, **c.sdk)
-    moved = Sandbox.connect(paused.sandbox_id, **c.sdk)
-    assert c.owner(paused.sandbox_id) in ("node1", "node2")
     assert counter(c, moved) == 5 and moved.files.read("/home/user/keep.txt") == "kept"
     from_snap = Sandbox.create("before-crash", timeout=60, **c.sdk)
     assert c.owner(from_snap.sandbox_id) in ("node1", "node2")
@@ -378,28 +383,46 @@ def test_redis_restart_and_outage(cluster):
 
 def test_drain(cluster):
     """``forkyard node drain``: no new placements on the node, its running sandboxes are
-    paused to the repository and then resume elsewhere with their memory."""
+    paused to the repository and then resume elsewhere with their memory. A connect sent
+    right after the drain began never resumes on the draining node (it did, 2 of 3
+    tries: the node paused the sandbox for the drain, then the waiting connect resumed it
+    there); ``--wait`` returns once the node is drained; ``node which`` shows the owner."""
     c = cluster
     with only_on(c, "node1"):
-        a = Sandbox.create("base", timeout=300, **c.sdk)
-    with_counter(c, a, 11)
+        a, b, d = (Sandbox.create("base", timeout=300, **c.sdk) for _ in range(3))
+    for i, s in enumerate((a, b, d)):
+        with_counter(c, s, 11 + i)
+    with c.sched() as sc:
+        assert sc.post("/v1/nodes/node1/drain").status_code == 200
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # connects during the drain
+        back = list(pool.map(lambda s: Sandbox.connect(s.sandbox_id, timeout=300, **c.sdk), (b, d)))
+    for s, want in zip(back, (12, 13)):
+        assert c.owner(s.sandbox_id) != "node1", _holders(c, [s.sandbox_id])
+        assert counter(c, s) == want
     env = dict(c.env)
-    out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "drain", "node1"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    wait_for(lambda: {s.sandbox_id: s.state for s in Sandbox.list(**c.sdk).next_items()}.get(a.sandbox_id) == "paused",
-             60, "the draining node to pause its sandbox")
+    t0 = time.time()
+    out = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "drain", "node1", "--wait"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "node node1 is drained" in out.stdout, (out.stdout, out.stderr)
+    assert {s.sandbox_id: s.state for s in Sandbox.list(**c.sdk).next_items()}[a.sandbox_id] == "paused"
+    assert time.time() - t0 < 120
     news = [Sandbox.create("base", timeout=60, **c.sdk) for _ in range(3)]
     assert "node1" not in {c.owner(n.sandbox_id) for n in news}
-    back = Sandbox.connect(a.sandbox_id, **c.sdk)
+    back_a = Sandbox.connect(a.sandbox_id, **c.sdk)
     assert c.owner(a.sandbox_id) != "node1"
-    assert counter(c, back) == 11
+    assert counter(c, back_a) == 11
     ls = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "ls", "--json"], env=env,
                         capture_output=True, text=True, timeout=60)
     import json
 
     assert {n["nodeID"]: n["status"] for n in json.loads(ls.stdout)}["node1"] == "draining"
-    for s in news + [back]:
+    which = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "which", "--json", a.sandbox_id],
+                           env=env, capture_output=True, text=True, timeout=60)
+    assert json.loads(which.stdout) == [{"sandboxID": a.sandbox_id, "nodeID": c.owner(a.sandbox_id), "state": "running"}]
+    with c.api() as api:  # the listing says where each sandbox is, too
+        listed = {x["sandboxID"]: x["nodeID"] for x in api.get("/v2/sandboxes").json()}
+    assert listed[a.sandbox_id] == c.owner(a.sandbox_id)
+    for s in news + [back_a] + back:
         s.kill()
 
 

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import pytest
 from conftest import CLEAN
 from e2b import Sandbox
 from test_lifecycle import value, with_counter
@@ -23,6 +24,7 @@ from test_lifecycle import value, with_counter
 N = 100
 
 
+@pytest.mark.timeout(600)  # 100 restores and reads; ~2 min alone, far more beside other work
 def test_fork_of_100_on_one_node(server):
     server.kill_all()
     with server.restarted_with(FORKYARD_MEMORY_OVERCOMMIT="2.5"):

@@ -32,20 +32,27 @@ http.server.HTTPServer(("0.0.0.0", 8000), H).serve_forever()
 '''
 
 
-def value(server, sbx, set_to: int | None = None) -> int:
-    """Read (or first set) the in-memory value of the process inside ``sbx``."""
-    deadline = time.time() + 20
+def value(server, sbx, set_to: int | None = None, wait_s: float = 60) -> int:
+    """Read (or first set) the in-memory value of the process inside ``sbx``, retrying for
+    up to ``wait_s`` s (a host running 100 fork children answers slowly).
+
+    Raises:
+        AssertionError: no 200 within ``wait_s`` s; says the last answer or error.
+    """
+    deadline = time.time() + wait_s
     path = "/" if set_to is None else f"/set/{set_to}"
+    last = "no answer"
     while True:
         try:
             r = httpx.get(f"{server.url}{path}", headers={"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8000"},
                           timeout=5)
             if r.status_code == 200:
                 return int(r.text)
-        except httpx.HTTPError:
-            pass
+            last = f"{r.status_code} {r.text}"
+        except httpx.HTTPError as e:
+            last = repr(e)
         if time.time() > deadline:
-            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer: {r.status_code} {r.text}")
+            raise AssertionError(f"counter in {sbx.sandbox_id} did not answer in {wait_s} s: {last}")
         time.sleep(0.1)
 
 

@@ -53,7 +53,12 @@ def test_capacity_from_env(monkeypatch):
     assert c.memory_mb == int((total - 100) * 2.5)
     assert c.vcpus == os.cpu_count() * 3 and c.max_sandboxes == 7
     assert c.as_dict() == {"memoryMB": c.memory_mb, "vcpus": c.vcpus, "maxSandboxes": 7,
-                           "minAvailableMemoryPct": c.min_available_pct, "sandboxHostMB": c.sandbox_host_mb}
+                           "minAvailableMemoryPct": c.min_available_pct, "sandboxHostMB": c.sandbox_host_mb,
+                           "memoryOvercommit": 2.5, "hostMemoryMB": total - 100}
+    monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", "0")
+    with pytest.raises(ValueError, match="ratio"):
+        Capacity.from_env()
+    monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", "2.5")
     monkeypatch.setenv("FORKYARD_RESERVED_MEMORY_MB", str(total + 10))
     assert Capacity.from_env().memory_mb == 0  # never negative
 
@@ -70,6 +75,37 @@ def test_admission_counts_memory_exactly_and_not_paused_sandboxes():
                              "no room for 3 sandbox(es) of 1 vCPU / 256 MiB; retry later")
     assert not cap.fits(live, 1, 256, held=[(1, 512)])  # the pool's holdings count too
     assert cap.fits([], 1, 1024, count=2) and not cap.fits([], 1, 1024, count=3)
+
+
+def test_overcommitted_admission_counts_what_sandboxes_use():
+    """Issue 21: with limits overcommitted, the node admits by measured use (each
+    sandbox at least sandbox_host_mb, as is each new one) within the host's memory; at
+    overcommit 1 the limits alone decide (today's behaviour) and use is not read."""
+    use = {"a": 300 << 20, "c": 10 << 20}  # bytes, as the runtime measures them
+    asked = []
+
+    def measure(ids):
+        asked.append(list(ids))
+        return {i: use[i] for i in ids if i in use}
+
+    live = [_rec("a", memory_mb=512), _rec("b", "paused", memory_mb=512), _rec("c", "creating", memory_mb=512)]
+    cap = Capacity(memory_mb=8000, vcpus=None, max_sandboxes=None, sandbox_host_mb=64, overcommit=8,
+                   host_memory_mb=1000, memory_in_use=measure)
+    assert cap.in_use_mb(live) == 300 + 64  # c is below the floor; b is paused
+    assert asked[-1] == ["a", "c"]
+    cap.check(live, 1, 512, count=9)  # limits 1024 + 4608 <= 8000; use 364 + 576 <= 1000
+    with pytest.raises(AtCapacity) as ei:
+        cap.check(live, 1, 512, count=10)  # use 364 + 640 > 1000, although the limits fit
+    assert ei.value.status == 503
+    assert str(ei.value) == ("node at capacity: sandboxes use 364 of 1000 MiB of host memory (limits "
+                             "overcommitted 8x), no room for 10 sandbox(es) of 1 vCPU / 512 MiB; retry later")
+    assert not cap.fits(live, 1, 512, count=9, held=[(2, 512)])  # pooled sandboxes use memory too
+    use["a"] = 0  # a freed its memory: room again
+    assert cap.fits(live, 1, 512, count=10)
+    asked.clear()
+    plain = Capacity(memory_mb=8000, vcpus=None, max_sandboxes=None, overcommit=1, host_memory_mb=1000,
+                     memory_in_use=measure)
+    assert plain.fits(live, 1, 512, count=13) and asked == []
 
 
 def test_admission_vcpu_and_count_limits():

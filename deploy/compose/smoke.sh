@@ -3,14 +3,16 @@
 #   starts dockerd if none runs (deploy/docker/dockerd.sh), builds forkyard:local and
 #   forkyard-support:local without a registry, brings up redis, s3 (moto), scheduler,
 #   gateway and 3 nodes, waits for every healthcheck, runs deploy/compose/smoke_sdk.py (the
-#   e2b SDK: create x3, commands.run, list, kill) against the gateway, then removes the
-#   containers, networks and volumes, and stops dockerd if it started it.
+#   e2b SDK on every node: create, commands.run, pause, resume, fork, kill) against the
+#   gateway, then removes the containers, networks and volumes, and stops dockerd if it
+#   started it.
 #
 #   sudo deploy/compose/smoke.sh          # prints the time of each phase
 #
 # Settings: FORKYARD_SMOKE_TEMPLATES (host dir caching the `base` template between runs,
 # default /var/lib/forkyard-smoke/templates; "volume" for a fresh volume, +~60 s),
-# FORKYARD_SMOKE_KEEP=1 leaves the cluster up (and dockerd) for a look.
+# FORKYARD_SMOKE_KEEP=1 leaves the cluster up (and dockerd) for a look, FORKYARD_DNS (the
+# containers' resolver; default: deploy/compose/host-dns.sh).
 # Measured on this project's machines (2 cores): see docs/deploy.md "Compose".
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,6 +29,7 @@ port=$("$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); 
 export FORKYARD_GATEWAY_PUBLISH=127.0.0.1:$port
 templates=${FORKYARD_SMOKE_TEMPLATES:-/var/lib/forkyard-smoke/templates}
 if [ "$templates" != volume ]; then mkdir -p "$templates"; export FORKYARD_TEMPLATES=$templates; fi
+export FORKYARD_DNS=${FORKYARD_DNS:-$(bash deploy/compose/host-dns.sh)}
 own_dockerd=0  # stop dockerd at the end only if this script (or dockerd.sh) started it
 compose() { docker-compose -p "$PROJECT" -f "$COMPOSE_FILE" "$@"; }
 

@@ -17,9 +17,11 @@ patches=("$here"/patches/*.patch)
 # The version stamped into the binary names the checkpoint format: gVisor's commit and
 # fy.<hash> of the patches that change what a checkpoint holds or how a restore reads it.
 # runsc restores an image only with the same version string (and forkyard records it in
-# every image), so patches marked "Restore-compatible: yes" (they act only when a sandbox
-# boots) are left out of it and named in the file name alone (-boot.<hash>): adding one
-# keeps every checkpoint restorable (docs/runtime.md).
+# every image), so patches marked "Restore-compatible: yes" (they change nothing a
+# checkpoint holds, so images of builds with and without them restore with either: 0002
+# acts only when a sandbox boots, 0020 only behind its own flags and writes stock images)
+# are left out of it and named in the file name alone (-boot.<hash>): adding one keeps
+# every checkpoint restorable (docs/runtime.md).
 state=() boot=()
 for p in "${patches[@]}"; do
   if grep -q '^Restore-compatible: yes$' "$p"; then boot+=("$p"); else state+=("$p"); fi

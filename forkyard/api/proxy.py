@@ -37,14 +37,6 @@ from forkyard.relay.upstream import SandboxConnections, sandbox_client
 from forkyard.relay.websocket import relay_ws
 from forkyard.routing import route_of
 
-# The names the cluster gateway still takes from here (issue 20 step 2, "relay/": the
-# gateway imports forkyard.relay itself once issue 19's gateway work has landed, and
-# this block goes).
-from forkyard.relay.headers import HOP as _HOP  # noqa: F401
-from forkyard.relay.headers import HOP_OUT as _HOP_OUT  # noqa: F401
-from forkyard.relay.headers import WS_SKIP as _WS_SKIP  # noqa: F401
-from forkyard.relay.headers import target_path as _target_path  # noqa: F401
-
 log = logging.getLogger("forkyard.proxy")
 
 #: E2B's header for the traffic access token of sandboxes without public traffic.

@@ -1,4 +1,4 @@
-"""Cluster commands: ``forkyard node`` (run / drain / ls), ``forkyard scheduler``,
+"""Cluster commands: ``forkyard node`` (run / drain / undrain / ls / which), ``forkyard scheduler``,
 ``forkyard gateway``. Settings: :mod:`forkyard.cluster.config`."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from forkyard.config import ClusterSettings
 
 #: The scheduler and gateway commands; :mod:`forkyard.cli.main` adds them to the app.
 commands = typer.Typer()
-#: ``forkyard node`` (run, drain, undrain, ls), added by :mod:`forkyard.cli.main`.
+#: ``forkyard node`` (run, drain, undrain, ls, which), added by :mod:`forkyard.cli.main`.
 node_app = typer.Typer(help="Run a node, or manage the cluster's nodes.", no_args_is_help=False,
                        invoke_without_command=True)
 
 SCHEDULER_OPT = typer.Option(None, "--scheduler", help="Scheduler URL (FORKYARD_SCHEDULER_URL, "
-                                                       "default http://127.0.0.1:9090).")
+                                                       "default http://127.0.0.1:9090; replicas comma-separated).")
 REDIS_OPT = typer.Option(None, "--redis", help="Redis URL (FORKYARD_REDIS_URL, default redis://127.0.0.1:6379/0).")
 
 
@@ -35,9 +35,13 @@ def _secret() -> str:
 
 
 def _scheduler(url: str | None) -> str:
-    from forkyard.cluster.config import scheduler_url
+    """The scheduler URL(s), comma-separated (``--scheduler`` or the setting)."""
+    from forkyard.cluster.config import ClusterConfigError, scheduler_url, scheduler_urls
 
-    return (url or scheduler_url()).rstrip("/")
+    try:
+        return ",".join(scheduler_urls(url)) if url else scheduler_url()
+    except ClusterConfigError as e:
+        fail(str(e))
 
 
 @node_app.callback(invoke_without_command=True)
@@ -64,11 +68,13 @@ def node(
     sched = scheduler or env.scheduler_url
     cluster = None
     if sched:
+        _need_shared_repo(env)
+        sched = _scheduler(sched)
         try:
             max_sbx = default_max_sandboxes()
         except ValueError:
             fail("FORKYARD_NODE_MAX_SANDBOXES must be a whole number")
-        cluster = {"scheduler": sched.rstrip("/"), "secret": _secret(),
+        cluster = {"scheduler": sched, "secret": _secret(),
                    "node_id": node_id or env.node_id or socket.gethostname(),
                    "advertise_url": advertise_url or env.advertise_url,
                    "max_sandboxes": max_sbx}
@@ -79,11 +85,16 @@ def node(
 
 
 @node_app.command("drain")
-def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT):
+def drain(node_id: str = typer.Argument(..., help="Node to drain."), scheduler: str = SCHEDULER_OPT,
+          wait: bool = typer.Option(False, "--wait", help="Wait until the node has paused its sandboxes; "
+                                                          "exit 1 if some still run there (their pause failed)."),
+          timeout: float = typer.Option(600, help="With --wait: give up after this many seconds (exit 2).")):
     """Stop placing sandboxes on NODE_ID and pause its running sandboxes to the shared
     repository; they resume on other nodes when next connected."""
     _call(scheduler, "POST", f"/v1/nodes/{node_id}/drain")
-    print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused")
+    print(f"node {node_id} is draining: no new sandboxes; its running ones are being paused", flush=True)
+    if wait:
+        raise typer.Exit(_wait_drained(scheduler, node_id, timeout))
 
 
 @node_app.command("undrain")
@@ -107,9 +118,27 @@ def ls(scheduler: str = SCHEDULER_OPT, as_json: bool = typer.Option(False, "--js
     t = Table("node", "status", "url", "heartbeat", "running", "paused", "max", "load1")
     for n in nodes:
         r = n["report"]
-        t.add_row(n["nodeID"], n["status"], n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
+        status = n["status"] + (" (silent)" if n.get("silent") and n["status"] != "down" else "")
+        t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
                   str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
     Console().print(t)
+
+
+@node_app.command("which")
+def which(sandbox_ids: list[str] = typer.Argument(..., help="Sandbox ids."), scheduler: str = SCHEDULER_OPT,
+          as_json: bool = typer.Option(False, "--json", help="Print JSON.")):
+    """Which node holds each sandbox (and its state there), from the cluster's bindings."""
+    rows = []
+    for sid in sandbox_ids:
+        b = _call(scheduler, "GET", f"/v1/sandboxes/{sid}", missing_ok=True)
+        rows.append({"sandboxID": sid, "nodeID": b["nodeID"] if b else None, "state": b["state"] if b else None})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    for r in rows:
+        print(f"{r['sandboxID']}  {r['nodeID'] or '-'}  {r['state'] or 'not bound to any node'}")
+    if any(r["nodeID"] is None for r in rows):
+        raise typer.Exit(1)
 
 
 @commands.command()
@@ -170,8 +199,10 @@ def gateway(
     if data_dir:
         settings.data_dir = data_dir.resolve()
     key = load_or_create_key(settings.api_key_file)
+    # Sandbox answers carry the gateway's domain, so the SDKs' get_host() comes here.
+    domain = settings.domain or f"localhost:{port}"
     gw = Gateway(ClusterStore(redis or redis_url()), _scheduler(scheduler), secret, key,
-                 max_body_bytes=settings.max_upload_mb << 20)
+                 max_body_bytes=settings.max_upload_mb << 20, domain=domain)
     url = f"http://{host}:{port}"
     print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
     print(f"  export E2B_API_URL={url} E2B_SANDBOX_URL={url} E2B_API_KEY=<the cluster's API key>", flush=True)
@@ -200,17 +231,60 @@ def _redacted(url: str) -> str:
     return url
 
 
-def _call(scheduler: str | None, method: str, path: str):
+def _need_shared_repo(env: ClusterSettings) -> None:
+    """A cluster node needs the shared repository (FORKYARD_REPO): with a node-local one a
+    paused sandbox resumes only on its own node, which E2B users do not expect. Refused
+    unless FORKYARD_ALLOW_LOCAL_REPO=1."""
+    if env.repo:
+        return
+    if env.allow_local_repo:
+        print("warning: FORKYARD_REPO is unset: this node keeps snapshots in its own data dir, so its paused "
+              "sandboxes resume only here and a drain or its death strands them", flush=True)
+        return
+    fail("a cluster node needs the snapshot repository all nodes share: set FORKYARD_REPO (s3://BUCKET/PREFIX "
+         "with FORKYARD_S3_ENDPOINT, or a directory mounted at the same path on every node). "
+         "FORKYARD_ALLOW_LOCAL_REPO=1 runs with a node-local one (paused sandboxes then resume only on this node).")
+
+
+def _wait_drained(scheduler: str | None, node_id: str, timeout_s: float) -> int:
+    """Poll the node list until ``node_id`` reports its drain done; print the outcome.
+    Returns the exit code: 0 drained, 1 some still run there, 2 timed out."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        node = next((n for n in _call(scheduler, "GET", "/v1/nodes") if n["nodeID"] == node_id), None)
+        r = node["report"] if node else {}
+        if node is not None and node["status"] == "draining" and r.get("drain_done"):
+            if r.get("running", 0) == 0:
+                print(f"node {node_id} is drained: {r.get('paused', 0)} paused sandbox(es), none running", flush=True)
+                return 0
+            print(f"node {node_id} finished draining but {r['running']} sandbox(es) still run there (their pause "
+                  "failed: see the node's log)", flush=True)
+            return 1
+        if time.monotonic() > deadline:
+            print(f"node {node_id} has not finished draining after {timeout_s:.0f} s "
+                  f"({r.get('running', '?')} still running)", flush=True)
+            return 2
+        time.sleep(0.5)
+
+
+def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = False):
     import httpx
 
     from forkyard.cluster.config import SECRET_HEADER
 
-    base = _scheduler(scheduler)
-    try:
-        r = httpx.request(method, base + path, headers={SECRET_HEADER: _secret()}, timeout=10, trust_env=False)
-    except httpx.HTTPError as e:
-        fail(f"scheduler at {base} is not reachable ({e}); is `forkyard scheduler` running? "
-              "(--scheduler / FORKYARD_SCHEDULER_URL)")
+    bases = _scheduler(scheduler).split(",")
+    for i, base in enumerate(bases):
+        try:
+            r = httpx.request(method, base + path, headers={SECRET_HEADER: _secret()}, timeout=10, trust_env=False)
+            break
+        except httpx.HTTPError as e:
+            if i == len(bases) - 1:
+                fail(f"scheduler at {_scheduler(scheduler)} is not reachable ({e}); is `forkyard scheduler` "
+                     "running? (--scheduler / FORKYARD_SCHEDULER_URL)")
+    if r.status_code == 404 and missing_ok:
+        return None
     if r.status_code != 200:
         try:
             msg = r.json().get("message", r.text)

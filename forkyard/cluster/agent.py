@@ -5,12 +5,19 @@
 * **heartbeat** every :data:`~.types.HEARTBEAT_INTERVAL_S`: a :class:`~.types.NodeReport`
   plus the ids it holds; the scheduler answers with the node's status (``draining``
   starts :meth:`NodeAgent.drain`) and the ids it must drop (moved to another node, or
-  reported gone while it was silent) — dropped with ``Orchestrator.forget``;
+  reported gone while it was declared down) — dropped with ``Orchestrator.forget``,
+  which stops a running one: only the node itself destroys its sandboxes. While the
+  scheduler (or Redis) is away nothing changes here: sandboxes keep running and being
+  served, changes queue and are published once it answers again;
 * **publish**: every row the orchestrator's store writes is mirrored to the scheduler
   (the binding and the record another node needs to resume it). Mutating REST calls
   answer only after their changes are published (:meth:`NodeAgent.wrap`), so the client
   never holds an id the gateway cannot route yet; background changes (expiry, reaping)
   follow within a heartbeat;
+* **drain**: pauses every running sandbox to the shared repository; while draining a
+  ``connect``/``resume`` is never served here: the sandbox is paused first and the call
+  answered 409 with :data:`~.config.DRAINING_HEADER`, so the gateway resumes it on
+  another node;
 * **internal routes** under ``/cluster`` (cluster secret only): ``adopt`` a paused
   sandbox from a dead or draining node, fork with an exported image, start fork
   children from another node's image, delete an exported fork image.
@@ -22,19 +29,23 @@ import asyncio
 import logging
 import os
 import re
+import secrets
+import time
 from dataclasses import asdict, fields
 
-import httpx
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.routes_lifecycle import fork_results
-from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
-from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NodeReport
-from forkyard.ids import is_name, is_sandbox_id
+from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
+from forkyard.cluster.schedclient import SchedulerClient
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.config import ClusterSettings, ControlPlaneSettings
+from forkyard.ids import SANDBOX_ID, is_name, is_sandbox_id
 from forkyard.orchestrator import timing
+from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.routing import route_of
 
@@ -42,8 +53,18 @@ log = logging.getLogger("forkyard.node")
 
 #: States a client can see; rows in other states are not (or no longer) bound.
 _HIDDEN = ("creating", "killing")
-#: How long a mutating reply waits for its changes to reach the scheduler (s).
+#: How long a mutating reply waits for its changes to reach the scheduler (s); not at all
+#: while the scheduler is unreachable (they are published once it is back).
 PUBLISH_WAIT_S = 3.0
+#: Timeouts of a heartbeat and of a publish (s): well under the heartbeat timeout, so a
+#: stopped scheduler replica costs one try before the next replica is asked.
+HEARTBEAT_CALL_S = 2.0
+PUBLISH_CALL_S = 5.0
+#: While the scheduler stays unreachable, the warning is repeated this often (s).
+LINK_LOG_S = 30.0
+#: ``connect``/``resume`` on a draining node: longest wait for the sandbox's pause (s).
+DRAIN_WAKE_WAIT_S = 120.0
+_WAKE = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})/(?:connect|resume)$")
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 
 
@@ -52,9 +73,9 @@ def default_max_sandboxes() -> int:
     (512 MiB, :class:`~forkyard.config.Settings`) as the node's admission lets run at
     once (:class:`~forkyard.orchestrator.admission.Capacity`), at least 1 — so placement
     never counts on room the node would refuse."""
-    env = os.environ.get("FORKYARD_NODE_MAX_SANDBOXES")
-    if env:
-        return max(1, int(env))
+    given = ControlPlaneSettings().node_max_sandboxes
+    if given is not None:
+        return given
     from forkyard.config import Settings
     from forkyard.orchestrator.admission import Capacity
 
@@ -106,16 +127,27 @@ class NodeAgent:
         cap = self.orch.capacity
         cap.max_sandboxes = max_sandboxes if cap.max_sandboxes is None else min(cap.max_sandboxes, max_sandboxes)
         self.secret = secret
-        self.status = "up"
-        self._http = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
-                                       timeout=5.0, trust_env=False)
+        self.status = NODE_UP
+        #: Set once a drain has paused what it could (reported: ``forkyard node drain --wait``).
+        self.drain_done = False
+        self.boot = secrets.token_hex(6)
+        self.settings = ClusterSettings()
+        self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S)
+        #: Whether the last scheduler call succeeded (None before the first).
+        self.linked: bool | None = None
+        #: When a scheduler call last succeeded (monotonic s).
+        self.last_ok = 0.0
+        self._link_since = time.monotonic()
+        self._link_logged = 0.0
+        self._commit_task: asyncio.Task | None = None
+        self._next_commit_retry = 0.0
         self._dirty: set[str] = set()
         self._lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._drain_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
-        self._runtime = self.orch.driver.build or "unknown"
+        self._runtime = self.orch.runtime_build or "unknown"
         #: placement ids whose calls have ended here, acked in the next heartbeat
         self._acked: set[str] = set()
         self.app.add_middleware(_PlacementAck, agent=self)
@@ -123,14 +155,14 @@ class NodeAgent:
         self.app.state.on_start.append(self.start)
         self.app.state.on_stop.insert(0, self.stop)
         self.app.include_router(self._router())
-        self.orch.store.listeners.append(self._changed)
+        self.orch.on_record_change(self._changed)
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Mark every local row for publishing and start the heartbeat loop (the first
         heartbeat is sent before returning; a scheduler that is down is retried)."""
         self._loop = asyncio.get_running_loop()
-        self._dirty |= {r.id for r in self.orch.store.all()}
+        self._dirty |= {r.id for r in self.orch.records()}
         try:
             await self._beat()
         except Exception as e:  # noqa: BLE001 — keep serving; the loop retries
@@ -138,18 +170,23 @@ class NodeAgent:
         self._task = asyncio.create_task(self._run(), name="cluster-agent")
 
     async def stop(self) -> None:
-        """Stop heartbeats (the scheduler marks this node down after the timeout)."""
-        for t in (self._task, self._drain_task):
+        """Stop heartbeats. The node's sandboxes keep running (they are re-adopted at
+        the next start), so the scheduler is told this is a restart: the node is not
+        declared down for ``FORKYARD_NODE_RESTART_GRACE_S`` (a crash says nothing and is
+        declared after the heartbeat timeout)."""
+        for t in (self._task, self._drain_task, self._commit_task):
             if t is not None:
                 t.cancel()
                 try:
                     await t
                 except (asyncio.CancelledError, Exception):  # noqa: BLE001
                     pass
-        try:
-            await self.publish()
-        except Exception as e:  # noqa: BLE001
-            log.warning("last publish before stopping failed: %s", e)
+        if self.linked is not False:
+            try:
+                await asyncio.wait_for(self.publish(), timeout=PUBLISH_CALL_S)
+                await self._post(f"/v1/nodes/{self.node_id}/restarting", {"graceS": self.settings.restart_grace_s})
+            except Exception as e:  # noqa: BLE001
+                log.warning("telling the scheduler about this restart failed: %s", e)
         await self._http.aclose()
 
     def _changed(self, sandbox_id: str) -> None:
@@ -169,16 +206,48 @@ class NodeAgent:
                 if self._loop.time() >= next_beat or self._acked:  # acks go out at once
                     next_beat = self._loop.time() + HEARTBEAT_INTERVAL_S
                     await self._beat()
-                elif self._dirty:
+                elif self._dirty and self.linked is not False:  # else the next heartbeat retries
                     await self.publish()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 — retried on the next tick
-                log.warning("cluster sync failed (retrying): %s", e, exc_info=log.isEnabledFor(logging.DEBUG))
+                self._link(False, e)
+            self._retry_commits()
+
+    def _link(self, ok: bool, err: Exception | None = None) -> None:
+        """Track whether the scheduler answers; say so once per change (and every
+        :data:`LINK_LOG_S` while it does not)."""
+        now = time.monotonic()
+        if ok:
+            self.last_ok = now
+            if self.linked is False:
+                log.warning("scheduler at %s answers again after %.1f s; queued changes are being published",
+                            self._http.url, now - self._link_since)
+            if self.linked is not True:
+                self._link_since = now
+            self.linked = True
+            return
+        if self.linked is not False:
+            self._link_since = self._link_logged = now
+            self.linked = False
+            log.warning("scheduler unreachable (%s): sandboxes here keep running and are served; changes are "
+                        "published when it is back", err, exc_info=log.isEnabledFor(logging.DEBUG))
+        elif now - self._link_logged >= LINK_LOG_S:
+            self._link_logged = now
+            log.warning("scheduler still unreachable after %.0f s (%s)", now - self._link_since, err)
+
+    def _retry_commits(self) -> None:
+        """Every ``FORKYARD_COMMIT_RETRY_S``, commit again paused images a failed commit
+        left staged here (the repository was down during their pause), in the background."""
+        if self._loop.time() < self._next_commit_retry or (self._commit_task and not self._commit_task.done()):
+            return
+        self._next_commit_retry = self._loop.time() + self.settings.commit_retry_s
+        if any(r.state == "paused" and not self.orch.pause_committed(r) for r in self.orch.records()):
+            self._commit_task = asyncio.create_task(self.orch.commit_staged_pauses(), name="commit-staged")
 
     # ---- scheduler calls --------------------------------------------------------------
     def _report(self) -> NodeReport:
-        rows = self.orch.store.all()
+        rows = self.orch.records()
         # Sandboxes still being created count too: their placement may predate the last
         # heartbeat, so the scheduler's placing count no longer covers them.
         running = [r for r in rows if r.state not in ("paused", "killing")]
@@ -187,34 +256,47 @@ class NodeAgent:
             running=len(running), paused=sum(1 for r in rows if r.state == "paused"),
             vcpus_reserved=sum(r.vcpus for r in running),
             free_slots=len(self.orch.node_metrics()["spareSlots"]),
-            cache_bytes=self.orch.snapshots.cache.limit_bytes, load1=os.getloadavg()[0],
-            runtime=self._runtime, cached_snapshots=self.orch.snapshots.cache.image_ids(),
+            cache_bytes=self.orch.cache_bytes, load1=os.getloadavg()[0],
+            runtime=self._runtime, cached_snapshots=self.orch.cached_snapshots(),
+            boot=self.boot, drain_done=self.drain_done,
         )
 
-    async def _post(self, path: str, body: dict) -> dict:
-        r = await self._http.post(path, json=body)
+    async def _post(self, path: str, body: dict, timeout_s: float = HEARTBEAT_CALL_S) -> dict:
+        try:
+            r = await self._http.post(path, json=body, timeout=timeout_s)
+        except Exception as e:
+            self._link(False, e)
+            raise
         if r.status_code != 200:
-            raise RuntimeError(f"scheduler answered {r.status_code} to {path}: {r.text[:300]}")
+            err = RuntimeError(f"scheduler answered {r.status_code} to {path}: {r.text[:300]}")
+            self._link(False, err)
+            raise err
+        self._link(True)
         return r.json()
 
     async def _beat(self) -> None:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
-            held = [r.id for r in self.orch.store.all() if r.state not in _HIDDEN]
+            rows = [r for r in self.orch.records() if r.state not in _HIDDEN]
+            held = [r.id for r in rows]
             out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
                                    {"url": self.url, "report": self._report().to_dict(), "held": held,
-                                    "placements": sorted(acked)})
+                                    "paused": [r.id for r in rows if r.state == "paused"],
+                                    "placements": sorted(acked),
+                                    "status": NODE_DRAINING if self.status == NODE_DRAINING else NODE_UP})
             self._acked -= acked
             self._dirty |= set(out.get("missing", []))
         await self._drop(out.get("foreign", []))
         for body in out.get("adopt", []):  # moved here, but the adopt call never came
             await self._adopt_quietly(body)
         if out.get("status") == NODE_DRAINING and self.status != NODE_DRAINING:
-            self.status = NODE_DRAINING
+            self.status, self.drain_done = NODE_DRAINING, False
             self._drain_task = asyncio.create_task(self.drain(), name="drain")
         elif out.get("status") != NODE_DRAINING:
-            self.status = out.get("status", "up")
+            if self.status == NODE_DRAINING:
+                log.warning("undrained: this node takes sandboxes again")
+            self.status, self.drain_done = out.get("status", NODE_UP), False
 
     async def _adopt_quietly(self, body: dict) -> None:
         """Adopt a paused sandbox the scheduler moved here (heartbeat answer); errors are
@@ -243,23 +325,28 @@ class NodeAgent:
         ids, self._dirty = self._dirty, set()
         records, deleted, deaths = [], [], {}
         for sid in ids:
-            rec = self.orch.store.get(sid)
+            rec = self.orch.record(sid)
             if rec is None or rec.state in _HIDDEN:
                 if rec is None or rec.state == "killing":
                     deleted.append(sid)
                     if (tomb := self.orch.tombstones.get(sid)) is not None:  # died by itself: say why
                         deaths[sid] = tomb.describe()
                 continue
-            records.append(asdict(rec))
+            # committed: false keeps a paused sandbox on this node until its image is in
+            # the shared repository (another node could not resume it).
+            records.append({**asdict(rec), "committed": self.orch.pause_committed(rec)})
         try:
             out = await self._post(f"/v1/nodes/{self.node_id}/publish",
-                                   {"records": records, "deleted": deleted, "deaths": deaths})
+                                   {"records": records, "deleted": deleted, "deaths": deaths},
+                                   timeout_s=PUBLISH_CALL_S)
         except BaseException:
             self._dirty |= ids
             raise
         return out.get("foreign", [])
 
     async def _drop(self, ids: list[str]) -> None:
+        """Drop sandboxes the cluster no longer routes here (moved elsewhere, or
+        reported gone while this node was declared down): running ones are stopped."""
         for sid in ids:
             try:
                 await self.orch.forget(sid)
@@ -269,16 +356,84 @@ class NodeAgent:
     async def drain(self) -> None:
         """Pause every running sandbox to the shared repository (each answers once its
         image is committed), so they can resume on other nodes; new placements have
-        already stopped (the scheduler marked this node draining)."""
+        already stopped (the scheduler marked this node draining). Sets
+        :attr:`drain_done` at the end (the next heartbeat reports it)."""
         running = [r.id for r in self.orch.list() if r.state == "running"]
         log.warning("draining: pausing %d running sandbox(es)", len(running))
+        failed = 0
         for sid in running:
+            if not self._still_running(sid):
+                continue  # paused meanwhile (a connect during the drain pauses its sandbox at once)
             try:
                 await self.orch.pause(sid)
             except Exception as e:  # noqa: BLE001 — report and go on with the others
-                log.error("drain: pause of %s failed: %s", sid, e)
-        await self.publish()
-        log.warning("drain finished")
+                if self._still_running(sid):
+                    failed += 1
+                    log.error("drain: pause of %s failed (it keeps running here): %s", sid, e)
+        try:
+            await self.publish()
+        except Exception as e:  # noqa: BLE001 — the heartbeat loop publishes later
+            log.warning("drain: publishing failed (retried): %s", e)
+        self.drain_done = True
+        self._wake.set()
+        log.warning("drain finished: %d paused, %d still running (pause failed)", len(running) - failed, failed)
+
+    async def _may_resume(self, sandbox_id: str) -> bool:
+        """Whether a connect/resume may go on here: always for a running sandbox; for a
+        paused one only if the scheduler can be told (a heartbeat is tried first unless
+        one succeeded within the last :data:`~.types.HEARTBEAT_INTERVAL_S` × 2). A node
+        cut off from the control plane does not resume: if it were declared down
+        meanwhile, the paused binding would move and the sandbox would run twice."""
+        rec = self.orch.record(sandbox_id)
+        if rec is None or rec.state == "running" or time.monotonic() - self.last_ok < 2 * HEARTBEAT_INTERVAL_S:
+            return True
+        try:
+            await asyncio.wait_for(self._beat(), timeout=HEARTBEAT_CALL_S + 0.5)
+        except Exception:  # noqa: BLE001 — still cut off
+            return False
+        return True
+
+    def _told_draining(self, scope) -> bool:
+        """The gateway says this node is draining (it read the status before this node's
+        next heartbeat could): :data:`~.config.DRAINING_HEADER` with the cluster secret."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        return headers.get(DRAINING_HEADER) == "1" and cluster_secret_ok(headers, self.secret)
+
+    def _still_running(self, sandbox_id: str) -> bool:
+        rec = self.orch.record(sandbox_id)
+        return rec is not None and rec.state == "running"
+
+    async def _refuse_wake(self, sandbox_id: str, scope, receive, send, app) -> None:
+        """A ``connect``/``resume`` while this node drains: the sandbox is paused here
+        first (at once, not in drain order) and the call answered 409 with
+        :data:`~.config.DRAINING_HEADER`, after publishing, so the gateway moves it
+        and resumes it on another node. A sandbox whose pause failed keeps running and
+        the call is served here; an unknown one gets the node's own 404."""
+        deadline = time.monotonic() + DRAIN_WAKE_WAIT_S
+        while True:
+            rec = self.orch.record(sandbox_id)
+            if rec is None or rec.state in _HIDDEN:
+                return await app(scope, receive, send)
+            if rec.state == "paused":
+                break
+            if rec.state == "running":
+                try:
+                    await self.orch.pause(sandbox_id)
+                except OrchestratorError as e:
+                    if self._still_running(sandbox_id):
+                        log.error("draining: pause of %s for a connect failed; served here: %s", sandbox_id, e)
+                        return await app(scope, receive, send)
+                continue
+            if time.monotonic() > deadline:  # stuck in a transient state: let the node answer
+                return await app(scope, receive, send)
+            await asyncio.sleep(0.05)  # pausing, snapshotting, forking…: wait for it
+        try:
+            await asyncio.wait_for(self.publish(), timeout=PUBLISH_WAIT_S)
+        except Exception as e:  # noqa: BLE001 — the gateway waits for the binding anyway
+            log.warning("publishing before refusing a wake during the drain failed: %r", e)
+        body = {"code": 409, "message": f"node {self.node_id} is draining: sandbox {sandbox_id} is paused and "
+                                        "resumes on another node (ask the cluster's gateway)"}
+        await JSONResponse(body, status_code=409, headers={DRAINING_HEADER: "1"})(scope, receive, send)
 
     # ---- the node app -------------------------------------------------------------------
     def wrap(self, app):
@@ -304,9 +459,17 @@ class NodeAgent:
                                               status_code=401)(scope, receive, send)
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)
+            if scope["method"] == "POST" and (m := _WAKE.match(scope["path"])):
+                if agent.status == NODE_DRAINING or agent._told_draining(scope):
+                    return await agent._refuse_wake(m.group(1), scope, receive, send, app)
+                if not await agent._may_resume(m.group(1)):
+                    body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler, so it "
+                                                    f"cannot record that sandbox {m.group(1)} resumes: retry shortly "
+                                                    "(running sandboxes are not affected)"}
+                    return await JSONResponse(body, status_code=503)(scope, receive, send)
 
             async def send_after_publish(message):
-                if message["type"] == "http.response.start":
+                if message["type"] == "http.response.start" and agent.linked is not False:
                     try:
                         await asyncio.wait_for(agent.publish(), timeout=PUBLISH_WAIT_S)
                     except Exception as e:  # noqa: BLE001 — published later by the loop

@@ -5,7 +5,8 @@ CLI options override).
 ``FORKYARD_REDIS_URL``             cluster state (scheduler, gateway); default
                                    ``redis://127.0.0.1:6379/0``
 ``FORKYARD_SCHEDULER_URL``         where nodes and gateways reach the scheduler; default
-                                   ``http://127.0.0.1:9090``
+                                   ``http://127.0.0.1:9090``; several replicas comma-separated
+                                   (tried in turn: :class:`~.schedclient.SchedulerClient`)
 ``FORKYARD_CLUSTER_SECRET``        the secret node ↔ scheduler ↔ gateway calls carry (not the
 ``FORKYARD_CLUSTER_SECRET_FILE``   users' API key); or a file holding it, mode 0600
 ``FORKYARD_NODE_ID``               this node's name (default: the host name)
@@ -26,6 +27,9 @@ from forkyard.api.auth import CLUSTER_SECRET_HEADER as SECRET_HEADER  # noqa: F4
 #: Header on a gateway → node call that starts sandboxes the scheduler placed: the
 #: placement id, acknowledged in the node's next heartbeat once the call has ended.
 PLACEMENT_HEADER = "x-forkyard-placement"
+#: Header on a draining node's 409 to a ``connect``/``resume``: the sandbox is paused and
+#: resumes on another node (the gateway moves it and tries again there).
+DRAINING_HEADER = "x-forkyard-draining"
 from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -72,6 +76,23 @@ def redis_url(env: dict[str, str] | None = None) -> str:
 
 
 def scheduler_url(env: dict[str, str] | None = None) -> str:
-    """``FORKYARD_SCHEDULER_URL`` or the default (no trailing slash)."""
+    """``FORKYARD_SCHEDULER_URL`` or the default (no trailing slash): all of it, which
+    may list several replicas separated by commas (:func:`scheduler_urls`)."""
     env = os.environ if env is None else env
-    return (env.get("FORKYARD_SCHEDULER_URL") or DEFAULT_SCHEDULER_URL).rstrip("/")
+    return ",".join(scheduler_urls(env.get("FORKYARD_SCHEDULER_URL") or DEFAULT_SCHEDULER_URL))
+
+
+def scheduler_urls(value: str) -> list[str]:
+    """The scheduler replicas' URLs in ``value`` (comma-separated; no trailing slashes).
+
+    Raises:
+        ClusterConfigError: one of them is not an ``http(s)://`` URL.
+    """
+    urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ClusterConfigError(f"scheduler URL {u!r} must start with http:// or https:// "
+                                     "(FORKYARD_SCHEDULER_URL / --scheduler; several: comma-separated)")
+    if not urls:
+        raise ClusterConfigError("no scheduler URL given (FORKYARD_SCHEDULER_URL / --scheduler)")
+    return urls

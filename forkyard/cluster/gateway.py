@@ -17,7 +17,16 @@ number of gateways can run behind a load balancer. What goes where:
 * everything else (templates, snapshots, repository metrics) → one node (the lowest id
   that is up), since templates and snapshots live in the shared repository.
 
-Calls to nodes carry the cluster secret instead of the user's API key.
+Calls to nodes carry the cluster secret instead of the user's API key. Sandbox answers
+carry the gateway's own ``domain`` (``FORKYARD_DOMAIN``, else ``localhost:PORT``), so the
+SDKs' ``get_host()`` comes back here.
+
+**Outages** (issue 19): a node counts as gone only once the scheduler declared it down
+(:mod:`.liveness`), never because its heartbeats are late — they are late whenever the
+scheduler or Redis is away. While Redis is down, routing goes on from the last bindings
+seen and by asking the nodes (:mod:`.routing`); creates, moves and listings answer 503.
+A paused sandbox whose node does not answer is moved at once (the scheduler checks the
+node first), and a ``connect``/``resume`` a draining node refuses is resumed elsewhere.
 """
 
 from __future__ import annotations
@@ -35,17 +44,25 @@ from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from forkyard.api import fastpath, paths, schemas
-from forkyard.api.proxy import (_HOP, _HOP_OUT, _WS_SKIP, _target_path, orchestrator_only, relay_bodyless, relay_http,
-                                relay_ws, route_of)
+from forkyard.api import schemas
 from forkyard.api.routes_sandboxes import filter_records, list_page
-from forkyard.cluster.config import PLACEMENT_HEADER, SECRET_HEADER
+from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
+from forkyard.cluster.routing import Fail as _Fail
+from forkyard.cluster.routing import Ownership, RouteBook
+from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import NODE_UP, NodeInfo
+from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
 from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
+from forkyard.relay import fastpath, paths
+from forkyard.relay.fastpath import relay_bodyless
+from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, target_path
+from forkyard.relay.http import relay_http
+from forkyard.relay.paths import orchestrator_only
+from forkyard.relay.websocket import relay_ws
+from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.gateway")
 
@@ -53,21 +70,20 @@ _SCOPED = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})(/.*)?$")
 _FORK = re.compile(rf"^/sandboxes/({SANDBOX_ID})/fork$")
 #: The one key-less REST route: a template build's signed COPY upload URL.
 _UPLOAD = re.compile(r"^/template-files/[0-9a-f]{64}$")
+#: Calls that may resume a sandbox (retried on another node when a draining node refuses).
+_WAKE = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})/(?:connect|resume)$")
+#: How often a connect/resume is sent again after a draining node refused it.
+WAKE_ATTEMPTS = 3
 #: Largest JSON body the gateway itself parses (create, fork): bytes.
 MAX_JSON_BODY = 1 << 20
 #: How long resolved node lists / sandbox owners are reused for sandbox traffic (s).
 NODES_TTL_S = 0.5
-OWNER_TTL_S = 1.0
 _RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
-#: Placements tried for one create whose nodes refuse it for capacity (503).
+#: Placements tried for one create whose nodes refuse it for capacity (503) or fail it
+#: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
-_NODE_SKIP = _HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER}  # the last two: only ours
-
-
-class _Fail(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+_REPLACE = {500, 502, 503, 507}
+_NODE_SKIP = HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
 
 
 def _record(d: dict) -> SandboxRecord:
@@ -88,26 +104,32 @@ def _replay(body: bytes):
     return receive
 
 
-class Gateway:
-    """The gateway's ASGI app.
+class Gateway(Ownership):
+    """The gateway's ASGI app (ownership and routing of sandboxes: :class:`~.routing.Ownership`).
 
     Args:
         store: cluster state (Redis).
-        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        scheduler_url: the scheduler's base URL (several replicas: comma-separated);
+            secret: the cluster secret.
         api_key: the users' API key (``X-API-Key``), the same on every node.
         max_body_bytes: largest body forwarded to a sandbox or node (uploads), bytes.
+        domain: the ``domain`` sandbox answers carry (``host[:port]``; None: the
+            node's own, which bypasses the gateway).
     """
 
     def __init__(self, store: ClusterStore, scheduler_url: str, secret: str, api_key: str,
-                 max_body_bytes: int = 4 << 30):
+                 max_body_bytes: int = 4 << 30, domain: str | None = None):
         self.store, self.secret, self.api_key = store, secret, api_key
         self.max_body_bytes = max_body_bytes
-        self.sched = httpx.AsyncClient(base_url=scheduler_url, headers={SECRET_HEADER: secret},
-                                       timeout=httpx.Timeout(30.0, connect=3.0), trust_env=False)
+        self.domain = domain
+        self.sched = SchedulerClient(scheduler_url, secret, timeout_s=30.0)
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._fast: dict[str, fastpath.FastConnections] = {}  # per node URL: bodyless sandbox traffic
         self._nodes: tuple[float, dict[str, NodeInfo]] = (0.0, {})
         self._owners: dict[str, tuple[float, NodeInfo]] = {}
+        #: last known bindings and nodes, for routing while Redis is away (.routing)
+        self.book = RouteBook()
+        self._ask = httpx.AsyncClient(trust_env=False)
         self.api = self._rest_app()
 
     # ---- plumbing ---------------------------------------------------------------------
@@ -127,29 +149,47 @@ class Gateway:
         for fast in self._fast.values():
             fast.close()
         await self.sched.aclose()
+        await self._ask.aclose()
         await self.store.aclose()
 
-    async def nodes(self, fresh: bool = False) -> dict[str, NodeInfo]:
-        """Registered nodes by id (reused for :data:`NODES_TTL_S` unless ``fresh``)."""
+    async def nodes(self, fresh: bool = False, stale_ok: bool = True) -> dict[str, NodeInfo]:
+        """Registered nodes by id (reused for :data:`NODES_TTL_S` unless ``fresh``).
+        While Redis cannot be read, the last list read (``stale_ok``).
+
+        Raises:
+            ClusterStoreUnavailable: Redis failed and no list was read before.
+        """
         ts, nodes = self._nodes
         if fresh or time.monotonic() - ts > NODES_TTL_S:
-            nodes = {n.node_id: n for n in await self.store.nodes()}
+            try:
+                nodes = {n.node_id: n for n in await self.store.nodes()}
+            except ClusterStoreUnavailable:
+                if not (stale_ok and self.book.nodes):
+                    raise
+                return self.book.nodes
             self._nodes = (time.monotonic(), nodes)
+            if nodes:  # an empty list (Redis lost its data) does not erase what was known
+                self.book.remember_nodes(nodes)
         return nodes
 
     async def any_node(self) -> NodeInfo:
-        """The node that serves cluster-wide calls: the lowest id that is up."""
-        now = time.time()
-        for nid, n in sorted((await self.nodes()).items()):
-            if n.status == NODE_UP and n.alive(now):
-                return n
+        """The node that serves cluster-wide calls: the lowest id that is up (heard
+        from lately if any is; a silent one is not declared gone)."""
+        nodes = sorted((await self.nodes()).items())
+        for want_alive in (True, False):
+            for _, n in nodes:
+                if n.status == NODE_UP and (n.alive() or not want_alive):
+                    return n
         raise _Fail(503, "no node is up in the cluster; start `forkyard node --scheduler URL` on a host")
 
     async def _schedule(self, body: dict) -> dict:
         try:
+            # Sent again to another replica also when a connection broke mid-call: a
+            # placement made twice only holds room until it expires (PLACING_TTL_S).
             r = await self.sched.post("/v1/placements", json=body, headers=logs.outgoing())
         except httpx.HTTPError as e:
-            raise _Fail(503, f"scheduler unreachable ({e!r}); retry shortly") from e
+            raise _Fail(503, f"scheduler unreachable ({e!r}): creates, forks and moves to another node wait "
+                             "for it; running sandboxes are still served; retry shortly") from e
         if r.status_code != 200:
             try:
                 msg = r.json().get("message", r.text)
@@ -168,56 +208,6 @@ class Gateway:
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
-
-    # ---- ownership ----------------------------------------------------------------------
-    async def owner(self, sandbox_id: str, move: bool = True) -> NodeInfo:
-        """The node serving ``sandbox_id``. A paused sandbox whose node is down or
-        draining is moved first when ``move`` (the scheduler rebinds it atomically), and
-        a paused sandbox is always adopted by the node it is bound to before a REST call
-        goes there (idempotent: a node that has it already keeps it) — so a move whose
-        adopt never happened (a gateway died in between) heals on the next call.
-
-        Raises:
-            _Fail: 404 unknown or gone with its node; 503 no capacity / control plane down.
-        """
-        b = await self.store.binding(sandbox_id)
-        if b is None:
-            why = await self.store.death(sandbox_id)  # its node said why it died, if it did
-            raise _Fail(404, f"sandbox {sandbox_id!r} not found" + (f": {why}" if why else ""))
-        nodes = await self.nodes()
-        now = time.time()
-        node = nodes.get(b.node_id)
-        if node is not None and node.alive(now) and (node.status == NODE_UP or b.state != "paused"):
-            if b.state == "paused" and move:
-                await self._adopt(node, b)
-            return node
-        if b.state != "paused":
-            raise _Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
-        if not move:
-            raise _Fail(404, f"sandbox {sandbox_id!r} is paused")
-        out = await self._schedule({"kind": "resume", "sandboxID": sandbox_id})
-        target_id = out["placements"][0]["nodeID"]
-        target = (await self.nodes(fresh=True)).get(target_id)
-        if target is None or not target.alive(now):
-            raise _Fail(503, f"sandbox {sandbox_id!r} is paused on node {target_id}, which is unreachable; retry shortly")
-        await self._adopt(target, b)
-        return target
-
-    async def _adopt(self, node: NodeInfo, b) -> None:
-        r = await self._node_call(node, "POST", "/cluster/adopt", b.record)
-        if r.status_code not in (200, 409):  # 409: it runs there already
-            raise _Fail(r.status_code, f"node {node.node_id} could not take over paused sandbox "
-                                       f"{b.sandbox_id}: {r.text[:300]}")
-
-    async def _proxy_owner(self, sandbox_id: str) -> NodeInfo:
-        hit = self._owners.get(sandbox_id)
-        if hit is not None and time.monotonic() - hit[0] < OWNER_TTL_S:
-            return hit[1]
-        node = await self.owner(sandbox_id, move=False)
-        if len(self._owners) > 10_000:
-            self._owners.clear()
-        self._owners[sandbox_id] = (time.monotonic(), node)
-        return node
 
     # ---- ASGI -----------------------------------------------------------------------------
     async def __call__(self, scope, receive, send):
@@ -265,10 +255,15 @@ class Gateway:
         m = _FORK.match(path)
         if m and method == "POST":
             return await self._fork(m.group(1), scope, receive, send)
+        m = _WAKE.match(path)
+        if m and method == "POST":
+            return await self._wake(m.group(1), scope, receive, send)
         m = _SCOPED.match(path)
         if m:
             node = await self.owner(m.group(1))
             self._owners.pop(m.group(1), None)
+            if method == "GET" and m.group(2) is None:  # the sandbox's details: our domain in them
+                return await self._reply(send, await self._call_as_client(node, scope, b"", None))
             return await self._forward(node, scope, receive, send)
         return await self._forward(await self.any_node(), scope, receive, send)
 
@@ -290,7 +285,7 @@ class Gateway:
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
             headers = [(k, v) for k, v in scope["headers"]
-                       if k.decode("latin-1").lower() not in _HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
+                       if k.decode("latin-1").lower() not in HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
                        or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
             what = f"sandbox {sandbox_id} on node {node.node_id}"
             host, _, nport = base.partition(":")
@@ -301,7 +296,7 @@ class Gateway:
             return await relay_http(self._client(node), scope, receive, send, f"http://{base}", headers + route_hdrs,
                                     self.max_body_bytes, what)
         hdrs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                if k.decode("latin-1").lower() not in _WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
+                if k.decode("latin-1").lower() not in WS_SKIP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}]
         hdrs += [(k.decode(), v.decode()) for k, v in route_hdrs]
         return await relay_ws(scope, receive, send, f"ws://{base}", hdrs)
 
@@ -355,43 +350,99 @@ class Gateway:
     async def _create(self, scope, receive, send):
         """Place a create and forward it. A node that refuses it for capacity (503: its
         memory admission or host-memory floor, which the scheduler's sandbox counts do
-        not see) is excluded and the create placed again, at most
+        not see), fails it (500/502/507: e.g. its disk is full; the node removes what it
+        half made) or cannot be reached is excluded and the create placed again, at most
         :data:`CREATE_ATTEMPTS` times; the last refusal reaches the client."""
         raw, body = await self._json_body(scope, receive)
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
             raise _Fail(400, "templateID: Field required")
         refused: list[str] = []
+        r, failed = None, None
         for attempt in range(CREATE_ATTEMPTS):
             try:
                 out = (await self._schedule({"kind": "create", "snapshot": template[:128],
                                              "exclude": refused}))["placements"][0]
-            except _Fail:
+            except _Fail as e:
                 if not refused:
                     raise
+                failed = failed or e
                 break  # no other node: the last node's refusal is the answer
             node = (await self.nodes(fresh=True)).get(out["nodeID"])
             if node is None:
                 raise _Fail(503, "the placed node left the cluster; retry")
-            r = await self._call_as_client(node, scope, raw, out.get("placementID"))
-            if r.status_code != 503 or attempt == CREATE_ATTEMPTS - 1:
+            try:
+                r = await self._call_as_client(node, scope, raw, out.get("placementID"), connect_error=True)
+            except httpx.ConnectError as e:  # never reached the node: place it elsewhere
+                failed = _Fail(502, f"node {node.node_id} is not reachable: {e!r}")
+                log.info("%s; placing the create again", failed)
+                refused.append(node.node_id)
+                continue
+            if r.status_code not in _REPLACE or attempt == CREATE_ATTEMPTS - 1:
                 break
-            log.info("node %s refused a create (503: %s); placing it again", node.node_id, r.text[:200])
+            log.info("node %s refused a create (%d: %s); placing it again", node.node_id, r.status_code, r.text[:200])
             refused.append(node.node_id)
-        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.multi_items()
-                   if k.lower() not in _HOP_OUT]
-        headers.append((b"content-length", str(len(r.content)).encode()))
-        await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
-        await send({"type": "http.response.body", "body": r.content})
+        if r is None:
+            raise failed or _Fail(503, "no node took the create; retry")
+        await self._reply(send, r)
 
-    async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None) -> httpx.Response:
+    async def _wake(self, sandbox_id: str, scope, receive, send):
+        """``connect``/``resume``: to the owner; a draining node refuses it (409 with
+        :data:`~.config.DRAINING_HEADER`) once the sandbox is paused there, and it is
+        then moved and sent again — never resumed on the draining node."""
+        raw, _ = await self._json_body(scope, receive)
+        for attempt in range(WAKE_ATTEMPTS):
+            node = await self.owner(sandbox_id, fresh=True)
+            self._owners.pop(sandbox_id, None)
+            # The gateway may learn of a drain before the node's next heartbeat does: tell it.
+            r = await self._call_as_client(node, scope, raw, None, draining=node.status == NODE_DRAINING)
+            if r.status_code != 409 or DRAINING_HEADER not in r.headers:
+                break
+            log.info("node %s is draining: sandbox %s resumes elsewhere", node.node_id, sandbox_id)
+        await self._reply(send, r)
+
+    def _with_domain(self, content: bytes) -> bytes:
+        """A node's JSON answer with every sandbox's ``domain`` made the gateway's."""
+        if not self.domain or b'"domain"' not in content:
+            return content
+        try:
+            data = json.loads(content)
+        except ValueError:
+            return content
+        items = data if isinstance(data, list) else [data]
+        for item in items:
+            for d in (item, item.get("sandbox") if isinstance(item, dict) else None):
+                if isinstance(d, dict) and "domain" in d:
+                    d["domain"] = self.domain
+        return json.dumps(data).encode()
+
+    async def _reply(self, send, r: httpx.Response) -> None:
+        """Send a node's buffered answer ``r`` to the client (the gateway's domain in it)."""
+        body = self._with_domain(r.content)
+        headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in r.headers.multi_items()
+                   if k.lower() not in HOP_OUT]
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": r.status_code, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None,
+                              connect_error: bool = False, draining: bool = False) -> httpx.Response:
         """The client's REST call (``body`` read already) sent to ``node`` as
         :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
-        _Fail(502) when the node cannot be reached."""
+        _Fail(502) when the node cannot be reached (``connect_error``: httpx.ConnectError
+        itself when the connection could not be opened, so nothing reached the node).
+        ``draining``: the node is draining (:data:`~.config.DRAINING_HEADER` sent along)."""
+        headers = self._node_headers(scope, placement)
+        if draining:
+            headers.append((DRAINING_HEADER.encode(), b"1"))
         try:
-            return await self._client(node).request(scope["method"], node.url + _target_path(scope),
-                                                    headers=self._node_headers(scope, placement), content=body,
+            return await self._client(node).request(scope["method"], node.url + target_path(scope),
+                                                    headers=headers, content=body,
                                                     timeout=httpx.Timeout(300.0, connect=5.0))
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            if connect_error:
+                raise httpx.ConnectError(str(e)) from e
+            raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
         except httpx.HTTPError as e:
             raise _Fail(502, f"node {node.node_id} is not reachable: {e!r}") from e
 
@@ -408,7 +459,7 @@ class Gateway:
         plan = (await self._schedule({"kind": "fork", "sandboxID": sandbox_id, "count": fb.count,
                                       "vcpus": int(b.record.get("vcpus", 2))}))["placements"]
         if len(plan) == 1 and plan[0]["nodeID"] == node.node_id:
-            return await self._forward(node, scope, receive, send, body=raw, placement=plan[0].get("placementID"))
+            return await self._reply(send, await self._call_as_client(node, scope, raw, plan[0].get("placementID")))
         here = [p for p in plan if p["nodeID"] == node.node_id]
         local = sum(p["count"] for p in here)
         log.info("fork of %s (%d) spread over nodes: %s", sandbox_id, fb.count,
@@ -446,20 +497,25 @@ class Gateway:
         except _Fail as e:
             log.warning("fork image %s of %s not deleted: %s", image, sandbox_id, e)
         headers = {"Server-Timing": r.headers["server-timing"]} if "server-timing" in r.headers else None
+        results = json.loads(self._with_domain(json.dumps(results).encode()))
         await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
 
     # ---- REST served by the gateway itself ------------------------------------------------
-    async def _records(self) -> list[SandboxRecord]:
-        """Every sandbox a client can see, cluster-wide: bindings whose node is alive,
-        and paused ones whatever their node."""
-        nodes = await self.nodes()
-        now = time.time()
-        out = []
+    async def _records(self) -> tuple[list[SandboxRecord], dict[str, str]]:
+        """Every sandbox a client can see, cluster-wide: bindings whose node is not
+        declared down, and paused ones whatever their node; and ``{id: node id}``.
+
+        Raises:
+            ClusterStoreUnavailable: listing needs Redis (503).
+        """
+        nodes = await self.nodes(stale_ok=False)
+        out, where = [], {}
         for b in await self.store.bindings():
             n = nodes.get(b.node_id)
-            if b.state == "paused" or (n is not None and n.alive(now)):
+            if b.state == "paused" or (n is not None and not n.declared_down):
                 out.append(_record(b.record))
-        return out
+                where[b.sandbox_id] = b.node_id
+        return out, where
 
     def _rest_app(self) -> FastAPI:
         gw = self
@@ -485,9 +541,16 @@ class Gateway:
             ok = await gw.store.ping()
             return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
 
+        def with_nodes(items: list[dict], where: dict[str, str]) -> list[dict]:
+            for item in items:  # which node holds it (forkyard ls shows it; SDKs ignore it)
+                item["nodeID"] = where.get(item["sandboxID"])
+            return items
+
         @app.get("/sandboxes")
         async def list_v1(metadata: str | None = None):
-            return [schemas.sandbox_listed(r) for r in filter_records(await gw._records(), metadata, {"running"}, None)]
+            recs, where = await gw._records()
+            return with_nodes([schemas.sandbox_listed(r) for r in filter_records(recs, metadata, {"running"}, None)],
+                              where)
 
         @app.get("/v2/sandboxes")
         async def list_v2(
@@ -499,17 +562,17 @@ class Gateway:
             started_after: str | None = Query(default=None, alias="startedAfter"),
             started_before: str | None = Query(default=None, alias="startedBefore"),
         ):
-            return list_page(await gw._records(), response, metadata, state, template, order, next_token, limit,
-                             started_after, started_before)
+            recs, where = await gw._records()
+            return with_nodes(list_page(recs, response, metadata, state, template, order, next_token, limit,
+                                        started_after, started_before), where)
 
         @app.get("/metrics/node")
         @app.get("/metrics/cluster")
         async def cluster_metrics():
-            now = time.time()
-            nodes = await gw.nodes(fresh=True)
-            recs = await gw._records()
+            nodes = await gw.nodes(fresh=True, stale_ok=False)
+            recs, _ = await gw._records()
             paused = sum(1 for r in recs if r.state == "paused")
             return {"sandboxes": {"running": len(recs) - paused, "paused": paused},
-                    "nodes": [n.to_dict(now) for _, n in sorted(nodes.items())]}
+                    "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
 
         return app

@@ -52,8 +52,11 @@ class _Candidate:
 
 
 def eligible(nodes: list[NodeInfo], now: float, exclude: set[str] = frozenset()) -> list[NodeInfo]:
-    """Nodes that may take new sandboxes: up and heard from recently."""
-    return [n for n in nodes if n.status == NODE_UP and n.alive(now) and n.node_id not in exclude]
+    """Nodes that may take new sandboxes: up and heard from within the heartbeat
+    timeout (a node's :attr:`~.types.NodeInfo.age` as read from Redis when known, else
+    ``now - last_seen``)."""
+    return [n for n in nodes if n.status == NODE_UP and (n.alive() if n.age is not None else n.alive(now))
+            and n.node_id not in exclude]
 
 
 def place(nodes: list[NodeInfo], placing: dict[str, int], now: float, count: int = 1, vcpus: int = 2,

@@ -5,11 +5,14 @@ restart loses nothing and two replicas can run at once: bindings change only thr
 atomic scripts (a paused sandbox is moved to one node, never two), and placements are
 counted in Redis until the chosen node acknowledges them in a heartbeat whose report
 shows their sandboxes (a placement made while a report was in flight is never lost).
+Nodes are declared down only on evidence about them (:mod:`.liveness`): never because
+Redis or the scheduler itself was away.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, report, held, placements}`` → ``{status, foreign, missing, adopt}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, held, paused, placements}`` → ``{status, foreign, missing, adopt}``
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
+* ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
 * ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count, placementID}]}``
 * ``GET /v1/sandboxes/{id}`` → the binding
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Annotated
 from contextlib import asynccontextmanager
@@ -28,11 +30,16 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
+import httpx
+
 from forkyard.cluster.config import secret_ok
+from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.config import ControlPlaneSettings
 from forkyard.obs import metrics
-from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.relay.paths import path_problem
 
 log = logging.getLogger("forkyard.scheduler")
 
@@ -43,8 +50,13 @@ MAX_BODY = 8 << 20
 
 class Heartbeat(BaseModel):
     url: str = Field(max_length=512)
+    #: the node's own view of its status (``up``/``draining``), used only when it
+    #: registers anew (or Redis lost its data): otherwise the operator's status stands
+    status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
     report: dict = Field(default_factory=dict)
     held: list[str] = Field(default_factory=list, max_length=200_000)
+    #: those of ``held`` the node holds paused
+    paused: list[str] = Field(default_factory=list, max_length=200_000)
     #: placement ids whose requests ended on the node before ``report`` was built
     placements: list[str] = Field(default_factory=list, max_length=10_000)
 
@@ -56,6 +68,11 @@ class Publish(BaseModel):
     deaths: dict[str, str] = Field(default_factory=dict, max_length=10_000)
 
 
+class Restarting(BaseModel):
+    #: how long (s) the node may take to be back before it is declared down
+    grace_s: float = Field(alias="graceS", ge=0, le=3600)
+
+
 class PlacementRequest(BaseModel):
     kind: str = Field(pattern="^(create|fork|resume)$")
     count: int = Field(default=1, ge=1, le=100)
@@ -64,6 +81,10 @@ class PlacementRequest(BaseModel):
     sandbox_id: str | None = Field(default=None, alias="sandboxID", max_length=64)
     #: Nodes not to place on (a create that these nodes refused for capacity).
     exclude: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=64)
+    #: resume: the caller could not reach the sandbox's node; the scheduler checks that
+    #: itself (the node's /health) before moving a paused sandbox off a node that is
+    #: not declared down
+    unreachable: bool = False
 
 
 def _err(status: int, message: str) -> JSONResponse:
@@ -71,13 +92,17 @@ def _err(status: int, message: str) -> JSONResponse:
 
 
 class _Guard:
-    """ASGI middleware: the cluster secret is checked from the headers before any body
-    is read (``/health`` excepted), and bodies over :data:`MAX_BODY` are refused."""
+    """ASGI middleware: a path the gateway and nodes would refuse is refused here too
+    (:func:`forkyard.relay.paths.path_problem`, 400: one rule on every hop, issue 25), the
+    cluster secret is checked from the headers before any body is read (``/health``
+    excepted), and bodies over :data:`MAX_BODY` are refused."""
 
     def __init__(self, app, secret: str):
         self.app, self.secret = app, secret
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (problem := path_problem(scope)):
+            return await _err(400, problem)(scope, receive, send)
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -92,17 +117,18 @@ class _Guard:
 #: A node silent this long (s, ``FORKYARD_ORPHAN_MOVE_S``) has its paused sandboxes moved
 #: to live nodes without waiting for a call, so their retention (which runs on the owning
 #: node) and GC go on; a node back sooner keeps them (a restart loses nothing).
-ORPHAN_MOVE_S = float(os.environ.get("FORKYARD_ORPHAN_MOVE_S", "300"))
+ORPHAN_MOVE_S = ControlPlaneSettings().orphan_move_s
 
 
 async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: float) -> list[str]:
-    """Rebind every paused sandbox of down node ``node_id`` to a live node (placement as
-    for a resume, with snapshot locality; the target adopts it at its next heartbeat).
-    Returns the moved ids; those with no node to go to stay (retried next sweep)."""
+    """Rebind every paused sandbox of down node ``node_id`` whose image is committed to a
+    live node (placement as for a resume, with snapshot locality; the target adopts it
+    at its next heartbeat). Returns the moved ids; those with no node to go to stay
+    (retried next sweep), those whose image is only on the down node stay bound to it."""
     moved = []
     for sid in sorted(await store.node_sandboxes(node_id)):
         b = await store.binding(sid)
-        if b is None or b.state != "paused" or b.node_id != node_id:
+        if b is None or b.state != "paused" or b.node_id != node_id or not b.committed:
             continue
         try:
             target = place(all_nodes, {}, now, snapshot_id=b.record.get("image_id"), exclude={node_id})[0][0]
@@ -114,25 +140,90 @@ async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: 
     return moved
 
 
+async def sweep_once(store: ClusterStore, live: Liveness, probe=None) -> list[str]:
+    """One sweep (:mod:`forkyard.cluster.liveness`): read Redis's clock and every node,
+    declare down the nodes silent past the timeout while this replica was watching that
+    do not answer ``probe`` either (``async probe(url) -> bool``: their ``/health``;
+    None: not asked), tombstoning their running sandboxes (nothing is destroyed), and
+    move the paused sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`. Returns
+    the ids of the nodes declared down now.
+
+    Raises:
+        ClusterStoreUnavailable: Redis failed (the caller ticks ``live`` with None).
+    """
+    redis_now = await store.now()
+    live.tick(redis_now)
+    try:
+        return await _sweep(store, live, probe, redis_now)
+    finally:
+        live.done()
+
+
+_answering: dict[str, float] = {}  # node id -> when "silent but answers" was last logged
+
+
+async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -> list[str]:
+    await store.ensure_epoch()
+    all_nodes = await store.nodes()
+    verdict = live.judge(all_nodes, redis_now)
+    by_id = {n.node_id: n for n in all_nodes}
+    if verdict.declare and probe is not None:
+        fresh = [nid for nid in verdict.declare if by_id[nid].status != NODE_DOWN]
+        answers = dict(zip(fresh, await asyncio.gather(*(probe(by_id[nid].url) for nid in fresh))))
+        for nid, alive in answers.items():
+            if alive:
+                if time.monotonic() - _answering.get(nid, 0) > 30:
+                    _answering[nid] = time.monotonic()
+                    log.warning("node %s sends no heartbeats (%.1f s) but answers its health check: not declared "
+                                "down (overloaded, or it cannot reach the scheduler); no placements there meanwhile",
+                                nid, live.silence(by_id[nid], redis_now))
+        verdict.declare = [nid for nid in verdict.declare if not answers.get(nid)]
+    declared = []
+    for nid in verdict.declare:
+        gone = await store.mark_down(nid, live.healthy_since, live.timeout_s)
+        if gone is None:
+            continue  # heard meanwhile
+        node = next(n for n in all_nodes if n.node_id == nid)
+        if node.status != NODE_DOWN:
+            declared.append(nid)
+            log.warning("node %s declared down: no heartbeat for %.1f s while the control plane was healthy; "
+                        "%d running sandbox(es) reported gone (the node stops them itself when it is back; "
+                        "its paused ones resume elsewhere)", nid, live.silence(node, redis_now), len(gone))
+        elif gone:
+            log.warning("node %s is down: %d more running sandbox(es) reported gone", nid, len(gone))
+    for n in all_nodes:
+        if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S:
+            await move_orphans(store, n.node_id, all_nodes, redis_now)
+    return declared
+
+
+async def _reachable(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether the node at ``url`` answers ``/health`` within :data:`PROBE_TIMEOUT_S`."""
+    try:
+        r = await client.get(f"{url.rstrip('/')}/health", timeout=PROBE_TIMEOUT_S)
+        return r.status_code < 500
+    except httpx.HTTPError:
+        return False
+
+
+
+
+
 def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: float = 1.0):
     """The scheduler's ASGI app over ``store``; ``secret`` guards every route but
-    ``/health``. A background sweep every ``sweep_interval_s`` marks silent nodes down
-    and moves the paused sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`."""
+    ``/health``. A background sweep every ``sweep_interval_s`` (:func:`sweep_once`)
+    declares nodes down only on evidence about them and moves the paused sandboxes of
+    nodes down longer than :data:`ORPHAN_MOVE_S`."""
+    probe = httpx.AsyncClient(trust_env=False)
 
     async def sweep():
+        live = Liveness()
         while True:
             await asyncio.sleep(sweep_interval_s)
             try:
-                now = time.time()
-                all_nodes = await store.nodes()
-                for n in all_nodes:
-                    if not n.alive(now):
-                        gone = await store.mark_down(n.node_id, now - HEARTBEAT_TIMEOUT_S)
-                        if gone:
-                            log.warning("node %s is down: %d running sandbox(es) reported gone", n.node_id, len(gone))
-                        if now - n.last_seen > ORPHAN_MOVE_S:
-                            await move_orphans(store, n.node_id, all_nodes, now)
+                await sweep_once(store, live, probe=lambda url: _reachable(probe, url))
             except ClusterStoreUnavailable as e:
+                live.tick(None)
                 log.error("%s", e)
             except Exception as e:  # noqa: BLE001 — the sweep must keep running
                 log.exception("sweep failed: %s", e)
@@ -144,6 +235,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             yield
         finally:
             task.cancel()
+            await probe.aclose()
             await store.aclose()
 
     app = FastAPI(title="forkyard scheduler", lifespan=lifespan)
@@ -163,9 +255,9 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, body: Heartbeat):
-        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report))
+        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status)
         await store.ack_placing(node_id, body.placements)  # after the report that shows them
-        foreign, missing, adopt = await store.reconcile(node_id, set(body.held))
+        foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
         return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
     @app.post("/v1/nodes/{node_id}/publish")
@@ -175,10 +267,16 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                 raise HTTPException(400, "each record needs string 'id' and 'state'")
         return {"foreign": await store.publish(node_id, body.records, body.deleted, deaths=body.deaths)}
 
+    @app.post("/v1/nodes/{node_id}/restarting")
+    async def restarting(node_id: str, body: Restarting):
+        if not await store.announce_restart(node_id, body.grace_s):
+            raise HTTPException(404, f"node {node_id!r} is not registered")
+        log.info("node %s is restarting: not declared down for %.0f s", node_id, body.grace_s)
+        return {"nodeID": node_id, "graceS": body.grace_s}
+
     @app.get("/v1/nodes")
     async def nodes():
-        now = time.time()
-        return [n.to_dict(now) for n in await store.nodes()]
+        return [n.to_dict() for n in await store.nodes()]
 
     @app.post("/v1/nodes/{node_id}/drain")
     async def drain(node_id: str):
@@ -202,10 +300,10 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/placements")
     async def placements(body: PlacementRequest):
-        now = time.time()
+        now = await store.now()
         all_nodes = await store.nodes()
         by_id = {n.node_id: n for n in all_nodes}
-        placing = await store.pending_placements([n.node_id for n in all_nodes])
+        placing = await store.pending_placements([n.node_id for n in all_nodes], now=now)
         prefer, snapshot, exclude = None, body.snapshot, set(body.exclude)
         if body.kind in ("fork", "resume"):
             if not body.sandbox_id:
@@ -217,8 +315,18 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             if body.kind == "fork":
                 prefer = b.node_id
             else:
-                if b.state != "paused" or (owner and owner.status == NODE_UP and owner.alive(now)):
+                stays = owner is not None and owner.status == NODE_UP and owner.alive()
+                if stays and body.unreachable and not await _reachable(probe, owner.url):
+                    stays = False
+                    log.warning("node %s does not answer (a gateway could not reach it): moving paused sandbox %s",
+                                b.node_id, body.sandbox_id)
+                if b.state != "paused" or stays:
                     return {"placements": [_entry(owner, 1, b.node_id)], "moved": False}
+                if not b.committed:
+                    raise HTTPException(503, f"sandbox {body.sandbox_id} is paused on node {b.node_id}, which is "
+                                             f"{'draining' if owner and owner.status == NODE_DRAINING else 'unreachable'}, "
+                                             "and its image is not in the shared repository yet: it resumes once "
+                                             "that node has committed it (or is back); retry shortly")
                 snapshot, exclude = b.record.get("image_id"), exclude | {b.node_id}
         try:
             plan = place(all_nodes, placing, now, count=body.count, vcpus=body.vcpus,
@@ -234,9 +342,9 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                     raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
                 return {"placements": [_entry(by_id.get(cur.node_id), 1, cur.node_id)], "moved": False}
             log.info("sandbox %s moves from node %s to node %s", body.sandbox_id, b.node_id, target.node_id)
-            pid = await store.add_placing(target.node_id)
+            pid = await store.add_placing(target.node_id, now=now)
             return {"placements": [_entry(target, 1, placement=pid)], "moved": True, "record": b.record}
-        return {"placements": [_entry(node, n, placement=await store.add_placing(node.node_id, n))
+        return {"placements": [_entry(node, n, placement=await store.add_placing(node.node_id, n, now=now))
                                for node, n in plan]}
 
     from forkyard.obs.collect import cluster_families

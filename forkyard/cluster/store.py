@@ -5,9 +5,17 @@ gateways acting at once never see half a change):
 
 =============================  ==========================================================
 ``fy:nodes``                   set of node ids
-``fy:node:<id>``               hash: ``url``, ``status`` (up/draining/down), ``last_seen``,
-                               ``report`` (JSON :class:`~.types.NodeReport`)
-``fy:sbx:<id>``                hash: ``node``, ``state``, ``record`` (JSON), ``updated``
+``fy:node:<id>``               hash: ``url``, ``status`` (up/draining: the operator's),
+                               ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
+                               :class:`~.types.NodeReport`), ``down_at`` while declared
+                               down (:mod:`.liveness`; cleared by its next heartbeat),
+                               ``grace_until`` after it announced a restart
+``fy:sbx:<id>``                hash: ``node``, ``state``, ``record`` (JSON), ``updated``,
+                               ``committed`` (0 while a paused sandbox's image is not
+                               in the shared repository yet: it cannot move)
+``fy:epoch``                   Redis time the state was first written: a missing or young
+                               one means Redis lost its data (no AOF) and nodes are still
+                               publishing theirs again
 ``fy:sandboxes``               set of every bound sandbox id
 ``fy:nodesbx:<node>``          set of the sandbox ids bound to that node
 ``fy:gone:<id>``               tombstone (7 days) of a sandbox reported gone with its node;
@@ -23,13 +31,16 @@ gateways acting at once never see half a change):
 =============================  ==========================================================
 
 Durability is Redis's: run it with ``appendonly yes`` (deploy/ does) so a Redis restart
-loses nothing. Every method raises :class:`ClusterStoreUnavailable` when Redis cannot be
+loses nothing; without it nodes publish everything again at their next heartbeat (the
+node is the source of truth). Times are Redis's clock (``TIME``), so host clocks may
+disagree. Every method raises :class:`ClusterStoreUnavailable` when Redis cannot be
 reached; the HTTP faces answer 503 with that message.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
 
@@ -40,7 +51,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from forkyard.cluster.types import NODE_DOWN, NODE_UP, Binding, NodeInfo, NodeReport
+from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
+
+log = logging.getLogger("forkyard.cluster.store")
 
 P = "fy:"
 TOMBSTONE_S = 7 * 24 * 3600
@@ -53,12 +66,13 @@ DEATH_MAX_CHARS = 300
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
 
-# KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id
+# KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id, committed
 _UPSERT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur and cur ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4])
+redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4],
+           'committed', ARGV[6])
 redis.call('HDEL', KEYS[1], 'moved')
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('SADD', KEYS[4], ARGV[5])
@@ -75,21 +89,47 @@ return 1
 """
 # KEYS: sbx, from nodesbx, to nodesbx   ARGV: from, to, id, now
 _REBIND = """
-local cur = redis.call('HMGET', KEYS[1], 'node', 'state')
-if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' then return 0 end
+local cur = redis.call('HMGET', KEYS[1], 'node', 'state', 'committed')
+if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' or cur[3] == '0' then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4], 'moved', '1')
 redis.call('SREM', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[3])
 return 1
 """
-# KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, deadline, tombstone ttl
-# Marks the node down (if still silent past the deadline) and removes the bindings of
-# every sandbox on it that is not paused, leaving tombstones. Returns their ids.
-_MARK_DOWN = """
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
+
+# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time)
+# Records a heartbeat (the node is heard: no longer declared down). The status is the
+# operator's (drain/undrain); a node registering anew (or after Redis lost its data)
+# brings its own view. Returns {status, 1 if it was declared down}.
+_HEARTBEAT = _NOW + """
+if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
+redis.call('SADD', KEYS[1], ARGV[1])
+local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
+redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
+           'last_seen', string.format('%.6f', now))
+redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
+redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
+return {redis.call('HGET', KEYS[2], 'status'), was_down}
+"""
+
+# KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, healthy_since, timeout, tombstone ttl,
+#                                             death keep (s), why
+# Declares the node down if it is still silent past the timeout, counted from the later
+# of its last heartbeat and healthy_since (Redis time: see forkyard.cluster.liveness), and
+# not within a restart grace it announced, and
+# replaces the bindings of its sandboxes that are not paused by tombstones (their node
+# stops them when it is back), each with the cause for the gateway's 404. Destroys
+# nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
+_MARK_DOWN = _NOW + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
-if last > tonumber(ARGV[2]) then return {} end
-if redis.call('HGET', KEYS[1], 'status') ~= 'draining' then redis.call('HSET', KEYS[1], 'status', 'down') end
-local gone = {}
+local since = math.max(last, tonumber(ARGV[2]))
+if now - since <= tonumber(ARGV[3]) then return {'heard'} end
+if now < tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0') then return {'heard'} end
+if redis.call('HEXISTS', KEYS[1], 'down_at') == 0 then
+  redis.call('HSET', KEYS[1], 'down_at', string.format('%.6f', now))
+end
+local gone = {'down'}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local key = ARGV[1] .. 'sbx:' .. id
   local state = redis.call('HGET', key, 'state')
@@ -97,7 +137,8 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     redis.call('DEL', key)
     redis.call('SREM', KEYS[2], id)
     redis.call('SREM', KEYS[3], id)
-    redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[3])
+    redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[4])
+    redis.call('SET', ARGV[1] .. 'dead:' .. id, ARGV[6], 'EX', ARGV[5])
     table.insert(gone, id)
   end
 end
@@ -147,6 +188,7 @@ class ClusterStore:
         self._delete = self._r.register_script(_DELETE)
         self._rebind = self._r.register_script(_REBIND)
         self._mark_down = self._r.register_script(_MARK_DOWN)
+        self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._pending = self._r.register_script(_PENDING)
 
     async def aclose(self) -> None:
@@ -167,37 +209,46 @@ class ClusterStore:
             return False
 
     # ---- nodes ----------------------------------------------------------------------
-    async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None) -> str:
-        """Record a heartbeat; a node that was ``down`` is ``up`` again (a ``draining``
-        one stays draining). Returns the node's status."""
-        now = time.time() if now is None else now
-        key = f"{P}node:{node_id}"
-        async with self._r.pipeline(transaction=True) as p:
-            p.sadd(f"{P}nodes", node_id)
-            p.hset(key, mapping={"url": url, "last_seen": repr(now), "report": json.dumps(report.to_dict())})
-            p.hsetnx(key, "status", NODE_UP)
-            p.hget(key, "status")
-            res = await self._call(p.execute())
-        status = _s(res[-1])
-        if status == NODE_DOWN:
-            await self._call(self._r.hset(key, "status", NODE_UP))
-            status = NODE_UP
-        return status
+    async def now(self) -> float:
+        """Redis's clock (UNIX s): the one clock every liveness judgement uses."""
+        sec, usec = await self._call(self._r.time())
+        return int(sec) + int(usec) / 1e6
+
+    async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None,
+                        own_status: str = NODE_UP) -> str:
+        """Record a heartbeat, stamped with Redis's clock (``now`` overrides it: tests).
+        The node is heard, so it is no longer declared down; its status (``up`` or
+        ``draining``) is the operator's, or ``own_status`` (the node's own view) when
+        the node is not registered (new, or Redis lost its data). Returns the status."""
+        status, was_down = await self._call(self._heartbeat(
+            keys=[f"{P}nodes", f"{P}node:{node_id}"],
+            args=[node_id, url, json.dumps(report.to_dict()), report.boot,
+                  own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
+                  "" if now is None else repr(now)]))
+        if int(was_down):
+            log.warning("node %s is heard again after it was declared down", node_id)
+        return _s(status)
 
     async def nodes(self) -> list[NodeInfo]:
-        """Every registered node, sorted by id."""
+        """Every registered node, sorted by id, each with its heartbeat age on Redis's
+        clock; ``status`` is ``down`` while declared down (:meth:`mark_down`)."""
         ids = sorted(_s(x) for x in await self._call(self._r.smembers(f"{P}nodes")))
         async with self._r.pipeline(transaction=False) as p:
+            p.time()
             for nid in ids:
                 p.hgetall(f"{P}node:{nid}")
             rows = await self._call(p.execute())
+        sec, usec = rows[0]
+        now = int(sec) + int(usec) / 1e6
         out = []
-        for nid, row in zip(ids, rows):
+        for nid, row in zip(ids, rows[1:]):
             if not row:
                 continue
             row = {_s(k): _s(v) for k, v in row.items()}
-            out.append(NodeInfo(node_id=nid, url=row.get("url", ""), status=row.get("status", NODE_UP),
-                                last_seen=float(row.get("last_seen", 0)),
+            last = float(row.get("last_seen", 0))
+            out.append(NodeInfo(node_id=nid, url=row.get("url", ""),
+                                status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
+                                last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
                                 report=NodeReport.from_dict(json.loads(row.get("report", "{}")))))
         return out
 
@@ -208,6 +259,15 @@ class ClusterStore:
                 return n
         return None
 
+    async def announce_restart(self, node_id: str, grace_s: float) -> bool:
+        """The node is restarting (stopped with SIGTERM; its sandboxes keep running): it
+        is not declared down for ``grace_s`` s from now (Redis time) — cleared by its next
+        heartbeat. False when the node is not registered."""
+        if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
+            return False
+        await self._call(self._r.hset(f"{P}node:{node_id}", "grace_until", repr(await self.now() + grace_s)))
+        return True
+
     async def set_status(self, node_id: str, status: str) -> bool:
         """Set a registered node's status (``draining`` or ``up``); False when unknown."""
         if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
@@ -215,19 +275,39 @@ class ClusterStore:
         await self._call(self._r.hset(f"{P}node:{node_id}", "status", status))
         return True
 
-    async def mark_down(self, node_id: str, deadline: float) -> list[str]:
-        """If ``node_id`` was last seen before ``deadline``: mark it down and drop the
-        bindings of its sandboxes that are not paused (tombstoned). Returns their ids."""
-        res = await self._call(self._mark_down(
+    async def mark_down(self, node_id: str, healthy_since: float, timeout_s: float) -> list[str] | None:
+        """Declare ``node_id`` down if it has been silent for more than ``timeout_s``
+        counted from the later of its last heartbeat and ``healthy_since`` (Redis time;
+        :class:`~.liveness.Liveness`), checked atomically on Redis's clock; the bindings
+        of its sandboxes that are not paused become tombstones. Returns their ids, or
+        None when the node was heard meanwhile (nothing changed)."""
+        why = (f"its node {node_id} stopped sending heartbeats and was declared down at "
+               f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}")
+        res = [_s(x) for x in await self._call(self._mark_down(
             keys=[f"{P}node:{node_id}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-            args=[P, repr(deadline), TOMBSTONE_S]))
-        return [_s(x) for x in res]
+            args=[P, repr(healthy_since), repr(timeout_s), TOMBSTONE_S, DEATH_KEEP_S, why]))]
+        return None if res[0] == "heard" else res[1:]
+
+    async def ensure_epoch(self) -> None:
+        """Record when this state began (``fy:epoch``, Redis time) unless already set."""
+        await self._call(self._r.set(f"{P}epoch", repr(await self.now()), nx=True))
+
+    async def state_age(self) -> float | None:
+        """Seconds since the state began (:meth:`ensure_epoch`); None when unknown (Redis
+        lost its data and no scheduler has written since)."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.time()
+            p.get(f"{P}epoch")
+            (sec, usec), epoch = await self._call(p.execute())
+        if epoch is None:
+            return None
+        return int(sec) + int(usec) / 1e6 - float(_s(epoch))
 
     async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> str:
         """Count ``n`` sandboxes placed onto ``node_id`` until the node acknowledges the
         placement (:meth:`ack_placing`) or :data:`PLACING_TTL_S` passes. Returns the
         placement id (16 hex chars) the request to the node carries."""
-        now = time.time() if now is None else now
+        now = await self.now() if now is None else now
         pid = secrets.token_hex(8)
         async with self._r.pipeline(transaction=True) as p:
             p.zadd(f"{P}placing:{node_id}", {pid: now})
@@ -249,7 +329,7 @@ class ClusterStore:
 
     async def pending_placements(self, node_ids: list[str], now: float | None = None) -> dict[str, int]:
         """Sandboxes placed onto each node that its reports may not show yet."""
-        now = time.time() if now is None else now
+        now = await self.now() if now is None else now
         cutoff = repr(now - PLACING_TTL_S)
         out = {}
         for nid in node_ids:
@@ -269,7 +349,8 @@ class ClusterStore:
             return None
         row = {_s(k): _s(v) for k, v in row.items()}
         return Binding(sandbox_id=sandbox_id, node_id=row.get("node", ""), state=row.get("state", ""),
-                       record=json.loads(row.get("record", "{}")), updated=float(row.get("updated", 0)))
+                       record=json.loads(row.get("record", "{}")), updated=float(row.get("updated", 0)),
+                       committed=row.get("committed") != "0")
 
     async def bindings(self) -> list[Binding]:
         """Every binding (one pipelined read)."""
@@ -287,7 +368,8 @@ class ClusterStore:
     async def publish(self, node_id: str, records: list[dict], deleted: list[str],
                       now: float | None = None, deaths: dict[str, str] | None = None) -> list[str]:
         """Apply a node's changes: upsert the bindings of ``records`` (node records as
-        dicts, ``id`` and ``state`` keys) and drop those of ``deleted`` — each only if
+        dicts, ``id`` and ``state`` keys; ``committed: false`` on a paused one whose
+        image is not in the repository yet) and drop those of ``deleted`` — each only if
         the sandbox is not bound to another node or tombstoned — keeping the causes in
         ``deaths`` (``{id: "it was killed: …"}``, see :meth:`death`). Returns the ids the
         node must drop (bound elsewhere, or reported gone)."""
@@ -302,7 +384,8 @@ class ClusterStore:
             sid = rec["id"]
             ok = await self._call(self._upsert(
                 keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-                args=[node_id, rec["state"], json.dumps(rec), repr(now), sid]))
+                args=[node_id, rec["state"], json.dumps(rec), repr(now), sid,
+                      "0" if rec.get("committed") is False else "1"]))
             if not ok:
                 foreign.append(sid)
         for sid in deleted:
@@ -310,13 +393,18 @@ class ClusterStore:
                                           args=[node_id, sid]))
         return foreign
 
-    async def reconcile(self, node_id: str, held: set[str]) -> tuple[list[str], list[str], list[dict]]:
-        """Compare what the node holds with its bindings. Returns ``(foreign, missing,
-        adopt)``: held ids bound elsewhere or tombstoned (the node drops them), held ids
+    async def reconcile(self, node_id: str, held: set[str], paused: set[str] = frozenset()
+                        ) -> tuple[list[str], list[str], list[dict]]:
+        """Compare what the node holds (``paused``: those of ``held`` it holds paused)
+        with its bindings. Returns ``(foreign, missing, adopt)``: held ids bound
+        elsewhere or tombstoned (the node drops them: a running one is stopped), held ids
         with no binding at all (the node publishes them again), and the records of
         paused sandboxes moved to this node (:meth:`rebind`) that it has not adopted yet
         (it adopts them: a move whose adopt never came must not lose the sandbox).
-        Other bindings of this node that it no longer holds are removed."""
+        A tombstoned sandbox the node holds *paused* (it was paused while the node was
+        cut off, after it had been reported gone) is kept: its tombstone goes and the node
+        publishes it again — dropping it would destroy a paused sandbox, which nothing
+        requires. Other bindings of this node that it no longer holds are removed."""
         bound = await self.node_sandboxes(node_id)
         adopt: list[dict] = []
         for sid in sorted(bound - held):
@@ -336,6 +424,10 @@ class ClusterStore:
                 res = await self._call(p.execute())
             for i, sid in enumerate(unknown):
                 gone, owner = res[2 * i], res[2 * i + 1]
+                if gone and not owner and sid in paused:
+                    await self._call(self._r.delete(f"{P}gone:{sid}", f"{P}dead:{sid}"))
+                    log.warning("sandbox %s was reported gone with node %s, which holds it paused: kept", sid, node_id)
+                    gone = 0
                 (foreign if gone or (owner and _s(owner) != node_id) else missing).append(sid)
         return foreign, missing, adopt
 

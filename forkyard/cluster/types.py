@@ -5,17 +5,19 @@ Times are UNIX seconds (float); sizes bytes; memory MiB.
 
 from __future__ import annotations
 
-import os
+import time
 from dataclasses import asdict, dataclass, field
+
+from forkyard.config import ControlPlaneSettings
 
 #: Node heartbeat period (s); the issue asks for ≤ 2 s.
 HEARTBEAT_INTERVAL_S = 1.0
-#: A node whose last heartbeat is older than this (s, ``FORKYARD_HEARTBEAT_TIMEOUT_S``,
-#: read by the scheduler and gateways) is down: its running sandboxes are reported gone,
-#: its paused ones resume elsewhere. Default 5: 3 missed heartbeats and some slack;
-#: raise it where nodes can stall longer (an overloaded host) — a node silent past it
-#: loses its running sandboxes.
-HEARTBEAT_TIMEOUT_S = float(os.environ.get("FORKYARD_HEARTBEAT_TIMEOUT_S", "5"))
+#: A node silent this long (s, ``FORKYARD_HEARTBEAT_TIMEOUT_S``) gets no new placements;
+#: silent this long *while the control plane itself was healthy* (see
+#: :mod:`forkyard.cluster.liveness`) it is declared down by the scheduler: its running
+#: sandboxes are reported gone, its paused ones resume elsewhere. Default 5: 3 missed
+#: heartbeats and some slack; raise it where nodes can stall longer (an overloaded host).
+HEARTBEAT_TIMEOUT_S = ControlPlaneSettings().heartbeat_timeout_s
 
 NODE_UP, NODE_DRAINING, NODE_DOWN = "up", "draining", "down"
 
@@ -34,6 +36,9 @@ class NodeReport:
         runtime: runtime build (e.g. ``runsc 0.0~20240729.0``); checkpoints restore only
             on the same build.
         cached_snapshots: snapshot ids whose image this node's cache holds (at most 1000).
+        boot: random id of the node process (a new one after every restart).
+        drain_done: the node was told to drain and has paused what it could; the
+            sandboxes still ``running`` then are those whose pause failed.
     """
 
     vcpus: int = 0
@@ -47,6 +52,8 @@ class NodeReport:
     load1: float = 0.0
     runtime: str = ""
     cached_snapshots: list[str] = field(default_factory=list)
+    boot: str = ""
+    drain_done: bool = False
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeReport:
@@ -70,6 +77,12 @@ class NodeInfo:
             ``down`` (silent past :data:`HEARTBEAT_TIMEOUT_S`).
         last_seen: time of its last heartbeat.
         report: its last :class:`NodeReport`.
+        age: seconds since that heartbeat, measured on Redis's clock when the node was
+            read (None when built without a store); every liveness judgement uses
+            Redis's clock, so skewed host clocks do not matter.
+        grace_until: Redis time before which it is not declared down: it announced a
+            restart (``SIGTERM``; ``FORKYARD_NODE_RESTART_GRACE_S``,
+            :class:`~forkyard.config.ClusterSettings`); 0 when it did not.
     """
 
     node_id: str
@@ -77,16 +90,35 @@ class NodeInfo:
     status: str
     last_seen: float
     report: NodeReport
+    age: float | None = None
+    grace_until: float = 0.0
 
-    def alive(self, now: float) -> bool:
-        """Heard from within the heartbeat timeout."""
-        return now - self.last_seen <= HEARTBEAT_TIMEOUT_S
+    def heartbeat_age(self, now: float | None = None) -> float:
+        """Seconds since the last heartbeat: ``now - last_seen`` when ``now`` is given,
+        else :attr:`age` as read."""
+        if now is None and self.age is not None:
+            return self.age
+        return (time.time() if now is None else now) - self.last_seen
 
-    def to_dict(self, now: float) -> dict:
-        """JSON shape of ``GET /v1/nodes`` entries (``status`` is ``down`` when silent)."""
-        return {"nodeID": self.node_id, "url": self.url,
-                "status": self.status if self.alive(now) else NODE_DOWN,
-                "lastSeen": self.last_seen, "heartbeatAge": round(now - self.last_seen, 3),
+    def alive(self, now: float | None = None) -> bool:
+        """Heard from within the heartbeat timeout (placement takes only such nodes).
+        Not the same as "not declared down" (:attr:`declared_down`): a silent node is
+        only declared down on evidence about the node itself."""
+        return self.heartbeat_age(now) <= HEARTBEAT_TIMEOUT_S
+
+    @property
+    def declared_down(self) -> bool:
+        """The scheduler declared it down (:mod:`forkyard.cluster.liveness`)."""
+        return self.status == NODE_DOWN
+
+    def to_dict(self, now: float | None = None) -> dict:
+        """JSON shape of ``GET /v1/nodes`` entries: ``status`` as declared (``up``,
+        ``draining``, ``down``), ``silent`` when its last heartbeat is older than the
+        timeout (not declared down: e.g. while the control plane recovers)."""
+        age = self.heartbeat_age(now)
+        return {"nodeID": self.node_id, "url": self.url, "status": self.status,
+                "silent": age > HEARTBEAT_TIMEOUT_S,
+                "lastSeen": self.last_seen, "heartbeatAge": round(age, 3),
                 "report": self.report.to_dict()}
 
 
@@ -105,3 +137,6 @@ class Binding:
     state: str
     record: dict
     updated: float
+    #: False while a paused sandbox's image is only on its node (being committed, or
+    #: the repository refused it): it cannot resume elsewhere yet.
+    committed: bool = True

@@ -10,7 +10,17 @@ Capacity (environment):
 
 * memory: ``MemTotal`` of the host − ``FORKYARD_RESERVED_MEMORY_MB`` (1024) for the
   host and forkyard, × ``FORKYARD_MEMORY_OVERCOMMIT`` (1.0: a sandbox's limit is memory
-  it may really use; gVisor's pages are not shared between sandboxes);
+  it may really use);
+* memory in use, when limits are overcommitted (``FORKYARD_MEMORY_OVERCOMMIT`` > 1): the
+  memory the sandboxes really hold that the host cannot take back (the runtime's
+  :meth:`~forkyard.runtime.base.RuntimeDriver.memory_in_use`: anonymous and shared-memory
+  pages of each sandbox's cgroup; page cache such as the images restored sandboxes share
+  is evictable and not counted), each counted at least ``FORKYARD_SANDBOX_HOST_MB``, plus
+  that much per new sandbox, must stay within host memory − reserve (not overcommitted).
+  So an overcommitted node admits by what sandboxes use — fork children share their
+  source's pages (docs/runtime.md "Memory") and idle sandboxes use a fraction of their
+  limit — and answers 503 once their use fills the host, before the host has to
+  OOM-kill one of them;
 * vCPUs: host cores × ``FORKYARD_CPU_OVERCOMMIT`` — off unless set (CPU is time-shared
   and each sandbox is capped by its own quota; E2B overcommits CPU too);
 * count: ``FORKYARD_MAX_SANDBOXES``, default :data:`SANDBOXES_PER_CORE` × host cores
@@ -36,8 +46,10 @@ what is left), before anything is created.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from forkyard.config import AdmissionSettings
 from forkyard.orchestrator.errors import OrchestratorError
 
 
@@ -70,29 +82,51 @@ def _host_memory_mb() -> int:
 
 @dataclass
 class Capacity:
-    """What a node may hand out: ``memory_mb`` (MiB), ``vcpus`` (None: unlimited),
-    ``max_sandboxes`` (None: unlimited); ``min_available_pct`` (% of host memory that
-    must stay available, 0: off) and ``sandbox_host_mb`` (host MiB a new sandbox is
-    counted to take from it)."""
+    """What a node may hand out: ``memory_mb`` (MiB of memory limits), ``vcpus`` (None:
+    unlimited), ``max_sandboxes`` (None: unlimited); ``min_available_pct`` (% of host
+    memory that must stay available, 0: off) and ``sandbox_host_mb`` (host MiB a new
+    sandbox is counted to take from it); ``overcommit`` (the ratio ``memory_mb`` was
+    multiplied by) and ``host_memory_mb`` (MiB the sandboxes may really use; None: no
+    use check) with ``memory_in_use`` (``ids -> {id: bytes}``, the runtime's measure,
+    set by the orchestrator) for the use check of an overcommitted node."""
 
     memory_mb: int
     vcpus: float | None
     max_sandboxes: int | None
     min_available_pct: float = 0.0
     sandbox_host_mb: int = 64
+    overcommit: float = 1.0
+    host_memory_mb: int | None = None
+    memory_in_use: Callable[[list[str]], dict[str, int]] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_env(cls) -> "Capacity":
         """Capacity of this host from the environment (see the module doc)."""
-        reserve = int(os.environ.get("FORKYARD_RESERVED_MEMORY_MB", "1024"))
-        mem = int((_host_memory_mb() - reserve) * float(os.environ.get("FORKYARD_MEMORY_OVERCOMMIT", "1.0")))
-        cpu = os.environ.get("FORKYARD_CPU_OVERCOMMIT")
-        count = os.environ.get("FORKYARD_MAX_SANDBOXES")
-        count_limit = SANDBOXES_PER_CORE * (os.cpu_count() or 1) if count is None or count == "" else int(count)
-        return cls(memory_mb=max(0, mem), vcpus=(os.cpu_count() or 1) * float(cpu) if cpu else None,
+        env = AdmissionSettings()
+        overcommit = env.memory_overcommit
+        if not overcommit > 0:
+            raise ValueError(f"FORKYARD_MEMORY_OVERCOMMIT must be a ratio > 0, not {overcommit}")
+        host = max(0, _host_memory_mb() - env.reserved_memory_mb)
+        mem = int(host * overcommit)
+        cores = os.cpu_count() or 1
+        count_limit = SANDBOXES_PER_CORE * cores if env.max_sandboxes is None else env.max_sandboxes
+        return cls(memory_mb=max(0, mem), vcpus=cores * env.cpu_overcommit if env.cpu_overcommit else None,
                    max_sandboxes=count_limit or None,
-                   min_available_pct=float(os.environ.get("FORKYARD_MIN_AVAILABLE_MEMORY_PCT", "10")),
-                   sandbox_host_mb=int(os.environ.get("FORKYARD_SANDBOX_HOST_MB", "64")))
+                   min_available_pct=env.min_available_memory_pct,
+                   sandbox_host_mb=env.sandbox_host_mb,
+                   overcommit=overcommit, host_memory_mb=host)
+
+    def in_use_mb(self, live, held: list[tuple[int, int]] = ()) -> int | None:
+        """MiB the sandboxes of ``live`` (records; paused ones hold nothing) and ``held``
+        (the warm pool's) are counted to use: each one's :attr:`memory_in_use`, at
+        least :attr:`sandbox_host_mb` (a sandbox still starting has not allocated yet);
+        None without a :attr:`memory_in_use` measure."""
+        if self.memory_in_use is None:
+            return None
+        ids = [r.id for r in live if r.state != "paused"]
+        measured = self.memory_in_use(ids)
+        floor = self.sandbox_host_mb
+        return sum(max(measured.get(i, 0) >> 20, floor) for i in ids) + len(held) * floor
 
     def check(self, live, vcpus: int, memory_mb: int, count: int = 1,
               held: list[tuple[int, int]] = ()) -> None:
@@ -109,6 +143,12 @@ class Capacity:
         if used_mem + count * memory_mb > self.memory_mb:
             raise AtCapacity(f"node at capacity: {used_mem} of {self.memory_mb} MiB of sandbox memory in use, "
                              f"no room for {what}; retry later")
+        if self.overcommit > 1 and self.host_memory_mb is not None:
+            in_use = self.in_use_mb(live, held)
+            if in_use is not None and in_use + count * self.sandbox_host_mb > self.host_memory_mb:
+                raise AtCapacity(f"node at capacity: sandboxes use {in_use} of {self.host_memory_mb} MiB of host "
+                                 f"memory (limits overcommitted {self.overcommit:g}x), no room for {what}; "
+                                 f"retry later")
         if self.vcpus is not None and used_cpu + count * vcpus > self.vcpus:
             raise AtCapacity(f"node at capacity: {used_cpu} of {self.vcpus:g} vCPUs in use, "
                              f"no room for {what}; retry later")
@@ -123,7 +163,8 @@ class Capacity:
     def as_dict(self) -> dict:
         """For ``GET /metrics/node``."""
         return {"memoryMB": self.memory_mb, "vcpus": self.vcpus, "maxSandboxes": self.max_sandboxes,
-                "minAvailableMemoryPct": self.min_available_pct, "sandboxHostMB": self.sandbox_host_mb}
+                "minAvailableMemoryPct": self.min_available_pct, "sandboxHostMB": self.sandbox_host_mb,
+                "memoryOvercommit": self.overcommit, "hostMemoryMB": self.host_memory_mb}
 
     def fits(self, live, vcpus: int, memory_mb: int, count: int = 1, held: list[tuple[int, int]] = ()) -> bool:
         """True when :meth:`check` with the same arguments would not raise."""

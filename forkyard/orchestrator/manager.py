@@ -98,6 +98,7 @@ class Orchestrator:
         self.store = store
         self.snapshots = snapshots
         self.capacity = Capacity.from_env()
+        self.capacity.memory_in_use = driver.memory_in_use  # what sandboxes really use (overcommit)
         self.tombstones = Tombstones()
         hot = HotPaused(settings.hot_pause_s if not settings.cluster else 0, settings.hot_pause_max)
         self._table = table = SandboxTable(store, self.tombstones, hot)
@@ -202,7 +203,7 @@ class Orchestrator:
         "pausesInFlight": n, "hotPaused": n, "gcInFlight": bool, "pool": {template:
         {"target", "ready", "starting", "memoryMB", "hits", "misses", "boots",
         "failures"}}, "poolSlots": [index, …], "poolSandboxes": [runtime id, …],
-        "spareDisks": [mount point, …]}`` (hot
+        "spareDisks": [mount point, …], "memoryInUseMB": n, "sharesRestoredPages": bool}`` (hot
         paused: paused sandboxes whose frozen runtime is still kept here; spare slots
         include those being built; pauses in flight have answered but are still
         committing their image / releasing the runtime; gc deletes pause images nothing
@@ -210,12 +211,17 @@ class Orchestrator:
         sandboxes are not in ``sandboxes``; their slots and runtime ids are listed so
         leak checks can tell them apart — an id becomes the id of the sandbox a create
         gets; spare disks: mount points of the disks the runtime made ahead,
-        ``FORKYARD_SPARE_DISKS``)."""
+        ``FORKYARD_SPARE_DISKS``; memory in use: MiB the running sandboxes hold that the
+        host cannot take back, as an overcommitted node's admission counts it,
+        :meth:`Capacity.in_use_mb`; shares restored pages: restored sandboxes share their
+        image's unchanged pages, :attr:`RuntimeDriver.shares_restored_pages`)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
                 counts[r.state] += 1
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
+                "memoryInUseMB": self.capacity.in_use_mb(self.list()),
+                "sharesRestoredPages": self.driver.shares_restored_pages,
                 "spareSlots": self._slots.indexes(),
                 "pausesInFlight": len(self._table.pending), "hotPaused": len(self._table.hot),
                 "gcInFlight": self._gc.in_flight,
@@ -353,7 +359,9 @@ class Orchestrator:
 
     async def set_network(self, sandbox_id: str, policy: EgressPolicy) -> SandboxRecord:
         """Replace a sandbox's egress policy (E2B ``PUT /sandboxes/{id}/network``): applied
-        at once when it runs, stored for its next resume when paused.
+        at once when it runs, and to the slot it keeps while hot-paused (its unfreeze is
+        then filtered by the new rules: issue 25 item 4); stored for its next resume in any
+        case (a cold resume or another node applies the record's policy to its new slot).
 
         Raises:
             NotFound: unknown sandbox.
@@ -362,7 +370,7 @@ class Orchestrator:
         async with table.locks[sandbox_id]:
             await table.settle(sandbox_id)
             rec = table.get(sandbox_id)
-            slot = table.slots.get(sandbox_id)
+            slot = table.slots.get(sandbox_id) or table.hot.slot(sandbox_id)
             if slot is not None:
                 await asyncio.to_thread(self.network.set_egress, slot.index, policy)
             rec.egress = {} if policy.empty else policy.to_json()
@@ -382,6 +390,16 @@ class Orchestrator:
                     memory: bool = True) -> SandboxRecord:
         """Pause a running sandbox; behaviour and errors: :meth:`Pauser.pause`."""
         return await self._pauser.pause(sandbox_id, require_healthy=require_healthy, only_if=only_if, memory=memory)
+
+    def pause_committed(self, rec: SandboxRecord) -> bool:
+        """Whether paused ``rec``'s image is in the repository, so another node can
+        resume it (:meth:`Pauser.committed`; True for anything not paused)."""
+        return self._pauser.committed(rec)
+
+    async def commit_staged_pauses(self) -> int:
+        """Commit again the pause images a failed commit left staged on this node
+        (:meth:`Pauser.commit_staged`); returns how many were committed."""
+        return await self._pauser.commit_staged()
 
     async def resume(self, sandbox_id: str, timeout_s: int | None = None,
                      auto_pause: bool | None = None) -> SandboxRecord:

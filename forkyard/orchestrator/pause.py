@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 from dataclasses import dataclass
@@ -107,7 +108,8 @@ class Pauser:
             Conflict: already paused (409, as E2B) or busy.
             FsImageTooLarge: ``memory`` False and the changed files exceed
                 :meth:`Stager.fs_image_limit` (409); the sandbox keeps running.
-            Unavailable: ``require_healthy`` and envd did not answer.
+            Unavailable: ``require_healthy`` and envd did not answer, or the node's disk
+                has no room for the image (:meth:`room_for_image`); it keeps running.
             CreateFailed: runsc failed; the sandbox keeps running.
         """
         table = self.table
@@ -120,6 +122,7 @@ class Pauser:
                     await envd.wait_healthy(self.http, table.target(sandbox_id, 0)[0], 2.0)
                 except TimeoutError as e:
                     raise Unavailable(f"envd of sandbox {sandbox_id} does not answer; not paused (it keeps running)") from e
+            self.room_for_image(rec)
             sid = new_snapshot_id()
             rec.state, rec.image_id = "pausing", sid
             table.store.put(rec)
@@ -174,6 +177,62 @@ class Pauser:
                 return rec
             finally:
                 table.stopping.discard(rec.id)
+
+    def room_for_image(self, rec: SandboxRecord) -> None:
+        """Refuse a pause when the staging filesystem has less free space than the
+        sandbox's memory size (its image needs about that, plus its changed files): a
+        checkpoint that runs out of space midway stops the sandbox for good (measured:
+        gVisor does not resume it), while a refusal leaves it running.
+
+        Raises:
+            Unavailable: not enough free space (503); the sandbox keeps running.
+        """
+        try:
+            st = os.statvfs(self.stager.snapshots.root)
+        except OSError:
+            return
+        free_mb = (st.f_bavail * st.f_frsize) >> 20
+        if free_mb < rec.memory_mb:
+            raise Unavailable(f"not enough free disk on this node to pause sandbox {rec.id} ({free_mb} MiB free, "
+                              f"its image needs about {rec.memory_mb} MiB): it keeps running")
+
+    def committed(self, rec: SandboxRecord) -> bool:
+        """Whether paused ``rec``'s image is in the repository, so another node can
+        resume it: False while its commit runs, or when a failed commit left it staged
+        on this node (:meth:`commit_staged` tries again). True for anything not paused."""
+        if rec.state != "paused" or not rec.image_id:
+            return True
+        if rec.id in self.table.pending:
+            return False
+        return not (self.stager.snapshots.staging_path(rec.image_id) / PAUSE_MARKER).is_file()
+
+    async def commit_staged(self) -> int:
+        """Commit again the images of paused sandboxes that a failed commit left staged
+        on this node (the repository was down during their pause); each committed row is
+        written again (a cluster node republishes it: it can now resume elsewhere).
+        Stops at the first failure (the repository still refuses). Returns how many
+        were committed."""
+        table = self.table
+        done = 0
+        for rec in table.store.all():
+            if rec.state != "paused" or self.committed(rec):
+                continue
+            async with table.locks[rec.id]:
+                cur = table.store.get(rec.id)
+                if cur is None or cur.state != "paused" or cur.image_id != rec.image_id or self.committed(cur):
+                    continue
+                staging = self.stager.snapshots.staging_path(cur.image_id)
+                try:
+                    await self.stager.commit(staging, meta_for(cur, "pause", cur.image_id,
+                                                               memory=self.stager.staged_memory(staging)),
+                                             keep_on_error=True)
+                except Exception as e:  # noqa: BLE001 — kept staged; the caller tries later
+                    log.warning("committing the staged pause image of %s failed again: %s", cur.id, e)
+                    break
+                log.info("committed the staged pause image of %s", cur.id)
+                table.store.put(cur)
+                done += 1
+        return done
 
     async def _freeze(self, sandbox_id: str) -> bool:
         """Freeze a sandbox about to be hot-paused (records ``freeze``, ms). False when

@@ -142,6 +142,9 @@ class RuntimeDriver(abc.ABC):
     #: in every checkpoint image, and a restore of an image of another build raises
     #: :class:`RuntimeMismatch`. Empty when unknown.
     build: str = ""
+    #: Sandboxes restored from one image share its unchanged memory pages on the host
+    #: (a page is copied when a sandbox writes it) instead of each holding a copy.
+    shares_restored_pages: bool = False
     #: The kind of network attachment it runs sandboxes on (:attr:`SandboxSpec.network`);
     #: the composition root pairs it with a network whose slots carry that kind.
     attachment: type = NetnsAttachment
@@ -248,6 +251,12 @@ class RuntimeDriver(abc.ABC):
         """Host-side resource use of a running sandbox, or None when the runtime has
         no such figure (then callers report what the sandbox itself says)."""
         return None
+
+    def memory_in_use(self, sandbox_ids: list[str]) -> dict[str, int]:
+        """Host memory each of ``sandbox_ids`` holds that the host cannot take back
+        (bytes; anonymous and shared-memory pages, not page cache), for the ones the
+        runtime can measure. Blocking, cheap (a file read per sandbox). Default: none."""
+        return {}
 
     async def death_cause(self, sandbox_id: str) -> str | None:
         """Why a sandbox whose runtime stopped without being asked to stopped (e.g.

@@ -5,6 +5,7 @@ degrading every sandbox. (The CPU quota itself is the cgroup's: see docs/securit
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from e2b import Sandbox
@@ -111,3 +112,61 @@ def test_host_memory_floor_refuses_before_the_host_degrades(server):
         r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60})
         assert r.status_code == 503 and "host memory low" in r.json()["message"], r.text
         assert c.get("/v2/sandboxes").json() == []
+
+
+HOG = r"""
+import os, sys, time
+b = bytearray(int(sys.argv[1]) << 20)
+for i in range(0, len(b), 4096):
+    b[i] = 1  # touch every page: host memory really in use
+open("/tmp/hog.ready", "w").close()
+while not os.path.exists("/tmp/hog.stop"):
+    time.sleep(0.1)
+"""
+
+
+def test_overcommitted_node_refuses_by_memory_in_use_and_running_sandboxes_live(server):
+    """Issue 21: with memory limits overcommitted, a node admits by what its sandboxes
+    really hold: once their use fills the node's memory a create or fork is a 503
+    naming it, although the limits would admit more, and every running sandbox keeps
+    running with its memory; when one frees its memory, starts are admitted again."""
+    from forkyard.orchestrator.admission import _host_memory_mb
+
+    server.kill_all()
+    node_mb = 1200  # this node's memory for sandboxes: the host's minus the reserve
+    env = {"FORKYARD_MEMORY_OVERCOMMIT": "4", "FORKYARD_RESERVED_MEMORY_MB": str(_host_memory_mb() - node_mb),
+           "FORKYARD_MIN_AVAILABLE_MEMORY_PCT": "0", "FORKYARD_HOT_PAUSE_S": "0"}
+    with server.restarted_with(**env), server.api() as c:
+        cap = c.get("/metrics/node").json()["capacity"]
+        assert (cap["hostMemoryMB"], cap["memoryOvercommit"], cap["memoryMB"]) == (node_mb, 4, 4 * node_mb)
+        hogs = []
+        for _ in range(3):  # 3 x ~400 MiB in use of 1200; by limits (512 MiB each) room for 9
+            r = c.post("/sandboxes", json={"templateID": "base", "timeout": 300})
+            assert r.status_code == 201, r.text
+            sbx = Sandbox.connect(r.json()["sandboxID"])
+            sbx.files.write("/tmp/hog.py", HOG)
+            sbx.commands.run("python3 /tmp/hog.py 360", background=True)
+            hogs.append(sbx)
+        for sbx in hogs:
+            for _ in range(300):
+                if sbx.files.exists("/tmp/hog.ready"):
+                    break
+                time.sleep(0.2)
+        in_use = c.get("/metrics/node").json()["memoryInUseMB"]
+        assert in_use >= 3 * 360, in_use
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert r.status_code == 503, r.text
+        assert "sandboxes use" in r.json()["message"] and "of 1200 MiB of host memory" in r.json()["message"]
+        r = c.post(f"/sandboxes/{hogs[0].sandbox_id}/fork", json={"count": 1})
+        assert r.status_code == 503 and "sandboxes use" in r.json()["message"], r.text
+        assert len(c.get("/v2/sandboxes").json()) == 3  # nothing was created
+        for sbx in hogs:  # the running ones were not harmed
+            assert c.get(f"/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+            assert sbx.commands.run("pgrep -f hog.py >/dev/null && echo alive").stdout.strip() == "alive"
+        hogs[0].files.write("/tmp/hog.stop", "")  # one frees its memory: room again
+        deadline = time.time() + 30
+        while c.get("/metrics/node").json()["memoryInUseMB"] > in_use - 300 and time.time() < deadline:
+            time.sleep(0.2)
+        r = c.post("/sandboxes", json={"templateID": "base", "timeout": 60})
+        assert r.status_code == 201, r.text
+        server.kill_all()

@@ -110,3 +110,19 @@ def test_node_refuses_dot_segments_and_encoded_variants(cluster):
             assert status == 200
         finally:
             api.delete(f"/sandboxes/{sid}")
+
+
+def test_scheduler_refuses_dot_segments_and_encoded_variants(cluster):
+    """The scheduler's internal API applies the same rule (it forwards nothing, but one
+    rule on every hop leaves no pair of hops that could disagree): with the cluster secret
+    too, and before its ``/health`` exemption."""
+    sched = cluster.scheduler_url
+    secret = {"x-forkyard-cluster-secret": cluster.secret}
+    for method, target in [("GET", "/health/../v1/nodes"), ("GET", "/v1/x/../nodes"), ("GET", "/v1/%2e%2e/v1/nodes"),
+                           ("POST", "/v1/nodes/node0/../node0/drain"), ("GET", "//v1/nodes")]:
+        _assert_refused(sched, method, target, {}, [cluster.secret])
+        _assert_refused(sched, method, target, secret, [cluster.secret])
+    status, _ = _request(sched, "GET", "/v1/nodes", secret)
+    assert status == 200, status
+    status, _ = _request(sched, "GET", "/health", {})
+    assert status == 200, status

@@ -57,6 +57,29 @@ def cgroup_usage(sandbox_id: str, root: Path = _CGROUP_ROOT) -> RuntimeUsage | N
     return RuntimeUsage(cpu_ns=ns, cpu_limit=limit)
 
 
+def cgroup_memory_in_use(sandbox_id: str, root: Path = _CGROUP_ROOT) -> int | None:
+    """Bytes of the sandbox's memory cgroup that the host cannot reclaim, or None when
+    it has no memory cgroup: anonymous + shmem pages — cgroup v1 ``memory.stat``
+    ``total_rss`` + ``total_shmem``, v2 ``anon`` + ``shmem`` (kernel docs cgroup-v1/memory,
+    cgroup-v2 "memory.stat"). Under gVisor the sandbox's memory is the sentry's memory
+    file, a memfd (shmem), plus the sentry's own heap (anon); pages shared from a
+    checkpoint's pages file (runsc patch 0020, docs/runtime.md "Memory") are page cache,
+    which the host can evict and read back, so they are not counted."""
+    rel = ocispec.cgroup_path(sandbox_id).lstrip("/")
+    try:
+        v1 = root / "memory" / rel / "memory.stat"
+        if v1.exists():
+            keys, path = ("total_rss", "total_shmem"), v1
+        elif (root / rel / "memory.stat").exists():
+            keys, path = ("anon", "shmem"), root / rel / "memory.stat"
+        else:
+            return None
+        stat = dict(line.split()[:2] for line in path.read_text().splitlines() if len(line.split()) >= 2)
+        return sum(int(stat.get(k, 0)) for k in keys)
+    except (OSError, ValueError):
+        return None
+
+
 def cgroup_oom(sandbox_id: str, root: Path = _CGROUP_ROOT) -> tuple[int, int] | None:
     """``(oom kills, memory limit in bytes)`` of the sandbox's cgroup, or None when it
     has no memory cgroup (gone, or never made).

@@ -46,11 +46,12 @@ from forkyard.runtime.base import (Image, ImageKind, RuntimeDriver, RuntimeError
 from forkyard.runtime.gvisor import disk, export
 from forkyard.runtime.gvisor import image as image_mod
 from forkyard.runtime.gvisor import spec as ocispec
-from forkyard.runtime.gvisor.cgroups import cgroup_oom, cgroup_usage, remove_cgroups
+from forkyard.runtime.gvisor.cgroups import cgroup_memory_in_use, cgroup_oom, cgroup_usage, remove_cgroups
 from forkyard.runtime.gvisor.process import (checkpointing, container_files_exist, kill_sandbox_process, pid_alive,
                                              rearm_envd, spawn_detached, state_file)
 from forkyard.runtime.gvisor.reaper import ensure_reaper
-from forkyard.runtime.gvisor.runsc import POINTER, Runsc, missing, runsc_keeps_tmp, summarize
+from forkyard.runtime.gvisor.runsc import (POINTER, SHARE_PAGES_FLAG, SHARE_SAVED_FLAG, Runsc, missing,
+                                          runsc_keeps_tmp, runsc_supports, summarize)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,16 @@ class GVisorDriver(RuntimeDriver):
         if self.runsc_path and self.new_tmp != ocispec.TMP_ROOTFS:
             log.warning("%s lacks forkyard's runsc patch 0002 (deploy/runsc/build.sh): sandboxes get a /tmp "
                         "tmpfs of a quarter of their memory instead of /tmp on their disk", self.runsc_path)
+        #: Restores share the image's pages (``runtime.share_restored_pages`` and a runsc
+        #: with the flag; see :attr:`RuntimeDriver.shares_restored_pages`).
+        self.shares_restored_pages = bool(runtime.share_restored_pages and self.runsc_path
+                                          and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
+        if runtime.share_restored_pages and self.runsc_path and not self.shares_restored_pages:
+            log.warning("FORKYARD_SHARE_RESTORED_PAGES=1 but %s lacks %s (forkyard's runsc patch 0020, "
+                        "deploy/runsc/build.sh): restores copy their memory", self.runsc_path, SHARE_PAGES_FLAG)
+        #: Leave-running checkpoints share the image with the sandbox (``runtime.share_saved_pages``).
+        self.shares_saved_pages = (self.shares_restored_pages and runtime.share_saved_pages
+                                   and checkpoint_compression == "none")
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md).
         self.reaper_daemon = runtime.reaper_daemon
@@ -163,6 +174,7 @@ class GVisorDriver(RuntimeDriver):
             "--net-disconnect-ok",
             "--cpu-num-from-quota",
             self._overlay_flag(spec),
+            *([SHARE_PAGES_FLAG] if self.shares_restored_pages else []),
         ]
 
     @staticmethod
@@ -494,6 +506,16 @@ class GVisorDriver(RuntimeDriver):
         """The sandbox's cgroup CPU figures (see :func:`cgroup_usage`)."""
         return cgroup_usage(sandbox_id)
 
+    def memory_in_use(self, sandbox_ids: list[str]) -> dict[str, int]:
+        """Unreclaimable host memory (bytes) of each sandbox with a memory cgroup
+        (:func:`.cgroups.cgroup_memory_in_use`); ~20 µs a sandbox."""
+        out = {}
+        for sid in sandbox_ids:
+            n = cgroup_memory_in_use(sid)
+            if n is not None:
+                out[sid] = n
+        return out
+
     async def death_cause(self, sandbox_id: str) -> str | None:
         """Why a sandbox whose runtime stopped by itself stopped, read from its memory
         cgroup before :meth:`destroy` removes it (:func:`cgroup_oom`): ``"out of memory
@@ -565,6 +587,8 @@ class GVisorDriver(RuntimeDriver):
         args = ["checkpoint", f"--image-path={image_dir}", f"--compression={self.checkpoint_compression}"]
         if leave_running:
             args.append("--leave-running")
+            if self.shares_saved_pages:
+                args.append(SHARE_SAVED_FLAG)
         rc, _, err = await self.runsc.run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         if rc != 0:
             raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")

@@ -75,6 +75,22 @@ def runsc_keeps_tmp(runsc: str) -> bool:
         return False
 
 
+#: runsc's flag (forkyard's runsc patch 0020) that makes a restore map the image's pages
+#: copy-on-write instead of copying them (docs/runtime.md "Memory").
+SHARE_PAGES_FLAG = "--share-restored-pages"
+#: Its ``runsc checkpoint --leave-running`` counterpart: the source maps the image it wrote.
+SHARE_SAVED_FLAG = "--share-saved-pages"
+
+
+def runsc_supports(runsc: str, flag: str) -> bool:
+    """True when ``runsc`` accepts the global boolean ``flag`` (``runsc FLAG --version``
+    exits 0; an unknown flag exits 2). Blocking (≤ 10 s)."""
+    try:
+        return subprocess.run([runsc, flag, "--version"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 class Runsc:
     """The runsc of a node.
 
