@@ -310,8 +310,10 @@ async def test_a_port_nothing_listens_on_is_e2bs_502():
         async with httpx.AsyncClient(base_url=url, headers=HDRS, timeout=30) as c:
             r = await c.get("/big")
         assert r.status_code == 502
-        assert r.json()["message"].startswith("The sandbox is running but port is not open")
+        # exactly E2B's message: nothing internal (the upstream's address, an exception)
+        assert r.json()["message"] == "The sandbox is running but port is not open", r.text
         assert r.json()["sandboxId"] == "sbx"
+        assert "127.0.0.1" not in r.text and "Error" not in r.text, r.text
 
 
 # --- A sandbox is untrusted: its server may answer anything. -------------------------

@@ -11,6 +11,8 @@ import asyncio
 import json
 import logging
 
+log = logging.getLogger("forkyard.proxy")
+
 
 class UpstreamCut(Exception):
     """A relayed response ended early (the sandbox was killed, paused or forked
@@ -51,10 +53,12 @@ async def connect_failed(send, what: str, e: BaseException, refused: bool, gone=
     """The 502 of both relays when connecting to the upstream failed: the caller's own
     "not found" message when ``gone()`` (a str) says the target is gone, E2B's "The
     sandbox is running but port is not open" when the port ``refused``, else "``what``
-    is not reachable"."""
+    is not reachable". The exception (it names the sandbox's internal address) goes to
+    the log only, never into the body (issue 23)."""
     if sandbox_id is not None and gone is not None and (msg := gone()) is not None:
         return await send_json(send, 502, msg, sandboxId=sandbox_id)
+    log.info("connecting to %s failed: %r", what, e)
     if refused:
         extra = {"sandboxId": sandbox_id} if sandbox_id else {}
-        return await send_json(send, 502, f"The sandbox is running but port is not open ({what}: {e!r})", **extra)
-    await send_json(send, 502, f"{what} is not reachable: {e!r}")
+        return await send_json(send, 502, "The sandbox is running but port is not open", **extra)
+    await send_json(send, 502, f"{what} is not reachable")
