@@ -438,6 +438,13 @@ def test_access_token_and_signed_urls(envd_binary, workdir):
         assert Path(f"{workdir}/up-signed.txt").read_text() == "via signed url"
         forged = url.replace("signature=v1_", "signature=v1_x")
         assert httpx.get(forged).status_code == 401
+        # Expired: E2B envd's exact body (the SDKs' tests match it); a forged signature
+        # with a past expiry learns nothing about the expiry.
+        expired = good.download_url(f"{workdir}/signed.txt", use_signature_expiration=-10)
+        r = httpx.get(expired)
+        assert (r.status_code, r.json()) == (401, {"code": 401, "message": "signature is already expired"}), r.text
+        r = httpx.get(expired.replace("signature=v1_", "signature=v1_x"))
+        assert r.status_code == 401 and "expired" not in r.text, r.text
     finally:
         assert e.stop() == 0
 

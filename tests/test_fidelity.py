@@ -493,6 +493,9 @@ def test_signed_file_urls_of_secure_sandbox(server):
         assert sbx.files.read("/home/user/uploaded.txt") == "via signed url"
         exp = sbx.download_url("/home/user/signed.txt", use_signature_expiration=60)
         assert httpx.get(exp, timeout=30).text == "signed content"
+        expired = sbx.download_url("/home/user/signed.txt", use_signature_expiration=-10)
+        r = httpx.get(expired, timeout=30)  # E2B's body, as its SDK tests expect (issue 23 item 1)
+        assert (r.status_code, r.json()) == (401, {"code": 401, "message": "signature is already expired"}), r.text
         assert httpx.get(url.replace("signed.txt", "other.txt"), timeout=30).status_code == 401
         assert httpx.post(url, files={"file": ("x", b"x")}, timeout=30).status_code == 401  # read-only signature
     finally:

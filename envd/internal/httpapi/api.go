@@ -130,26 +130,43 @@ func (a *API) envs(w http.ResponseWriter, _ *http.Request) {
 	writeJSON(w, http.StatusOK, a.st.Env())
 }
 
-// signatureOK reports whether the request carries a valid v1 file-URL
-// signature (see the SDK's e2b/sandbox/signature.py) for operation.
-func (a *API) signatureOK(r *http.Request, operation string) bool {
+// errExpiredSignature is E2B envd's answer (401) to a URL whose signature is
+// valid but whose signature_expiration has passed (the SDKs' own tests match
+// the text).
+var errExpiredSignature = errors.New("signature is already expired")
+
+// checkSignature reports whether the request carries a valid, unexpired v1
+// file-URL signature (see the SDK's e2b/sandbox/signature.py) for operation.
+// The signature is compared first: only a URL signed with this sandbox's token
+// learns that its expiry was the problem (errExpiredSignature); any other
+// failure is (false, nil).
+func (a *API) checkSignature(r *http.Request, operation string) (bool, error) {
 	q := r.URL.Query()
 	sig := q.Get("signature")
 	tok := a.st.AccessToken()
 	if sig == "" || tok == "" {
-		return false
+		return false, nil
 	}
 	parts := []string{q.Get("path"), operation, q.Get("username"), tok}
-	if exp := q.Get("signature_expiration"); exp != "" {
+	var expires int64
+	exp := q.Get("signature_expiration")
+	if exp != "" {
 		n, err := strconv.ParseInt(exp, 10, 64)
-		if err != nil || n < time.Now().Unix() {
-			return false
+		if err != nil {
+			return false, nil
 		}
+		expires = n
 		parts = append(parts, exp)
 	}
 	sum := sha256.Sum256([]byte(strings.Join(parts, ":")))
 	want := "v1_" + base64.RawStdEncoding.EncodeToString(sum[:])
-	return subtle.ConstantTimeCompare([]byte(want), []byte(sig)) == 1
+	if subtle.ConstantTimeCompare([]byte(want), []byte(sig)) != 1 {
+		return false, nil
+	}
+	if exp != "" && expires < time.Now().Unix() {
+		return false, errExpiredSignature
+	}
+	return true, nil
 }
 
 // WithAuth wraps h with the access-token check: once a token is set, every
@@ -170,8 +187,13 @@ func (a *API) WithAuth(h http.Handler) http.Handler {
 			if r.Method == http.MethodPost {
 				op = "write"
 			}
-			if a.signatureOK(r, op) {
+			ok, err := a.checkSignature(r, op)
+			if ok {
 				h.ServeHTTP(w, r)
+				return
+			}
+			if err != nil {
+				jsonError(w, http.StatusUnauthorized, err)
 				return
 			}
 		}
