@@ -14,8 +14,10 @@ killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox ID was 
 "sandboxId": ID}`` (``is_running()`` is then false); a running sandbox whose port refuses
 the connection → 502 "The sandbox is running but port is not open". A Connect stream
 (``application/connect+*``) whose sandbox goes away mid-stream ends with a Connect
-end-of-stream error ``unavailable`` (saying "was not found" when the sandbox is gone), so
-the SDK reports the sandbox killed instead of a command that ended without an end event.
+end-of-stream error ``unavailable`` naming the cause but not the "was not found" phrase
+(:func:`forkyard.relay.http.stream_cut_message`), so the SDK probes the sandbox and reports
+it "killed or reached its end of life", as with E2B, instead of a command that ended
+without an end event.
 """
 
 from __future__ import annotations

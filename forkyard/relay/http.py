@@ -52,6 +52,24 @@ class ConnectFrames:
         return self._in_header and self._need == 5
 
 
+def stream_cut_message(what: str, gone=None) -> str:
+    """The ``unavailable`` message that ends a Connect stream whose upstream went away:
+    "the connection to ``what`` ended before the stream completed", with the cause in
+    brackets when ``gone()`` says the sandbox is gone (its text after "…was not found: ",
+    e.g. "out of memory (limit 512 MiB)"). Never the proxy's "was not found" / "port is
+    not open" phrases: as with E2B's proxy, the SDKs (e2b 2.63 ``envd/rpc.py``) then probe
+    the sandbox and report it "killed or reached its end of life while the request was in
+    flight" (issue 23 item 1)."""
+    message = f"the connection to {what} ended before the stream completed"
+    why = gone() if gone is not None else None
+    if why is None:
+        return message
+    cause = why.split(": ", 1)[1] if ": " in why else "the sandbox is not running"
+    if "was not found" in cause or "port is not open" in cause:
+        cause = "the sandbox is not running"
+    return f"{message} ({cause})"
+
+
 def connect_end_error(code: str, message: str) -> bytes:
     """A Connect end-of-stream message (flag 0x02) carrying error ``code`` (a Connect
     code name such as ``"unavailable"``) and ``message``."""
@@ -151,9 +169,7 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         log.info("response from %s ended early: %r", what, e)
         if frames is None or not frames.at_boundary or "content-length" in resp.headers:
             raise UpstreamCut(f"{what} ended the response early: {e!r}") from None  # the connection closes
-        message = gone() if gone is not None else None
-        if message is None:
-            message = f"the connection to {what} ended before the stream completed"
-        await send({"type": "http.response.body", "body": connect_end_error("unavailable", message)})
+        await send({"type": "http.response.body",
+                    "body": connect_end_error("unavailable", stream_cut_message(what, gone))})
     finally:
         await resp.aclose()

@@ -3,8 +3,9 @@
 Under gVisor the host's OOM killer acts on the sandbox's cgroup and kills the sentry,
 i.e. the whole sandbox (measured: tests/test_runtime.py). The client then sees E2B's
 "sandbox not running" shapes with the cause named: the command's stream ends with a
-Connect ``unavailable`` error ("… was not found …: out of memory (limit 512 MiB)") that
-the SDK raises as ``SandboxNotRunningException``; later the proxy's 502, the REST 404
+Connect ``unavailable`` error ("… ended before the stream completed (out of memory (limit
+512 MiB))"), the SDK probes the sandbox and raises ``SandboxNotRunningException`` ("… killed
+or reached its end of life …"); later the proxy's 502, the REST 404
 of ``GET /sandboxes/{id}`` and the sandbox's logs say the same."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_an_oom_killed_sandbox_tells_the_client_why(server):
                          timeout=90)
     took = time.monotonic() - t0
     print(f"\nthe SDK raised {type(err.value).__name__} after {took:.1f} s: {err.value}")
-    assert OOM in str(err.value) and "was not found" in str(err.value)
+    assert OOM in str(err.value) and "killed or reached its end of life" in str(err.value), str(err.value)
     assert not sbx.is_running()
     with server.api() as c:
         info = c.get(f"/sandboxes/{sid}")
