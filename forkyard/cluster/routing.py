@@ -183,7 +183,16 @@ class Ownership:
             raise Fail(404, f"sandbox {sandbox_id!r} not found (its node {b.node_id} is down)")
         if not move:
             raise Fail(404, f"sandbox {sandbox_id!r} is paused")
-        return await self._move(b)
+        try:
+            return await self._move(b)
+        except Fail as e:
+            # No move (the scheduler is away — then every node is silent, its heartbeats go
+            # there — or no other node has room): a node that is up and not declared down
+            # keeps the call; it refuses a resume itself if it is cut off.
+            if e.status != 503 or node is None or node.declared_down or node.status != NODE_UP:
+                raise
+            await self._adopt(node, b)
+            return node
 
     async def _move(self, b, unreachable: bool = False) -> NodeInfo:
         """Resume-place paused binding ``b`` on another node (the scheduler decides: its

@@ -1,4 +1,4 @@
-"""Fixtures of the chaos suite. One cluster for the whole chaos suite (starting one costs ~10 s and its probes more):
+"""Fixtures of the chaos suite. One cluster for the chaos suite (torn down after its last test) (starting one costs ~10 s and its probes more):
 real redis-server (AOF), two scheduler replicas, the gateway, three nodes with real
 runsc sandboxes (node1's clock 90 s ahead), MinIO as the shared S3 repository; node2's
 data dir is a 6 GiB filesystem of its own (the disk-full test fills it). Every test leaves it healed (the
@@ -51,7 +51,10 @@ class Chaos:
         self.c.wait_nodes({f"node{i}" for i in range(len(self.c.nodes))}, timeout_s=60)
 
 
-@pytest.fixture(scope="session")
+# Package scope: the cluster goes when the last chaos test is done (a session-scoped one
+# lived until the end of the whole suite, holding its nodes' network prefixes, so every
+# later cluster of the session failed to start: "another forkyard node ... uses network prefix").
+@pytest.fixture(scope="package")
 def chaos(base_template):
     minio = MinIO().start()
     minio.make_bucket(BUCKET)

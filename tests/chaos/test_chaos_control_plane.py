@@ -105,7 +105,8 @@ def test_schedulers_killed(healthy):
                 r = api.post("/sandboxes", json={"templateID": "base"}, timeout=30)
                 assert r.status_code == 503 and "scheduler unreachable" in r.json()["message"], r.text
                 for p in h.probes.all.values():  # REST on existing sandboxes still works
-                    assert api.get(f"/sandboxes/{p.sid}").status_code == 200
+                    got = api.get(f"/sandboxes/{p.sid}")
+                    assert got.status_code == 200, (p.sid, p.paused, got.status_code, got.text)
             time.sleep(max(0.0, down_s - (time.time() - t0)))
             for s in h.c.schedulers:
                 s.start()

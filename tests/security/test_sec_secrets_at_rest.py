@@ -23,7 +23,10 @@ def _public_entries(root: Path) -> list[str]:
                        and not (d == "etc" and dirpath.endswith("/bundle"))]  # bind-mounted /etc/hosts: 0644 by design
         for name in dirnames + filenames:
             p = Path(dirpath, name)
-            st = p.lstat()
+            try:
+                st = p.lstat()
+            except FileNotFoundError:  # removed while walking (the server refills its spare disks)
+                continue
             if not stat.S_ISLNK(st.st_mode) and stat.S_IMODE(st.st_mode) & 0o077:
                 bad.append(f"{p} {oct(stat.S_IMODE(st.st_mode))}")
     return bad
