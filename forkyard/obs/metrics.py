@@ -133,7 +133,12 @@ def timed(op: str):
                 seconds = time.perf_counter() - t0
                 LIFECYCLE.labels(op, outcome).observe(seconds)
                 _op.reset(token)
-                sid = args[1] if len(args) > 1 and isinstance(args[1], str) else getattr(out, "id", None)
+                # the sandbox id it was called with; a create's first argument is its
+                # template, so there the record it returned names the sandbox
+                if op != "create" and len(args) > 1 and isinstance(args[1], str):
+                    sid = args[1]
+                else:
+                    sid = getattr(out, "id", None)
                 _log.info("%s %s in %.1f ms%s", op, outcome, seconds * 1000, f": {err}" if err else "",
                           extra={"operation": op, "duration_ms": round(seconds * 1000, 1),
                                  "sandbox_id": sid if op not in ("fork_children",) else None})
