@@ -304,7 +304,9 @@ def _mount_small_fs(path: Path, size_mb: int) -> None:
     to it, loop-mounted), so a test can fill a node's data dir without filling the host."""
     image = path.with_name(path.name + ".img")
     path.mkdir(parents=True, exist_ok=True)
-    with open(image, "wb") as f:
+    # 0600 like the data dir it holds (state, tokens, keys); an older image may predate this
+    with os.fdopen(os.open(image, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        os.fchmod(f.fileno(), 0o600)
         f.truncate(size_mb << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
     subprocess.run(["mount", "-o", "loop", str(image), str(path)], check=True, capture_output=True)

@@ -39,6 +39,7 @@ import httpx
 import pytest
 from _cluster import Cluster
 from e2b import Sandbox
+from test_cluster import wait_for
 from test_lifecycle import COUNTER
 
 from forkyard.config import Settings
@@ -414,14 +415,8 @@ def runsc_ids(c: Cluster, i: int) -> set[str]:
     return set(out.stdout.split())
 
 
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+#: polls ``pred`` until truthy (test_cluster's helper, under the name the chaos tests use)
+wait_until = wait_for
 
 
 def parallel(fns) -> list:
