@@ -156,6 +156,13 @@ class Settings:
             images hold 50k–500k); one file (``FORKYARD_MAX_UNPACKED_FILE_MB``, 8192).
             Past one the call answers 413 naming the setting. E2B has no such settings
             (its builds run in VMs with their own disks).
+        image_cache_mb: bytes (MiB) of compressed image layers pulled from registries
+            that this node keeps for later builds (``FORKYARD_IMAGE_CACHE_MB``, 20480),
+            under ``<data_dir>/image-cache`` (:mod:`forkyard.templates.registry`); the
+            least recently used go first after each pull.
+        insecure_registries: registries (``host[:port]``) pulled from over plain HTTP
+            or with unverified TLS (``FORKYARD_INSECURE_REGISTRIES``, comma-separated;
+            loopback registries always are); any other registry must speak verified HTTPS.
         domain: public sandbox domain (``FORKYARD_DOMAIN``, e.g. ``sbx.example.com`` with
             a wildcard DNS record ``*.sbx.example.com`` pointing at this server or the
             gateway; may carry a ``:port``). Returned as ``domain`` by create/connect, so
@@ -224,6 +231,9 @@ class Settings:
         default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILES", "1000000")))
     max_unpacked_file_mb: int = field(
         default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILE_MB", "8192")))
+    image_cache_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_IMAGE_CACHE_MB", "20480")))
+    insecure_registries: list[str] = field(default_factory=lambda: [
+        h.strip() for h in os.environ.get("FORKYARD_INSECURE_REGISTRIES", "").split(",") if h.strip()])
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))

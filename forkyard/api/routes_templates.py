@@ -33,7 +33,7 @@ from forkyard.config import ENVD_VERSION
 from forkyard.ids import rfc3339
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
-from forkyard.templates import build_oci, unpack
+from forkyard.templates import build_oci, registry, unpack
 from forkyard.templates.build import TemplateBuilds
 
 
@@ -80,6 +80,8 @@ def template_entries(request: Request) -> list[dict]:
     settings = request.app.state.settings
     out = []
     for t in images.list_templates(settings):
+        if registry.is_pulled(settings, t.template_id):
+            continue  # a pulled image: the base of built templates, not one itself (E2B lists none)
         try:
             ts = (settings.templates_dir / t.template_id / images.MARKER).stat().st_mtime
         except OSError:
@@ -209,6 +211,8 @@ async def delete_template(request: Request, template_id: str):
     deleted): 204; 404 unknown."""
     settings = request.app.state.settings
     name = template_id.partition(":")[0]
+    if registry.is_pulled(settings, name):
+        raise BadRequest(f"{name!r} is a pulled image that built templates use; delete those templates instead")
     if build_oci.is_imported(settings, name):
         await asyncio.to_thread(build_oci.remove_imported, settings, name)
         return Response(status_code=204)
@@ -217,6 +221,7 @@ async def delete_template(request: Request, template_id: str):
     builds = _builds(request)
     if builds.known_template(name):
         builds.delete(name)
+        await asyncio.to_thread(builds.drop_unused_pulled)
     else:  # E2B deletes snapshots through this path too
         request.app.state.orchestrator.delete_snapshot(template_id)
     return Response(status_code=204)

@@ -44,7 +44,16 @@ from forkyard.config import Settings
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound, OrchestratorError
 from forkyard.orchestrator.images import TEMPLATE_KEY
-from forkyard.templates.spec import DEFAULT_TAGS, BuildRecord, StepFailed, resolve_base, split_name, validate_steps
+from forkyard.templates import build_oci, registry, unpack
+from forkyard.templates.spec import (
+    DEFAULT_TAGS,
+    BuildRecord,
+    PullBase,
+    StepFailed,
+    resolve_base,
+    split_name,
+    validate_steps,
+)
 from forkyard.templates.steps import StepRunner
 from forkyard.templates.uploads import Uploads
 
@@ -87,6 +96,7 @@ class TemplateBuilds:
         self._sem = asyncio.Semaphore(MAX_CONCURRENT_BUILDS)
         self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._steps = StepRunner(settings, orch, self.uploads, self._http)
+        self.puller = registry.Puller(settings)
         self._load()
 
     # ---- persistence ------------------------------------------------------------------
@@ -257,7 +267,8 @@ class TemplateBuilds:
             if v is not None and not isinstance(v, str):
                 raise BadRequest(f"{k} must be a string")
         rec.status = "building"
-        rec.log(f"Building template {rec.template_id} (build {rec.build_id}) from {base}", step="base")
+        shown = f"image {base.image}" if isinstance(base, PullBase) else base
+        rec.log(f"Building template {rec.template_id} (build {rec.build_id}) from {shown}", step="base")
         self._save(rec)
         task = asyncio.create_task(self._run(rec, base, steps, start_cmd or None, ready_cmd or None),
                                    name=f"template-build-{build_id}")
@@ -265,11 +276,31 @@ class TemplateBuilds:
         task.add_done_callback(lambda _t: self._tasks.pop(build_id, None))
         return rec
 
-    async def _run(self, rec: BuildRecord, base: str, steps: list[dict], start_cmd: str | None,
+    async def _pull(self, rec: BuildRecord, base: PullBase) -> str:
+        """Pull ``base`` (:mod:`.registry`) logging into ``rec``; the rootfs template's name.
+
+        Raises:
+            StepFailed: step ``base``, with what went wrong and what to do.
+        """
+        loop = asyncio.get_running_loop()
+
+        def progress(line: str) -> None:
+            loop.call_soon_threadsafe(rec.log, line, "info", "base")
+
+        try:
+            return await asyncio.to_thread(self.puller.pull, base.image, base.creds, progress)
+        except registry.PullError as e:
+            raise StepFailed("base", f"cannot pull {base.image}: {e}") from None
+        except (build_oci.ImageImportError, unpack.LimitExceeded) as e:
+            raise StepFailed("base", f"cannot unpack {base.image}: {e}") from None
+
+    async def _run(self, rec: BuildRecord, base: str | PullBase, steps: list[dict], start_cmd: str | None,
                    ready_cmd: str | None) -> None:
         sid = None
         try:
             async with self._sem:
+                if isinstance(base, PullBase):
+                    base = await self._pull(rec, base)
                 try:
                     sbx = await self.orch.create(
                         base, timeout_s=BUILD_SANDBOX_TIMEOUT_S, auto_pause=False,
@@ -359,3 +390,26 @@ class TemplateBuilds:
         for b in [b for b in self._builds.values() if b.template_id == name]:
             self._builds.pop(b.build_id, None)
             (self.builds_dir / f"{b.build_id}.json").unlink(missing_ok=True)
+
+    def drop_unused_pulled(self) -> list[str]:
+        """Remove the pulled images (:mod:`.registry`) nothing uses any more: no
+        committed image (a template's, a snapshot, a paused sandbox's, a fork's) expects
+        their rootfs and no sandbox record names them. Keeps them all while a build is
+        waiting or running, or while a sandbox runs from an image whose record is gone
+        (what it runs on cannot be told). Blocking (removes trees): call it in a thread.
+        Returns the names removed."""
+        pulled = [t.template_id for t in images.list_templates(self.settings)
+                  if registry.is_pulled(self.settings, t.template_id)]
+        if not pulled or any(b.status in ("waiting", "building") for b in self._builds.values()):
+            return []
+        metas = {m.snapshot_id: m for m in self.orch.snapshots.list()}
+        used = {m.template_id for m in metas.values()}
+        for sbx in self.orch.list():
+            if sbx.image_id and sbx.image_id not in metas:
+                return []
+            used.add(sbx.template_id)
+        gone = [name for name in pulled if name not in used]
+        for name in gone:
+            log.info("removing pulled image %s: no template, snapshot or sandbox uses it", name)
+            registry.remove_pulled(self.settings, name)
+        return gone
