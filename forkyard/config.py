@@ -149,7 +149,7 @@ class Settings:
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         max_unpacked_mb / max_unpacked_files / max_unpacked_file_mb: what one untrusted
             archive — an imported image (its layers together), a build ``COPY`` upload,
-            later a pulled image — may unpack to (:mod:`forkyard.templates.unpack`):
+            a pulled image — may unpack to (:mod:`forkyard.templates.unpack`):
             bytes, sparse files at their apparent size (``FORKYARD_MAX_UNPACKED_MB``,
             16384: an upload at ``FORKYARD_MAX_UPLOAD_MB`` gzipped about 4:1, as image
             layers are); entries (``FORKYARD_MAX_UNPACKED_FILES``, 1000000: large
