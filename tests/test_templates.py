@@ -309,7 +309,7 @@ def test_import_docker_save_and_oci(server):
 # ---------------------------------------------------------------- bad input
 def test_bad_input(server, tmp_path):
     with server.api() as c:
-        for body in ({}, {"name": "Bad Name!"}, {"name": "base"}, {"name": "ok-name:v2"},
+        for body in ({}, {"name": "Bad Name!"}, {"name": "base"}, {"name": "ok-name:Bad Tag!"},
                      {"name": "ok-name", "cpuCount": 0}, {"name": "ok-name", "memoryMB": 1}):
             r = c.post("/v3/templates", json=body)
             assert r.status_code == 400, (body, r.text)

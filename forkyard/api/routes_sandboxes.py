@@ -12,7 +12,7 @@ from forkyard.api import schemas
 from forkyard.api.auth import require_key
 from forkyard.ids import rfc3339
 from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import BadRequest
+from forkyard.orchestrator.errors import BadRequest, NotFound
 from forkyard.orchestrator.manager import Orchestrator
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -70,7 +70,7 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
                                    body.allow_internet_access)
     orch = _orch(request)
     rec = await orch.create(
-        template_id=body.template_id,
+        template_id=_tagged(request, body.template_id),
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
@@ -89,6 +89,23 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
     timing.add("total", (time.perf_counter() - t0) * 1000)
     return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201,
                         headers=timing.header(phases))
+
+
+def _tagged(request: Request, template_id: str) -> str:
+    """``name:tag`` of a built template → the snapshot of the build the tag names
+    (:meth:`forkyard.templates.build.TemplateBuilds.snapshot_for`); anything else as given.
+
+    Raises:
+        NotFound: a built template's tag that names no build.
+    """
+    builds = getattr(request.app.state, "template_builds", None)
+    name, _, tag = (template_id or "").partition(":")
+    if builds is None or builds.template_snapshot(name) is None:
+        return template_id
+    snap = builds.snapshot_for(name, tag or None)
+    if snap is None:
+        raise NotFound(f"template {template_id!r} not found (no build has tag {tag or 'default'!r})")
+    return name if snap == builds.template_snapshot(name).snapshot_id else snap  # the newest build: by name
 
 
 @router.post("/sandboxes", status_code=201)

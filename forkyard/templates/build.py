@@ -43,10 +43,11 @@ import httpx
 from forkyard.config import Settings
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound, OrchestratorError
+from forkyard.ids import rfc3339
 from forkyard.orchestrator.images import TEMPLATE_KEY
 from forkyard.templates import build_oci, registry, unpack
+from forkyard.templates import tags as tagmod
 from forkyard.templates.spec import (
-    DEFAULT_TAGS,
     BuildRecord,
     PullBase,
     StepFailed,
@@ -97,6 +98,7 @@ class TemplateBuilds:
         self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._steps = StepRunner(settings, orch, self.uploads, self._http)
         self.puller = registry.Puller(settings)
+        self.tags = tagmod.TagStore(settings.data_dir / "template-tags")
         self._load()
 
     # ---- persistence ------------------------------------------------------------------
@@ -213,10 +215,8 @@ class TemplateBuilds:
             BadRequest: bad name/tag/resources, or ``name`` is a rootfs template.
             Conflict: a build of ``name`` is already running.
         """
-        base, _ = split_name(name)
-        for t in tags or []:
-            if t not in DEFAULT_TAGS:
-                raise BadRequest(f"tag {t!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
+        base, tag = split_name(name)
+        wanted = tagmod.normalize(([tag] if tag else []) + list(tags if tags is not None else []))
         if images.resolve(self.settings, base) is not None:
             raise BadRequest(f"{base!r} is a rootfs template on this node; choose another name")
         meta = self.orch.snapshots.find(base)
@@ -236,7 +236,8 @@ class TemplateBuilds:
             except ValueError as e:
                 raise BadRequest(str(e)) from None
         rec = BuildRecord(build_id=str(uuid.uuid4()), template_id=base, status="waiting",
-                          created_at=time.time(), cpu_count=cpu, memory_mb=mem, disk_mb=disk_mb or 0)
+                          created_at=time.time(), cpu_count=cpu, memory_mb=mem, disk_mb=disk_mb or 0,
+                          tags=wanted or [tagmod.DEFAULT_TAG])
         self._builds[rec.build_id] = rec
         self._save(rec)
         return rec
@@ -317,10 +318,9 @@ class TemplateBuilds:
                     meta = await self.orch.snapshot(sid, name=rec.template_id)
                 except OrchestratorError as e:
                     raise StepFailed("finalize", f"snapshot failed: {e}") from e
-                for old in self.orch.snapshots.list():
-                    if old.metadata.get(TEMPLATE_KEY) == rec.template_id and old.snapshot_id != meta.snapshot_id:
-                        self.orch.snapshots.delete(old.snapshot_id)
                 rec.snapshot_id = meta.snapshot_id
+                self.tags.assign(rec.template_id, rec.build_id, rec.tags or [tagmod.DEFAULT_TAG])
+                self._drop_untagged(rec.template_id, keep=meta.snapshot_id)
                 rec.status, rec.finished_at = "ready", time.time()
                 rec.log(f"Template {rec.template_id} is ready (snapshot {meta.snapshot_id})", step="finalize")
         except asyncio.CancelledError:
@@ -338,6 +338,94 @@ class TemplateBuilds:
                     await asyncio.shield(self.orch.kill(sid))
                 except Exception as e:  # noqa: BLE001
                     log.warning("killing build sandbox %s failed: %s", sid, e)
+
+    def _drop_untagged(self, name: str, keep: str) -> None:
+        """Delete the snapshots of template ``name``'s earlier builds that no tag names
+        (``keep``: the newest build's)."""
+        tagged = {self._builds[b].snapshot_id for b in self.tags.builds_tagged(name) if b in self._builds}
+        for old in self.orch.snapshots.list():
+            if (old.metadata.get(TEMPLATE_KEY) == name and old.snapshot_id != keep
+                    and old.snapshot_id not in tagged):
+                self.orch.snapshots.delete(old.snapshot_id)
+
+    # ---- tags --------------------------------------------------------------------------
+    def snapshot_for(self, name: str, tag: str | None) -> str | None:
+        """Snapshot id of built template ``name`` at ``tag`` (None: ``default``). With no
+        tag recorded at all (templates built before tags), ``default`` is the newest build. None when ``name`` is not a built template here or the tag names nothing.
+
+        Raises:
+            BadRequest: invalid name or tag.
+        """
+        meta = self.template_snapshot(name)
+        if meta is None:
+            return None
+        tag = tagmod.normalize([tag])[0] if tag else tagmod.DEFAULT_TAG
+        build_id = self.tags.build_of(name, tag)
+        if build_id is None:
+            return meta.snapshot_id if tag == tagmod.DEFAULT_TAG and not self.tags.of(name) else None
+        rec = self._builds.get(build_id)
+        if rec is None or rec.snapshot_id is None or self.orch.snapshots.get(rec.snapshot_id) is None:
+            return None
+        return rec.snapshot_id
+
+    def assign_tags(self, target: str, tags) -> tuple[str, list[str]]:
+        """Point ``tags`` at the build ``target`` (``name[:tag]``) names (E2B ``POST
+        /templates/tags``); returns ``(build id, tags)``.
+
+        Raises:
+            BadRequest: bad target or tags, no tags. NotFound: no such template or tag.
+        """
+        name, tag = split_name(target)
+        wanted = tagmod.normalize(tags)
+        if not wanted:
+            raise BadRequest("At least one tag is required")
+        if self.template_snapshot(name) is None:
+            raise NotFound(f"template {name!r} not found")
+        build_id = self.tags.build_of(name, tag)
+        if build_id is None and (tag or tagmod.DEFAULT_TAG) == tagmod.DEFAULT_TAG and not self.tags.of(name):
+            newest = self.template_snapshot(name).snapshot_id
+            build_id = next((b.build_id for b in self.builds_of(name) if b.snapshot_id == newest), None)
+        if build_id is None or self.snapshot_for(name, tag) is None:
+            raise NotFound(f"Template '{target}' with tag '{tag or tagmod.DEFAULT_TAG}' not found")
+        self.tags.assign(name, build_id, wanted)
+        return build_id, wanted
+
+    def remove_tags(self, name: str, tags) -> None:
+        """Remove ``tags`` of template ``name`` (E2B ``DELETE /templates/tags``); the
+        builds no tag names any more stay until the template is deleted.
+
+        Raises:
+            BadRequest: ``name`` has a tag, bad or no tags, ``default`` among them.
+            NotFound: no such template.
+        """
+        if not isinstance(name, str) or ":" in name:
+            raise BadRequest("Template name should not contain a tag, use the 'tags' field instead")
+        base, _ = split_name(name)
+        wanted = tagmod.normalize(tags)
+        if not wanted:
+            raise BadRequest("At least one tag is required")
+        if self.template_snapshot(base) is None:
+            raise NotFound(f"template {name!r} not found")
+        self.tags.remove(base, wanted)
+
+    def list_tags(self, name: str) -> list[dict]:
+        """E2B ``TemplateTag`` entries ``{tag, buildID, createdAt}`` of template ``name``.
+
+        Raises:
+            NotFound: no such template.
+        """
+        base = name.partition(":")[0]
+        if self.template_snapshot(base) is None:
+            raise NotFound(f"template {name!r} not found")
+        out = [{"tag": t, "buildID": e["buildID"], "createdAt": rfc3339(e.get("createdAt", 0))}
+               for t, e in sorted(self.tags.of(base).items()) if isinstance(e, dict) and e.get("buildID")]
+        if not out:  # built before tags: its newest build is the default
+            newest = self.template_snapshot(base).snapshot_id
+            b = next((b for b in self.builds_of(base) if b.snapshot_id == newest), None)
+            if b is not None:
+                out.insert(0, {"tag": tagmod.DEFAULT_TAG, "buildID": b.build_id,
+                               "createdAt": rfc3339(b.finished_at or b.created_at)})
+        return out
 
     async def _while_alive(self, rec: BuildRecord, sid: str, work) -> None:
         """Run coroutine ``work`` while build sandbox ``sid`` lives; when it goes (killed,
@@ -387,6 +475,7 @@ class TemplateBuilds:
         for meta in self.orch.snapshots.list():
             if meta.metadata.get(TEMPLATE_KEY) == name:
                 self.orch.snapshots.delete(meta.snapshot_id)
+        self.tags.drop(name)
         for b in [b for b in self._builds.values() if b.template_id == name]:
             self._builds.pop(b.build_id, None)
             (self.builds_dir / f"{b.build_id}.json").unlink(missing_ok=True)

@@ -17,14 +17,12 @@ from forkyard.guest import envd
 from forkyard.ids import is_name, rfc3339
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest
-from forkyard.templates import registry
+from forkyard.templates import registry, tags
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31})?$")
 _MODE = re.compile(r"^[0-7]{3,4}$")
 STEP_TYPES = {"RUN", "COPY", "ENV", "WORKDIR", "USER"}
-#: Tags accepted on a build name (``name:tag``); other tags are not supported.
-DEFAULT_TAGS = {"default", "latest"}
 #: Image names that mean our ``base`` template (E2B's default ``fromImage``).
 BASE_IMAGES = {"e2bdev/base"}  # as Docker Hub repositories
 MAX_LOG_ENTRIES = 20000
@@ -34,19 +32,19 @@ MAX_LOG_BYTES = 16 << 20
 
 
 def split_name(name: str) -> tuple[str, str | None]:
-    """``"name:tag"`` → ``("name", "tag")``; validates both.
+    """``"name:tag"`` → ``("name", "tag")`` (the tag normalized as E2B does:
+    :func:`forkyard.templates.tags.normalize`); validates both.
 
     Raises:
-        BadRequest: invalid name, or a tag other than ``default``/``latest``.
+        BadRequest: invalid name or tag.
     """
     if not isinstance(name, str):
         raise BadRequest("template name must be a string")
-    base, _, tag = name.partition(":")
+    base, _, tag = name.strip().partition(":")
+    base = base.lower()
     if not is_name(base):
         raise BadRequest(f"invalid template name {base!r}: 1-64 of a-z, 0-9, '-', '_', starting with a letter or digit")
-    if tag and tag not in DEFAULT_TAGS:
-        raise BadRequest(f"tag {tag!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
-    return base, tag or None
+    return base, (tags.normalize([tag])[0] if tag else None)
 
 
 @dataclass
@@ -64,6 +62,8 @@ class BuildRecord:
     disk_mb: int = 0
     snapshot_id: str | None = None
     reason: dict | None = None
+    #: tags the build gets when it succeeds (none asked: ``default``)
+    tags: list[str] = field(default_factory=list)
     logs: list[dict] = field(default_factory=list)
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
