@@ -40,10 +40,10 @@ echo "${out[*]}"
 class Registry:
     """A ``docker-registry serve`` on a free loopback port (auth: htpasswd ``user``)."""
 
-    def __init__(self, root: Path, password: str | None = None):
+    def __init__(self, root: Path, password: str | None = None, ip: str = "127.0.0.1"):
         self.root, self.password = root, password
         self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
+        self.host = f"{ip}:{self.port}"
         root.mkdir(parents=True)
         auth = ""
         if password:
@@ -123,6 +123,12 @@ def registries(tmp_path_factory):
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _host_ip() -> str | None:
+    """This host's own non-loopback address (the source of its default route)."""
+    out = subprocess.run(["ip", "-4", "-o", "route", "get", "1.1.1.1"], capture_output=True, text=True).stdout.split()
+    return out[out.index("src") + 1] if "src" in out else None
+
+
 def _image(root: Path, layers: list[bytes], name: str) -> Path:
     path = root / f"{name}.tar"
     path.write_bytes(_oci_layout(layers))
@@ -200,6 +206,8 @@ def test_pull_errors_are_clear(server, registries):
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
     before = _pulled_dirs(server)
+    ip = _host_ip()
+    plain = Registry(root / "plain", ip=ip) if ip else None  # plain HTTP, not on loopback: refused
     cases = [
         (Template().from_image(f"{private.host}/team/err:v1", username="user", password="wrong"),
          "refused the credentials"),
@@ -207,11 +215,15 @@ def test_pull_errors_are_clear(server, registries):
         (Template().from_image(f"{open_reg.host}/bad@sha256:{'0' * 64}"), "not found"),
         (Template().from_image(f"127.0.0.1:{free_port()}/x:v1"), "cannot reach registry"),
         (Template().from_image(f"{open_reg.host}/bad:v1"), "does not match its digest"),
-    ]
-    for template, message in cases:
-        with pytest.raises(BuildException, match=message) as err:
-            Template.build(template.run_cmd("true"), _name("err"))
-        assert "Traceback" not in str(err.value)
+    ] + ([(Template().from_image(f"{plain.host}/x:v1"), "speaks plain HTTP")] if plain else [])
+    try:
+        for template, message in cases:
+            with pytest.raises(BuildException, match=message) as err:
+                Template.build(template.run_cmd("true"), _name("err"))
+            assert "Traceback" not in str(err.value)
+    finally:
+        if plain:
+            plain.stop()
     assert _pulled_dirs(server) == before  # nothing half-unpacked
     with server.api() as c:
         r = c.post("/v3/templates", json={"name": _name("aws")})

@@ -133,7 +133,9 @@ class TemplateBuilds:
                     pass
 
     async def stop(self) -> None:
-        """Cancel running builds (each kills its sandbox and is recorded as failed)."""
+        """Cancel running builds (each kills its sandbox and is recorded as failed; a
+        pull in progress is stopped)."""
+        self.puller.cancel()
         for task in list(self._tasks.values()):
             task.cancel()
         for task in list(self._tasks.values()):
@@ -286,7 +288,10 @@ class TemplateBuilds:
         loop = asyncio.get_running_loop()
 
         def progress(line: str) -> None:
-            loop.call_soon_threadsafe(rec.log, line, "info", "base")
+            try:
+                loop.call_soon_threadsafe(rec.log, line, "info", "base")
+            except RuntimeError:  # the loop closed under a pull that was cancelled
+                pass
 
         try:
             return await asyncio.to_thread(self.puller.pull, base.image, base.creds, progress)

@@ -198,6 +198,8 @@ class Puller:
         self.root = settings.data_dir / "image-cache"
         self.blobs = self.root / "blobs"
         self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._cancelled = False
 
     def pull(self, image: str, creds: Credentials | None = None, progress: Progress = lambda line: None) -> str:
         """Pull ``image`` (with ``creds`` when given) and return the name of the rootfs
@@ -287,17 +289,35 @@ class Puller:
              extra: list[str] = ()) -> bytes:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root / "tmp"),
                "XDG_RUNTIME_DIR": str(self.root / "tmp")}
+        if self._cancelled:
+            raise PullError("the server is stopping")
+        proc = subprocess.Popen([self.skopeo, *args, source, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, stdin=subprocess.DEVNULL)
+        self._proc = proc
         try:
-            proc = subprocess.run([self.skopeo, *args, source, *extra], capture_output=True, timeout=timeout_s,
-                                  env=env, stdin=subprocess.DEVNULL)
+            out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
             raise PullError(f"pulling {ref} took longer than {timeout_s:.0f} s (registry {ref.registry} too slow?)") \
                 from None
+        finally:
+            self._proc = None
+        if self._cancelled:
+            raise PullError("the server is stopping")
         if proc.returncode == 0:
-            if len(proc.stdout) > build_oci.MAX_JSON_BYTES:
+            if len(out) > build_oci.MAX_JSON_BYTES:
                 raise PullError(f"{ref}: the manifest is larger than {build_oci.MAX_JSON_BYTES} bytes")
-            return proc.stdout
-        raise PullError(explain(proc.stderr.decode(errors="replace"), ref, creds))
+            return out
+        raise PullError(explain(err.decode(errors="replace"), ref, creds))
+
+    def cancel(self) -> None:
+        """Stop the pull in progress (its skopeo is killed) and refuse new ones: for a
+        server that is stopping."""
+        self._cancelled = True
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
 
 
 def explain(stderr: str, ref: ImageRef, creds: Credentials | None) -> str:
