@@ -421,6 +421,8 @@ def test_list_started_after_before_and_metrics_range(server):
         q = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"ranges": "1"}, **kw)).next_items()]
         assert q() == [second.sandbox_id, first.sandbox_id]  # newest first
         assert q(started_after=cut) == [second.sandbox_id]
+        # The exact startedAt the SDK got selects its sandbox (issue 23 item 3; see test_ids).
+        assert q(started_after=Sandbox.get_info(second.sandbox_id).started_at) == [second.sandbox_id]
         with server.api() as c:
             ids = lambda **p: [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"metadata": "ranges=1", **p}).json()]
             assert ids(startedBefore=cut.isoformat()) == [first.sandbox_id]
