@@ -74,7 +74,7 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
-        auto_pause=request.app.state.settings.default_auto_pause if body.auto_pause is None else body.auto_pause,
+        auto_pause=body.auto_pause,  # None: the node's default (settings.default_auto_pause)
         # E2B secures envd access for every sandbox (its spec: "secure: Ignored. All
         # system communication with the sandbox is always secured"). forkyard does the
         # same unless the client explicitly sends ``secure: false`` (an open envd, for
