@@ -32,7 +32,7 @@ from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
 from forkyard.relay.errors import send_json
 from forkyard.relay.fastpath import FastConnections, has_no_body, relay_bodyless
-from forkyard.relay.headers import HOP, WS_SKIP
+from forkyard.relay.headers import HOP, WS_SKIP, client_headers
 from forkyard.relay.http import relay_http
 from forkyard.relay.paths import orchestrator_only
 from forkyard.relay.upstream import SandboxConnections, sandbox_client
@@ -206,11 +206,12 @@ class SandboxProxy:
                                                f"{TRAFFIC_TOKEN_HEADER.decode()} header for port {port}", sandboxId=sid)
         # The public Host goes along (E2B's proxy does the same): servers in the sandbox
         # build absolute URLs and check virtual hosts from it; a maskRequestHost replaces it.
-        headers = [(k, v) for k, v in scope["headers"]
+        # Header names keep the case the client sent (client_headers), as with E2B.
+        headers = [(k, v) for k, v in client_headers(scope)
                    if (k.decode("latin-1").lower() not in HOP or k.lower() == b"host")
                    and k.lower() != TRAFFIC_TOKEN_HEADER and not (mask and k.lower() == b"host")]
         if mask:
-            headers.append((b"host", mask.encode()))
+            headers.append((b"Host", mask.encode()))
 
         def gone() -> str | None:
             try:

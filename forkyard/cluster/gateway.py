@@ -58,7 +58,7 @@ from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.relay import fastpath, paths
 from forkyard.relay.fastpath import relay_bodyless
-from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, target_path
+from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, client_headers, target_path
 from forkyard.relay.http import relay_http
 from forkyard.relay.paths import orchestrator_only
 from forkyard.relay.websocket import relay_ws
@@ -284,7 +284,7 @@ class Gateway(Ownership):
         base = node.url.replace("http://", "", 1)
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope["headers"]
+            headers = [(k, v) for k, v in client_headers(scope)  # names in the client's case
                        if k.decode("latin-1").lower() not in HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
                        or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
             what = f"sandbox {sandbox_id} on node {node.node_id}"

@@ -246,7 +246,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
         # not a response this relay can frame.
         raise NotEligible("CONNECT")
     if not any(k.lower() == b"host" for k, _ in headers):
-        headers = [(b"host", f"{host}:{port}".encode()), *headers]
+        headers = [(b"Host", f"{host}:{port}".encode()), *headers]
     try:
         conn, request = _request(method, target.encode("latin-1"), headers)
     except h11.LocalProtocolError as e:
