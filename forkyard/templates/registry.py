@@ -189,7 +189,9 @@ class Puller:
     Args:
         settings: ``data_dir``, ``templates_dir``, ``image_cache_mb``,
             ``insecure_registries`` and the unpack limits.
-        skopeo: the skopeo executable.
+        skopeo: the skopeo executable (name looked up on ``PATH``, or a path).
+
+    Creating one removes ``tmp/`` (what a server stopped mid-pull left there).
     """
 
     def __init__(self, settings: Settings, skopeo: str = "skopeo"):
@@ -200,6 +202,8 @@ class Puller:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._cancelled = False
+        # what a server stopped mid-pull left: layouts and (holding credentials) auth files
+        shutil.rmtree(self.root / "tmp", ignore_errors=True)
 
     def pull(self, image: str, creds: Credentials | None = None, progress: Progress = lambda line: None) -> str:
         """Pull ``image`` (with ``creds`` when given) and return the name of the rootfs
@@ -287,11 +291,11 @@ class Puller:
 
     def _run(self, args: list[str], source: str, ref: ImageRef, creds: Credentials | None, timeout_s: float,
              extra: list[str] = ()) -> bytes:
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(self.root / "tmp"),
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.root / "tmp"),
                "XDG_RUNTIME_DIR": str(self.root / "tmp")}
         if self._cancelled:
             raise PullError("the server is stopping")
-        proc = subprocess.Popen([self.skopeo, *args, source, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen([shutil.which(self.skopeo) or self.skopeo, *args, source, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, stdin=subprocess.DEVNULL)
         self._proc = proc
         try:
