@@ -1,5 +1,7 @@
 """Import a container image (local OCI image layout or ``docker save`` tarball) as a
-rootfs template — no registry access needed.
+rootfs template — no registry access needed (:mod:`~forkyard.templates.registry` pulls
+into an OCI layout and imports it here). An OCI layout's index, manifests, config and
+layers are checked against their sha256 digests as they are read.
 
 Layers are applied in order into ``<templates_dir>/<name>/.rootfs.partial`` with OCI
 whiteout semantics (``.wh.NAME`` deletes ``NAME`` of lower layers, ``.wh..wh..opq``
@@ -413,8 +415,9 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
 
     Raises:
         TemplateExists: a template ``name`` is already built here.
-        ImageImportError: bad name, unreadable image, unsupported layers (zstd), a
-            member leading outside the image or under a link that does not resolve in it.
+        ImageImportError: bad name, unreadable image, unsupported layers (zstd), a blob
+            that does not match its digest, a member leading outside the image or under a
+            link that does not resolve in it.
         unpack.LimitExceeded: the image unpacks past a limit of :mod:`~forkyard.templates.unpack`
             (``FORKYARD_MAX_UNPACKED_MB`` / ``_FILES`` / ``_FILE_MB``).
     """
