@@ -11,6 +11,7 @@ import io
 import json
 import secrets
 import shutil
+import socket
 import subprocess
 import tarfile
 import time
@@ -56,9 +57,14 @@ class Registry:
         self.proc = subprocess.Popen(["docker-registry", "serve", str(root / "config.yml")],
                                      stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
         deadline = time.time() + 20
-        while "listening on" not in self.log.read_text() and time.time() < deadline:
+        while True:
             assert self.proc.poll() is None, self.log.read_text()
-            time.sleep(0.1)
+            try:
+                socket.create_connection((ip, self.port), timeout=1).close()
+                break
+            except OSError:
+                assert time.time() < deadline, f"docker-registry did not listen: {self.log.read_text()}"
+                time.sleep(0.05)
 
     def push(self, layout_tar: Path, repo: str) -> None:
         creds = ["--dest-creds", f"user:{self.password}"] if self.password else []
