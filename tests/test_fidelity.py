@@ -26,8 +26,15 @@ def _assert_not_running_answer(r: httpx.Response, sid: str) -> None:
 
 
 def test_not_running_sandboxes_answer_502(server):
-    # unknown id
-    _assert_not_running_answer(_health(server, "nosuchsandbox"), "nosuchsandbox")
+    # unknown id: E2B's message word for word (issue 23 item 1), a page for a browser
+    r = _health(server, "nosuchsandbox")
+    _assert_not_running_answer(r, "nosuchsandbox")
+    assert r.json()["message"] == "The sandbox was not found"
+    r = httpx.get(f"{server.url}/health", timeout=30, headers={
+        "E2b-Sandbox-Id": "nosuchsandbox", "E2b-Sandbox-Port": "49983",
+        "User-Agent": "Mozilla/5.0 (Macintosh) AppleWebKit/605 Safari/605", "Accept": "text/html"})
+    assert r.status_code == 502 and r.headers["content-type"].startswith("text/html")
+    assert "Sandbox Not Found" in r.text and "nosuchsandbox" in r.text
     r = httpx.get(f"http://127.0.0.1:{server.port}/health", headers={"Host": "49983-nosuchsandbox.localhost"})
     _assert_not_running_answer(r, "nosuchsandbox")
 

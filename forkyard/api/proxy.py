@@ -10,7 +10,7 @@ relayed frame by frame.
 
 Errors answer like E2B's proxy, because the SDKs decide on them (e2b 2.63
 ``e2b/exceptions.py``, ``Sandbox.is_running``): a sandbox that is not running (unknown,
-killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox ID was not found",
+killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox was not found",
 "sandboxId": ID}`` (``is_running()`` is then false); a running sandbox whose port refuses
 the connection → 502 "The sandbox is running but port is not open". A Connect stream
 (``application/connect+*``) whose sandbox goes away mid-stream ends with a Connect
@@ -30,7 +30,7 @@ import httpx
 
 from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
-from forkyard.relay.errors import send_json
+from forkyard.relay.errors import send_error, send_json
 from forkyard.relay.fastpath import FastConnections, has_no_body, relay_bodyless
 from forkyard.relay.headers import HOP, WS_SKIP, client_headers
 from forkyard.relay.http import relay_http
@@ -153,7 +153,7 @@ class SandboxProxy:
         except NotFound as e:
             await self.forget(sid)
             if scope["type"] == "http":
-                return await send_json(send, 502, str(e), sandboxId=sid)
+                return await send_error(send, scope, 502, str(e), sandboxId=sid)
             return await send({"type": "websocket.close", "code": 1008})
         if orchestrator_only(scope, port):
             if scope["type"] == "http":
@@ -224,7 +224,7 @@ class SandboxProxy:
         message = gone()  # no await since _pool: a kill either ran before this check or will close this pool
         if message is not None:
             await self.forget(sid)
-            return await send_json(send, 502, message, sandboxId=sid)
+            return await send_error(send, scope, 502, message, sandboxId=sid)
         what = f"sandbox {sid} port {port}"
         try:
             if has_no_body(scope) and await relay_bodyless(fast, scope, send, host, port, headers, what,
