@@ -59,6 +59,17 @@ def test_a_console_flood_stays_under_the_cap_and_harms_nothing(server):
         assert _console_bytes(server, sid) <= CAP
         msgs = [e["message"] for e in _entries(server, sid, direction="backward", limit=100)]
         assert any("started:" in m and "echo after-resume" in m for m in msgs), msgs[:5]
+        # A server restart: the sandbox keeps running (re-adopted) and its console is
+        # still copied, bounded (the reader lives in the node's reaper daemon).
+        server.stop()
+        server.start()
+        r = sbx.commands.run(f"yes 'restart restart restart' | head -c {FLOOD // 4} > /proc/1/fd/2; echo again",
+                             user="root", timeout=240)
+        assert r.stdout.strip() == "again"
+        assert sbx.commands.run("echo after-restart").stdout.strip() == "after-restart"
+        assert _console_bytes(server, sid) <= CAP
+        msgs = [e["message"] for e in _entries(server, sid, direction="backward", limit=100)]
+        assert any("started:" in m and "after-restart" in m for m in msgs), msgs[:5]
     finally:
         sbx.kill()
 
