@@ -26,8 +26,15 @@ def _assert_not_running_answer(r: httpx.Response, sid: str) -> None:
 
 
 def test_not_running_sandboxes_answer_502(server):
-    # unknown id
-    _assert_not_running_answer(_health(server, "nosuchsandbox"), "nosuchsandbox")
+    # unknown id: E2B's message word for word (issue 23 item 1), a page for a browser
+    r = _health(server, "nosuchsandbox")
+    _assert_not_running_answer(r, "nosuchsandbox")
+    assert r.json()["message"] == "The sandbox was not found"
+    r = httpx.get(f"{server.url}/health", timeout=30, headers={
+        "E2b-Sandbox-Id": "nosuchsandbox", "E2b-Sandbox-Port": "49983",
+        "User-Agent": "Mozilla/5.0 (Macintosh) AppleWebKit/605 Safari/605", "Accept": "text/html"})
+    assert r.status_code == 502 and r.headers["content-type"].startswith("text/html")
+    assert "Sandbox Not Found" in r.text and "nosuchsandbox" in r.text
     r = httpx.get(f"http://127.0.0.1:{server.port}/health", headers={"Host": "49983-nosuchsandbox.localhost"})
     _assert_not_running_answer(r, "nosuchsandbox")
 
@@ -89,10 +96,10 @@ import http.server, json
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         body = json.dumps({"host": self.headers.get("Host"), "te": self.headers.get("Transfer-Encoding"),
-                           "cl": self.headers.get("Content-Length")}).encode()
+                           "cl": self.headers.get("Content-Length"), "names": list(self.headers.keys())}).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
-    do_DELETE = do_GET
+    do_DELETE = do_POST = do_GET
 http.server.HTTPServer(("0.0.0.0", 8001), H).serve_forever()
 '''
 
@@ -183,7 +190,7 @@ def test_proxy_forwards_public_host_and_no_body(sandbox, server):
     sandbox.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
     public = f"8001-{sandbox.sandbox_id}.localhost:{server.port}"
     r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": public})
-    assert r.json() == {"host": public, "te": None, "cl": None}
+    assert {k: r.json()[k] for k in ("host", "te", "cl")} == {"host": public, "te": None, "cl": None}
     r = httpx.request("DELETE", f"http://127.0.0.1:{server.port}/", headers={"Host": public}, timeout=10)
     assert r.json()["te"] is None and r.json()["cl"] in (None, "0")
     # header routing: the Host the client used goes along too
@@ -349,6 +356,41 @@ def test_write_without_metadata_clears_earlier_metadata(sandbox):
 
 
 # ---- defaults ------------------------------------------------------------------------------
+def test_a_short_timeout_kills_a_sandbox_that_never_asked_to_pause(server):
+    """The E2B CLI ends ``e2b sandbox create``'s terminal with ``setTimeout(1000)``,
+    expecting E2B's kill (issue 23 item 6): a sandbox whose pause-at-timeout is only
+    forkyard's default and whose timeout a client sets to <= 2 s is killed then, not kept
+    paused for the retention period; one that asked to pause, or a longer timeout, still
+    pauses (docs/e2b-compat.md)."""
+    from e2b.exceptions import NotFoundException
+
+    quick = Sandbox.create("base", timeout=120)
+    asked = Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause"})
+    try:
+        assert quick.get_info().lifecycle["on_timeout"] == "pause"
+        quick.set_timeout(1)
+        asked.set_timeout(1)
+        assert quick.get_info().lifecycle["on_timeout"] == "kill"  # what it will do, shown
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                quick.get_info()
+            except NotFoundException:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the sandbox with a 1 s timeout still exists after 60 s")
+        while asked.get_info().state.value != "paused" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert asked.get_info().state.value == "paused"
+    finally:
+        for sbx in (quick, asked):
+            try:
+                sbx.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def test_server_default_auto_pause_setting(server, tmp_path):
     """FORKYARD_DEFAULT_AUTO_PAUSE=false gives E2B's default (kill at timeout) to sandboxes
     created without autoPause; an explicit autoPause still wins. A bad value stops the
@@ -421,6 +463,8 @@ def test_list_started_after_before_and_metrics_range(server):
         q = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"ranges": "1"}, **kw)).next_items()]
         assert q() == [second.sandbox_id, first.sandbox_id]  # newest first
         assert q(started_after=cut) == [second.sandbox_id]
+        # The exact startedAt the SDK got selects its sandbox (issue 23 item 3; see test_ids).
+        assert q(started_after=Sandbox.get_info(second.sandbox_id).started_at) == [second.sandbox_id]
         with server.api() as c:
             ids = lambda **p: [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"metadata": "ranges=1", **p}).json()]
             assert ids(startedBefore=cut.isoformat()) == [first.sandbox_id]
@@ -521,6 +565,15 @@ def test_traffic_access_token_and_mask_request_host(server):
         hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001"}
         r = _wait_served(f"{server.url}/", {**hdrs, "e2b-traffic-access-token": token})
         assert r.status_code == 200 and r.json()["host"] == "8001-masked.example"
+        # Header names arrive in the case the client wrote them, on the bodyless fast path
+        # and the general relay alike, Host included (issue 23 item 4; E2B's SDK test reads
+        # the raw header lines).
+        for method in ("GET", "POST"):
+            r = httpx.request(method, f"{server.url}/", content=b"x" if method == "POST" else None, timeout=10,
+                              headers={**hdrs, "e2b-traffic-access-token": token, "X-Custom-Case": "1"})
+            names = r.json()["names"]
+            assert "X-Custom-Case" in names and "Host" in names and "host" not in names, (method, names)
+            assert r.json()["host"] == "8001-masked.example"
         r = httpx.get(f"{server.url}/", headers=hdrs, timeout=10)
         assert r.status_code == 403 and "traffic access token" in r.json()["message"]
         r = httpx.get(f"{server.url}/", headers={**hdrs, "e2b-traffic-access-token": "wrong"}, timeout=10)
