@@ -141,6 +141,13 @@ class Settings:
             the sandbox's memory limit at resume. Measured (512 MiB, runsc 20260905):
             a 100 MiB file resumed, 150 MiB got the boot OOM-killed. No E2B equivalent
             (E2B keeps a VM disk).
+        console_log_max_bytes: what one sandbox's console log (envd's log and anything
+            written to its stdio inside, :mod:`forkyard.runtime.gvisor.console`) may hold
+            on the host, ``console.log`` and its older half ``console.log.1`` together
+            (``FORKYARD_CONSOLE_LOG_MAX_BYTES``, 8388608 = 8 MiB; the newest bytes are
+            kept). Per sandbox and outside its disk size, so a node's consoles take at
+            most this times its sandboxes. No E2B equivalent (E2B's envd ships its log
+            over HTTP to a collector).
         net_prefix: 2-4 letters naming this server's netns/veths/iptables chains
             (``FORKYARD_NET_PREFIX``, ``fy``); two servers on one host need different ones.
         outer_net: IPv4 range for per-sandbox outer addresses, one /30 each
@@ -229,6 +236,8 @@ class Settings:
     max_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_DISK_MB", "20480")))
     fs_image_memory_fraction: float = field(
         default_factory=lambda: float(os.environ.get("FORKYARD_FS_IMAGE_MEMORY_FRACTION", "0.2")))
+    console_log_max_bytes: int = field(
+        default_factory=lambda: max(4096, int(os.environ.get("FORKYARD_CONSOLE_LOG_MAX_BYTES", str(8 << 20)))))
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))

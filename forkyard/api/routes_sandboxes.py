@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 import urllib.parse
 
@@ -272,13 +274,15 @@ async def logs_v1(request: Request, sandbox_id: str, start: int | None = Query(d
     """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``, ``line`` being a JSON object
     with ``level``, ``logger`` and ``message`` as in E2B's, which the E2B CLI parses) and
     ``logEntries`` (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on,
-    oldest first, at most ``limit``. Sources: envd (including each process it started
-    and how it ended) and the runtime, since the sandbox last started or resumed."""
+    oldest first, at most ``limit``. Sources (``logger``): ``forkyard`` (the node's own
+    entries) and ``sandbox`` (its console: envd's log, with each process it started and
+    how it ended, and anything written to it inside; always ``info``), see
+    :mod:`forkyard.orchestrator.logs`."""
     import json
 
     from forkyard.orchestrator.logs import select
 
-    entries = select(_orch(request).log_entries(sandbox_id), start, limit)
+    entries = select(await asyncio.to_thread(_orch(request).log_entries, sandbox_id), start, limit)
     lines = [json.dumps({"level": e["level"], "logger": e["fields"]["source"], "message": e["message"],
                          **{k: v for k, v in e["fields"].items() if k != "source"}}) for e in entries]
     return {"logs": [{"timestamp": e["timestamp"], "line": line} for e, line in zip(entries, lines)],
@@ -296,7 +300,8 @@ async def logs_v2(request: Request, sandbox_id: str, cursor: int | None = Query(
     ``search``, at most ``limit``. Page on with the last entry's time as the cursor."""
     from forkyard.orchestrator.logs import select
 
-    entries = select(_orch(request).log_entries(sandbox_id), cursor, limit, direction, level, search)
+    entries = select(await asyncio.to_thread(_orch(request).log_entries, sandbox_id), cursor, limit, direction,
+                     level, search)
     return {"logs": [_entry(e) for e in entries]}
 
 
