@@ -51,7 +51,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
+from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
+from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
+                                    NodeReport)
 
 log = logging.getLogger("forkyard.cluster.store")
 
@@ -98,11 +100,16 @@ return 1
 """
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
 
-# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time)
+# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
+#                           heartbeat timeout, placement TTL, then the placement ids it acknowledges
 # Records a heartbeat (the node is heard: no longer declared down). The status is the
 # operator's (drain/undrain); a node registering anew (or after Redis lost its data)
-# brings its own view. Returns {status, 1 if it was declared down}.
-_HEARTBEAT = _NOW + """
+# brings its own view. The acknowledged placements stop counting and the node's room is
+# indexed again (:mod:`.rooms`), in the same script: its report shows their sandboxes.
+# Returns {status, 1 if it was declared down}.
+_HEARTBEAT = LUA_ROOM + LUA_INDEX_REPORT + """
+local rnow = fy_time()
+local now = rnow
 if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
 redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
@@ -110,6 +117,13 @@ redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
            'last_seen', string.format('%.6f', now))
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
+fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
+if #ARGV > 8 then
+  local ids = {unpack(ARGV, 9)}
+  redis.call('ZREM', 'fy:placing:' .. ARGV[1], unpack(ids))
+  redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
+end
+fy_room(ARGV[1], rnow, tonumber(ARGV[7]), tonumber(ARGV[8]))
 return {redis.call('HGET', KEYS[2], 'status'), was_down}
 """
 
@@ -129,6 +143,7 @@ if now < tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0') then return
 if redis.call('HEXISTS', KEYS[1], 'down_at') == 0 then
   redis.call('HSET', KEYS[1], 'down_at', string.format('%.6f', now))
 end
+redis.call('ZREM', ARGV[1] .. 'place', string.sub(KEYS[1], string.len(ARGV[1]) + 6))
 local gone = {'down'}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local key = ARGV[1] .. 'sbx:' .. id
@@ -168,6 +183,19 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def _node_info(node_id: str, row: dict, now: float) -> NodeInfo | None:
+    """A node's hash as a :class:`NodeInfo` (``age`` on Redis's clock ``now``); None
+    for an empty hash."""
+    if not row:
+        return None
+    row = {_s(k): _s(v) for k, v in row.items()}
+    last = float(row.get("last_seen", 0))
+    return NodeInfo(node_id=node_id, url=row.get("url", ""),
+                    status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
+                    last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
+                    report=NodeReport.from_dict(json.loads(row.get("report", "{}"))))
+
+
 class ClusterStore:
     """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
 
@@ -190,6 +218,8 @@ class ClusterStore:
         self._mark_down = self._r.register_script(_MARK_DOWN)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._pending = self._r.register_script(_PENDING)
+        self._reserve = self._r.register_script(RESERVE)
+        self._release = self._r.register_script(RELEASE)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -215,16 +245,18 @@ class ClusterStore:
         return int(sec) + int(usec) / 1e6
 
     async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None,
-                        own_status: str = NODE_UP) -> str:
+                        own_status: str = NODE_UP, acked: list[str] = ()) -> str:
         """Record a heartbeat, stamped with Redis's clock (``now`` overrides it: tests).
         The node is heard, so it is no longer declared down; its status (``up`` or
         ``draining``) is the operator's, or ``own_status`` (the node's own view) when
-        the node is not registered (new, or Redis lost its data). Returns the status."""
+        the node is not registered (new, or Redis lost its data). The placements in
+        ``acked`` stop counting (the report shows their sandboxes) and the node's room is
+        indexed again (:mod:`.rooms`), all in one script. Returns the status."""
         status, was_down = await self._call(self._heartbeat(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
-                  "" if now is None else repr(now)]))
+                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
         return _s(status)
@@ -240,24 +272,70 @@ class ClusterStore:
             rows = await self._call(p.execute())
         sec, usec = rows[0]
         now = int(sec) + int(usec) / 1e6
-        out = []
-        for nid, row in zip(ids, rows[1:]):
-            if not row:
-                continue
-            row = {_s(k): _s(v) for k, v in row.items()}
-            last = float(row.get("last_seen", 0))
-            out.append(NodeInfo(node_id=nid, url=row.get("url", ""),
-                                status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
-                                last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
-                                report=NodeReport.from_dict(json.loads(row.get("report", "{}")))))
-        return out
+        return [n for n in (_node_info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
 
     async def node(self, node_id: str) -> NodeInfo | None:
-        """One node or None."""
-        for n in await self.nodes():
-            if n.node_id == node_id:
-                return n
-        return None
+        """One node or None (two reads, whatever the fleet's size)."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.time()
+            p.hgetall(f"{P}node:{node_id}")
+            (sec, usec), row = await self._call(p.execute())
+        return _node_info(node_id, row, int(sec) + int(usec) / 1e6)
+
+    async def candidates(self, k: int = CANDIDATES, snapshot_id: str | None = None, also: list[str] = ()
+                         ) -> tuple[list[NodeInfo], dict[str, int], float, int]:
+        """The ``k`` best-scored nodes that can take a sandbox (the ``fy:place`` index,
+        :mod:`.rooms`), up to ``k`` nodes whose cache holds ``snapshot_id``, and the
+        nodes in ``also`` (a fork's source): a constant number of reads whatever the
+        fleet's size. Returns ``(nodes, placing by node id, Redis time, nodes indexed)``;
+        the nodes may be full or silent by now (the reservation checks again)."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.time()
+            p.zrange(f"{P}place", 0, k - 1)
+            p.zcard(f"{P}place")
+            if snapshot_id:
+                p.srandmember(f"{P}snapnodes:{snapshot_id}", k)
+            got = await self._call(p.execute())
+        (sec, usec), best, total = got[0], got[1], int(got[2])
+        ids = list(dict.fromkeys([_s(x) for x in best] + [_s(x) for x in (got[3] if snapshot_id else [])]
+                                 + [x for x in also if x]))
+        async with self._r.pipeline(transaction=False) as p:
+            for nid in ids:
+                p.hgetall(f"{P}node:{nid}")
+            rows = await self._call(p.execute())
+        now = int(sec) + int(usec) / 1e6
+        nodes, placing = [], {}
+        for nid, row in zip(ids, rows):
+            if (n := _node_info(nid, row, now)) is not None:
+                nodes.append(n)
+                placing[nid] = int(_s(row.get(b"placing") or b"0"))
+        return nodes, placing, now, total
+
+    async def reserve(self, plan: list[tuple[str, int]], placement_id: str | None = None,
+                      force: bool = False, now: float | None = None) -> tuple[str | None, str, int]:
+        """Take room for ``plan`` (``[(node id, sandboxes), …]``) atomically: only if
+        every node in it is up, heard within the heartbeat timeout and has room for its
+        count (``max_sandboxes − running − placing``), on all of them at once (one Lua
+        script, :data:`.rooms.RESERVE`). ``force`` skips the checks and ``now`` stamps
+        the placement at that time (tests). Returns ``(placement id, "", 0)`` (16 hex
+        chars; the requests to the nodes carry it and each node acknowledges it in a
+        heartbeat) or ``(None, node id, its free room)`` for the first node without room."""
+        pid = placement_id or secrets.token_hex(8)
+        args = [repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), pid, "" if now is None else repr(now),
+                "1" if force else "0"]
+        for nid, n in plan:
+            args += [nid, int(n)]
+        res = await self._call(self._reserve(args=args))
+        if int(res[0]):
+            return pid, "", 0
+        return None, _s(res[1]), int(res[2])
+
+    async def release(self, node_id: str, placement_ids: list[str] = ()) -> int:
+        """Stop counting ``placement_ids`` on ``node_id`` (acknowledged, or a placement
+        given back) and index its room again. Returns its free room (-1: the node cannot
+        take sandboxes now)."""
+        return int(await self._call(self._release(
+            args=[repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), node_id, *placement_ids])))
 
     async def announce_restart(self, node_id: str, grace_s: float) -> bool:
         """The node is restarting (stopped with SIGTERM; its sandboxes keep running): it
@@ -273,6 +351,7 @@ class ClusterStore:
         if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
             return False
         await self._call(self._r.hset(f"{P}node:{node_id}", "status", status))
+        await self.release(node_id)  # in or out of the placement index at once
         return True
 
     async def mark_down(self, node_id: str, healthy_since: float, timeout_s: float) -> list[str] | None:
@@ -304,28 +383,18 @@ class ClusterStore:
         return int(sec) + int(usec) / 1e6 - float(_s(epoch))
 
     async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> str:
-        """Count ``n`` sandboxes placed onto ``node_id`` until the node acknowledges the
+        """Count ``n`` sandboxes placed onto ``node_id`` without checking its room (a
+        move, tests; placements use :meth:`reserve`) until the node acknowledges the
         placement (:meth:`ack_placing`) or :data:`PLACING_TTL_S` passes. Returns the
         placement id (16 hex chars) the request to the node carries."""
-        now = await self.now() if now is None else now
-        pid = secrets.token_hex(8)
-        async with self._r.pipeline(transaction=True) as p:
-            p.zadd(f"{P}placing:{node_id}", {pid: now})
-            p.hset(f"{P}placingn:{node_id}", pid, n)
-            p.expire(f"{P}placing:{node_id}", 120)
-            p.expire(f"{P}placingn:{node_id}", 120)
-            await self._call(p.execute())
+        pid, _, _ = await self.reserve([(node_id, n)], force=True, now=now)
         return pid
 
     async def ack_placing(self, node_id: str, placement_ids: list[str]) -> None:
         """Stop counting placements the node has acknowledged (their rows are in the
-        report it just sent)."""
-        if not placement_ids:
-            return
-        async with self._r.pipeline(transaction=True) as p:
-            p.zrem(f"{P}placing:{node_id}", *placement_ids)
-            p.hdel(f"{P}placingn:{node_id}", *placement_ids)
-            await self._call(p.execute())
+        report it just sent; :meth:`heartbeat` does this itself with ``acked``)."""
+        if placement_ids:
+            await self.release(node_id, placement_ids)
 
     async def pending_placements(self, node_ids: list[str], now: float | None = None) -> dict[str, int]:
         """Sandboxes placed onto each node that its reports may not show yet."""

@@ -1,0 +1,121 @@
+"""The control plane at scale (issue 26), with a simulated fleet (``tests/_fleet.py``:
+real redis-server with AOF, two real scheduler processes and the gateway; nodes that
+speak the node agent's protocol through its own message builders). No runsc needed.
+
+Before issue 26 a placement read every node and its pending count, chose, then wrote:
+concurrent placements read the same counts and herded onto the same nodes (with room
+for 300 and 8 clients, 400 of 400 were granted, 344 onto full nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from _fleet import ControlPlane, Fleet
+from forkyard.cluster.config import SECRET_HEADER
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory):
+    cp = ControlPlane(tmp_path_factory.mktemp("cp"), schedulers=2)
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.close()
+
+
+@pytest.fixture
+def plane(control_plane):
+    """The module's control plane with an empty Redis (the schedulers carry no state)."""
+    redis.Redis.from_url(control_plane.redis_url).flushall()
+    return control_plane
+
+
+async def _place(c: httpx.AsyncClient, count: int) -> httpx.Response:
+    return await c.post("/v1/placements", json={"kind": "create", "count": count, "snapshot": "base"})
+
+
+async def test_racing_placements_on_two_replicas_never_give_a_node_more_than_its_room(plane):
+    """8 clients on each of 2 replicas place creates (of 1 and 2 sandboxes) as fast as
+    they can against 10 nodes with room for 3 each: exactly 30 are granted, none beyond
+    a node's room, and the next placement is refused for capacity."""
+    room, nodes = 3, 10
+    fleet = Fleet(nodes, room, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    fleet.run()
+    granted: Counter = Counter()
+    try:
+        async def client(url: str, k: int):
+            async with httpx.AsyncClient(base_url=url, headers={SECRET_HEADER: plane.secret}, timeout=30) as c:
+                while True:
+                    r = await _place(c, 1 + k % 2)
+                    if r.status_code == 503:
+                        return
+                    assert r.status_code == 200, r.text
+                    for p in r.json()["placements"]:
+                        granted[p["nodeID"]] += p["count"]
+
+        await asyncio.gather(*(client(u, k) for u in plane.scheduler_urls for k in range(8)))
+        # a client that gave up on a lost race may have left room: take what is left, one at a time
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[0], headers={SECRET_HEADER: plane.secret},
+                                     timeout=30) as c:
+            while (r := await _place(c, 1)).status_code == 200:
+                granted[r.json()["placements"][0]["nodeID"]] += 1
+            assert r.status_code == 503 and "no node has room" in r.json()["message"], r.text
+        over = {n: v for n, v in granted.items() if v > room}
+        assert not over, f"nodes given more sandboxes than their room ({room}): {over}"
+        assert sum(granted.values()) == room * nodes, granted
+        # Redis counts the same: every node's pending placements add up to its room
+        r = redis.Redis.from_url(plane.redis_url)
+        pending = {n.node_id: sum(int(v) for v in r.hvals(f"fy:placingn:{n.node_id}")) for n in fleet.nodes}
+        assert pending == {n.node_id: room for n in fleet.nodes}, pending
+        assert r.zcard("fy:place") == 0  # full nodes leave the placement index
+        assert not fleet.errors(), fleet.errors()[:3]
+    finally:
+        await fleet.stop()
+
+
+async def test_acknowledged_placements_free_their_count_and_the_node_fills_exactly(plane):
+    """Placed creates that reach the node (rows + ack in its next heartbeat) move from
+    ``placing`` to ``running``; the node can then take exactly what is left."""
+    fleet = Fleet(2, 4, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    try:
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[1], headers={SECRET_HEADER: plane.secret},
+                                     timeout=30) as c:
+            for _ in range(3):
+                p = (await _place(c, 1)).json()["placements"][0]
+                fleet.by_id[p["nodeID"]].start(1, p["placementID"])
+            for n in fleet.nodes:
+                await n.beat()  # rows published, placements acked
+            r = redis.Redis.from_url(plane.redis_url)
+            assert sum(r.hlen(f"fy:placingn:{n.node_id}") for n in fleet.nodes) == 0
+            got = Counter()
+            while (resp := await _place(c, 1)).status_code == 200:
+                got[resp.json()["placements"][0]["nodeID"]] += 1
+            assert resp.status_code == 503
+            assert {n.node_id: len(n.rows) + got[n.node_id] for n in fleet.nodes} == {n.node_id: 4 for n in fleet.nodes}
+    finally:
+        await fleet.stop()
+
+
+def test_control_plane_bench_runs_small_and_never_over_grants(tmp_path):
+    """bench/bench_control_plane.py at a small size: it runs, prints its table, and its
+    racing placements never put more sandboxes on a node than its room."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_control_plane.py"), "--nodes", "4",
+                          "--sandboxes", "300", "--placements", "40", "--clients", "4", "--list-sizes", "300",
+                          "--cpu-seconds", "2", "--root", str(tmp_path / "bench")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "placement p50, 1 client" in out.stdout and "over-granted: 0" in out.stdout, out.stdout
