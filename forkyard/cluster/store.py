@@ -45,6 +45,7 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -52,6 +53,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
+from forkyard.config import ControlPlaneSettings
 from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
                                     NodeReport)
 
@@ -202,16 +204,26 @@ class ClusterStore:
     Args:
         url: Redis URL (``FORKYARD_REDIS_URL``).
         timeout_s: socket connect/read timeout (s) for every command.
+        max_connections: connections opened at most (default
+            ``FORKYARD_REDIS_MAX_CONNECTIONS``, :class:`~forkyard.config.ControlPlaneSettings`);
+            a call finding them all busy waits for one, at most ``pool_wait_s`` (default
+            ``FORKYARD_REDIS_POOL_WAIT_S``), then raises :class:`ClusterStoreUnavailable`.
     """
 
-    def __init__(self, url: str, timeout_s: float = 2.0):
+    def __init__(self, url: str, timeout_s: float = 2.0, max_connections: int | None = None,
+                 pool_wait_s: float | None = None):
         self.url = url
-        # Retry on a dropped connection (a restarted Redis closes every pooled one): up
-        # to 3 tries, 50-500 ms apart.
-        self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                    health_check_interval=5,
-                                    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
-                                    retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        cfg = ControlPlaneSettings()
+        # A bounded pool that makes callers wait (redis-py's default pool raises "Too many
+        # connections" past 100). Retry on a dropped connection (a restarted Redis closes
+        # every pooled one): up to 3 tries, 50-500 ms apart.
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections or cfg.redis_max_connections,
+            timeout=cfg.redis_pool_wait_s if pool_wait_s is None else pool_wait_s,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=5,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self._r = aioredis.Redis.from_pool(pool)
         self._upsert = self._r.register_script(_UPSERT)
         self._delete = self._r.register_script(_DELETE)
         self._rebind = self._r.register_script(_REBIND)
