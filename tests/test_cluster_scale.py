@@ -119,3 +119,73 @@ def test_control_plane_bench_runs_small_and_never_over_grants(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "placement p50, 1 client" in out.stdout and "over-granted: 0" in out.stdout, out.stdout
+
+
+def _all_pages(get, **params) -> list[str]:
+    """Every id a paginated list gives, following ``x-next-token``."""
+    ids, token = [], None
+    while True:
+        r = get(**params, **({"nextToken": token} if token else {}))
+        assert r.status_code == 200, r.text
+        ids += [x["sandboxID"] for x in r.json()]
+        token = r.headers.get("x-next-token")
+        if not token:
+            return ids
+
+
+async def test_gateway_list_reads_only_the_page_and_lists_as_a_node_does(plane):
+    """GET /v2/sandboxes through the gateway: filters (state, metadata, template, start
+    times), order and paging give what a node's own list gives over the same records
+    (forkyard.api.routes_sandboxes.list_page, the oracle), and a page reads about its own
+    size from Redis, not every binding (it read all 600 before issue 26)."""
+    from datetime import datetime, timezone
+
+    from fastapi import Response
+
+    from forkyard.api.routes_sandboxes import list_page
+
+    fleet = Fleet(3, 1000, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    try:
+        await fleet.seed(600, metadata=lambda i: {"user": f"u{i % 7}", "k=x": "a b&c" if i % 3 else "z"},
+                         paused_every=5)
+        recs = [r for n in fleet.nodes for r in n.rows.values()]
+        iso = lambda t: datetime.fromtimestamp(t, timezone.utc).isoformat()  # noqa: E731
+        mid = sorted(r.started_at for r in recs)[300]
+
+        def oracle(**q) -> list[str]:
+            ids, token = [], None
+            while True:
+                resp = Response()
+                page = list_page(recs, resp, q.get("metadata"), q.get("state"), q.get("template"), q.get("order"),
+                                 token, q.get("limit", 100), q.get("startedAfter"), q.get("startedBefore"))
+                ids += [x["sandboxID"] for x in page]
+                token = resp.headers.get("x-next-token")
+                if not token:
+                    return ids
+
+        with httpx.Client(base_url=plane.gateway_url, headers={"X-API-Key": plane.api_key}, timeout=60) as gw:
+            def get(**params):
+                return gw.get("/v2/sandboxes", params=params)
+
+            import urllib.parse
+
+            for q in [{}, {"limit": 7}, {"order": "asc", "limit": 33}, {"state": "paused", "limit": 9},
+                      {"state": "running"}, {"metadata": "user=u3", "limit": 10},
+                      {"metadata": urllib.parse.urlencode({"user": "u2", "k=x": "a b&c"}), "state": "running"},
+                      {"startedAfter": iso(mid), "limit": 50}, {"startedBefore": iso(mid), "order": "asc"},
+                      {"template": "base", "metadata": "user=u6", "state": "paused"}, {"template": "other"}]:
+                assert _all_pages(get, **q) == oracle(**q), q
+            assert get(nextToken="bm90LWEtdG9rZW4").status_code == 400
+            # v1 (running only, no pages) and the cluster's counts
+            v1 = gw.get("/sandboxes", params={"metadata": "user=u1"}).json()
+            assert sorted(x["sandboxID"] for x in v1) == sorted(oracle(metadata="user=u1", state="running"))
+            m = gw.get("/metrics/cluster").json()["sandboxes"]
+            assert m == {"running": 480, "paused": 120}, m
+            r = redis.Redis.from_url(plane.redis_url)
+            r.config_resetstat()
+            assert len(get(limit=10).json()) == 10
+            reads = r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+            assert reads <= 10 + 250, f"one page of 10 read {reads} bindings"
+    finally:
+        await fleet.stop()

@@ -52,6 +52,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from forkyard.cluster.listing import INDEX_EXISTING, LUA_INDEX, candidate_indexes, choose_index, read_page
 from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
 from forkyard.config import ControlPlaneSettings
 from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
@@ -71,21 +72,23 @@ DEATH_MAX_CHARS = 300
 PLACING_TTL_S = 30.0
 
 # KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id, committed
-_UPSERT = """
+_UPSERT = LUA_INDEX + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur and cur ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4],
            'committed', ARGV[6])
+fy_index(KEYS[1], ARGV[5], ARGV[2], ARGV[3])
 redis.call('HDEL', KEYS[1], 'moved')
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('SADD', KEYS[4], ARGV[5])
 return 1
 """
 # KEYS: sbx, nodesbx, sandboxes   ARGV: node, id
-_DELETE = """
+_DELETE = LUA_INDEX + """
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur ~= ARGV[1] then return 0 end
+fy_unindex(KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[1])
 redis.call('SREM', KEYS[2], ARGV[2])
 redis.call('SREM', KEYS[3], ARGV[2])
@@ -137,7 +140,7 @@ return {redis.call('HGET', KEYS[2], 'status'), was_down}
 # replaces the bindings of its sandboxes that are not paused by tombstones (their node
 # stops them when it is back), each with the cause for the gateway's 404. Destroys
 # nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
-_MARK_DOWN = _NOW + """
+_MARK_DOWN = _NOW + LUA_INDEX + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
 local since = math.max(last, tonumber(ARGV[2]))
 if now - since <= tonumber(ARGV[3]) then return {'heard'} end
@@ -151,6 +154,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local key = ARGV[1] .. 'sbx:' .. id
   local state = redis.call('HGET', key, 'state')
   if state ~= 'paused' then
+    fy_unindex(key, id)
     redis.call('DEL', key)
     redis.call('SREM', KEYS[2], id)
     redis.call('SREM', KEYS[3], id)
@@ -231,6 +235,8 @@ class ClusterStore:
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._pending = self._r.register_script(_PENDING)
         self._reserve = self._r.register_script(RESERVE)
+        self._index_existing = self._r.register_script(INDEX_EXISTING)
+        self._indexed = False
         self._release = self._r.register_script(RELEASE)
 
     async def aclose(self) -> None:
@@ -380,8 +386,21 @@ class ClusterStore:
         return None if res[0] == "heard" else res[1:]
 
     async def ensure_epoch(self) -> None:
-        """Record when this state began (``fy:epoch``, Redis time) unless already set."""
+        """Record when this state began (``fy:epoch``, Redis time) unless already set;
+        the first time in this process, also index bindings written before the list
+        indexes existed (:mod:`.listing`; O(bindings) once, nothing for indexed ones)."""
         await self._call(self._r.set(f"{P}epoch", repr(await self.now()), nx=True))
+        if not self._indexed:
+            cursor, n = 0, 0
+            while True:
+                cursor, ids = await self._call(self._r.sscan(f"{P}sandboxes", cursor, count=500))
+                if ids:
+                    n += int(await self._call(self._index_existing(args=[_s(x) for x in ids])))
+                if not int(cursor):
+                    break
+            if n:
+                log.info("indexed %d sandbox binding(s) written before the list indexes", n)
+            self._indexed = True
 
     async def state_age(self) -> float | None:
         """Seconds since the state began (:meth:`ensure_epoch`); None when unknown (Redis
@@ -442,6 +461,30 @@ class ClusterStore:
             rows = await self._call(p.execute())
         return [b for b in (self._binding(sid, row) for sid, row in zip(ids, rows)) if b is not None]
 
+    async def page(self, states: set[str], want: dict[str, str], template: str | None, after: float | None,
+                   before: float | None, desc: bool, cursor: tuple[float, str] | None, limit: int, accept
+                   ) -> tuple[list[tuple[float, str, dict]], bool]:
+        """One page of bindings from the list indexes (:mod:`.listing`): the most
+        selective index the filters name (``states`` ⊆ {running, paused}, metadata pairs
+        ``want``, ``template``), walked from ``cursor`` on within the start-time bounds;
+        ``accept(row)`` checks each binding's hash against every filter. Returns
+        ``([(started_at, id, row), …], more)`` (:func:`.listing.read_page`)."""
+        keys = candidate_indexes(states, want, template)
+        async with self._r.pipeline(transaction=False) as p:
+            for k in keys:
+                p.zcard(k)
+            sizes = dict(zip(keys, await self._call(p.execute())))
+        return await self._call(read_page(self._r, choose_index(states, want, template, sizes), desc, after,
+                                          before, cursor, limit, accept))
+
+    async def counts(self) -> dict[str, int]:
+        """Bound sandboxes by visible state (``running``, ``paused``): two ``ZCARD``s."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.zcard(f"{P}ix:s:running")
+            p.zcard(f"{P}ix:s:paused")
+            running, paused = await self._call(p.execute())
+        return {"running": int(running), "paused": int(paused)}
+
     async def node_sandboxes(self, node_id: str) -> set[str]:
         """Ids bound to ``node_id``."""
         return {_s(x) for x in await self._call(self._r.smembers(f"{P}nodesbx:{node_id}"))}
@@ -460,19 +503,20 @@ class ClusterStore:
                 for sid, why in deaths.items():
                     p.set(f"{P}dead:{sid}", why[:DEATH_MAX_CHARS], ex=DEATH_KEEP_S)
                 await self._call(p.execute())
-        foreign = []
-        for rec in records:
-            sid = rec["id"]
-            ok = await self._call(self._upsert(
-                keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-                args=[node_id, rec["state"], json.dumps(rec), repr(now), sid,
-                      "0" if rec.get("committed") is False else "1"]))
-            if not ok:
-                foreign.append(sid)
-        for sid in deleted:
-            await self._call(self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-                                          args=[node_id, sid]))
-        return foreign
+        if not records and not deleted:
+            return []
+        # One round trip: each change is its own script (atomic), pipelined.
+        async with self._r.pipeline(transaction=False) as p:
+            for rec in records:
+                sid = rec["id"]
+                await self._upsert(keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                   args=[node_id, rec["state"], json.dumps(rec), repr(now), sid,
+                                         "0" if rec.get("committed") is False else "1"], client=p)
+            for sid in deleted:
+                await self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                   args=[node_id, sid], client=p)
+            res = await self._call(p.execute())
+        return [rec["id"] for rec, ok in zip(records, res) if not ok]
 
     async def reconcile(self, node_id: str, held: set[str], paused: set[str] = frozenset()
                         ) -> tuple[list[str], list[str], list[dict]]:
