@@ -152,10 +152,11 @@ def _when(name: str, raw: str | None) -> int | None:
 
 
 def list_filters(metadata: str | None, state: list[str] | str | None, started_after: str | None,
-                 started_before: str | None) -> tuple[set[str], float | None, float | None]:
+                 started_before: str | None) -> tuple[set[str], int | None, int | None]:
     """The ``GET /v2/sandboxes`` filters checked (shared by node and gateway): the
     states asked for (``?state=a,b`` or ``?state=a&state=b``; default both) and the
-    start-time bounds (UNIX s, inclusive; None: open).
+    start-time bounds (whole UNIX microseconds, compared with :func:`~forkyard.ids.micros`
+    of a start time; inclusive; None: open).
 
     Raises:
         BadRequest: bad state filter, metadata filter or time.

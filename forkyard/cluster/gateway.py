@@ -53,7 +53,7 @@ from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
-from forkyard.ids import SANDBOX_ID
+from forkyard.ids import SANDBOX_ID, micros
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -502,14 +502,15 @@ class Gateway(Ownership):
         await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
 
     # ---- REST served by the gateway itself ------------------------------------------------
-    async def _page(self, metadata: str | None, states: set[str], template: str | None, after: float | None,
-                    before: float | None, desc: bool, next_token: str | None, limit: int
+    async def _page(self, metadata: str | None, states: set[str], template: str | None, after: int | None,
+                    before: int | None, desc: bool, next_token: str | None, limit: int
                     ) -> tuple[list[dict], str | None]:
         """One page of the sandboxes a client can see, cluster-wide, from the list
         indexes (:mod:`.listing`: reads only the page): bindings whose node is not
         declared down, and paused ones whatever their node; filters and order as a
         node's list (:func:`~forkyard.api.routes_sandboxes.filter_records`). Returns the
         listed items (with ``nodeID``) and the next page's token (None: last page).
+        ``after``/``before``: :func:`~forkyard.api.routes_sandboxes.list_filters`' bounds (µs).
 
         Raises:
             ClusterStoreUnavailable: listing needs Redis (503).
@@ -523,11 +524,15 @@ class Gateway(Ownership):
             if row.get("state") != "paused" and (n is None or n.declared_down):
                 return False
             rec = _record(record_of(row))
+            at = micros(rec.started_at)
             return bool(filter_records([rec], metadata, states, template)) and \
-                (after is None or rec.started_at >= after) and (before is None or rec.started_at <= before)
+                (after is None or at >= after) and (before is None or at <= before)
 
         cursor = decode_cursor(next_token) if next_token else None
-        got, more = await self.store.page(states, want, template, after, before, desc, cursor, limit, accept)
+        # the index's bounds (s) hold every match (1 µs wider); accept() compares exactly
+        lo = None if after is None else after / 1e6 - 1e-6
+        hi = None if before is None else before / 1e6 + 1e-6
+        got, more = await self.store.page(states, want, template, lo, hi, desc, cursor, limit, accept)
         items = []
         for _, sid, row in got:
             item = schemas.sandbox_listed(_record(record_of(row)))
