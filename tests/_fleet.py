@@ -27,7 +27,7 @@ import redis
 
 from _cluster import Proc
 from conftest import free_port
-from forkyard.cluster.messages import (heartbeat_body, heartbeat_path, node_report, publish_body, publish_path,
+from forkyard.cluster.messages import (HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S
@@ -130,6 +130,7 @@ class SimNode:
         self.boot = secrets.token_hex(6)
         self.client = SchedulerClient(scheduler_urls, secret, timeout_s=30.0)
         self.beats = 0
+        self.held = HeldSync()
         self.errors: list[str] = []
 
     def start(self, count: int, placement_id: str | None, metadata: dict[str, str] | None = None,
@@ -173,14 +174,17 @@ class SimNode:
                 self.dirty.update(batch)
                 raise
 
-    async def beat(self) -> None:
-        """One heartbeat as the agent sends it (publish first, then the heartbeat)."""
+    async def beat(self) -> dict:
+        """One heartbeat as the agent sends it (publish first, then the heartbeat).
+        Returns the scheduler's answer (``full``: whether it listed the held ids)."""
         await self.publish()
         acked = set(self.acked)
-        await self._post(heartbeat_path(self.node_id),
-                         heartbeat_body(self.url, self.report(), list(self.rows.values()), acked, False))
+        body = self.held.body(self.url, self.report(), list(self.rows.values()), acked, False)
+        out = await self._post(heartbeat_path(self.node_id), body)
+        self.held.answered(body, out)
         self.acked -= acked
         self.beats += 1
+        return {**out, "full": "held" in body}
 
 
 class Fleet:

@@ -189,3 +189,38 @@ async def test_gateway_list_reads_only_the_page_and_lists_as_a_node_does(plane):
             assert reads <= 10 + 250, f"one page of 10 read {reads} bindings"
     finally:
         await fleet.stop()
+
+
+async def test_heartbeats_send_only_a_digest_until_something_changes(plane):
+    """A node whose sandboxes did not change sends only the digest of its held ids (the
+    scheduler compares it with the digest its scripts keep of the node's bindings: no
+    set is read); a change on the node, or on the scheduler's side (a paused sandbox
+    moved away), brings the full list back, and the move is reconciled."""
+    from forkyard.cluster.messages import held_digest
+    from forkyard.cluster.store import ClusterStore
+
+    fleet = Fleet(2, 100, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    store = ClusterStore(plane.redis_url)
+    try:
+        await fleet.seed(40, paused_every=4)
+        n0, n1 = fleet.nodes
+        assert (await n0.beat())["full"]  # its set changed since the last full heartbeat
+        for _ in range(3):
+            out = await n0.beat()
+            assert not out["full"] and not out.get("resend"), out
+        r = redis.Redis.from_url(plane.redis_url)
+        assert r.get(f"fy:nodedig:{n0.node_id}").decode() == held_digest(n0.rows)
+        n0.start(1, None)  # a new sandbox on the node: full again
+        assert (await n0.beat())["full"] and not (await n0.beat())["full"]
+        moved = next(s for s, rec in n0.rows.items() if rec.state == "paused")
+        assert await store.rebind(moved, n0.node_id, n1.node_id)  # the scheduler side changes
+        assert r.get(f"fy:nodedig:{n0.node_id}").decode() == held_digest(set(n0.rows) - {moved})
+        out = await n0.beat()
+        assert not out["full"] and out["resend"]
+        out = await n0.beat()
+        assert out["full"] and out["foreign"] == [moved], out
+        assert (await n1.beat())["adopt"][0]["id"] == moved
+    finally:
+        await store.aclose()
+        await fleet.stop()

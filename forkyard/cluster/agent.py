@@ -40,8 +40,8 @@ from pydantic import BaseModel, Field, StrictInt
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
-from forkyard.cluster.messages import (HIDDEN, heartbeat_body, heartbeat_path, node_report, publish_body,
-                                       publish_path, published_record)
+from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
+                                       published_record)
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
 from forkyard.config import ClusterSettings, ControlPlaneSettings
@@ -151,6 +151,8 @@ class NodeAgent:
         self._runtime = self.orch.runtime_build or "unknown"
         #: placement ids whose calls have ended here, acked in the next heartbeat
         self._acked: set[str] = set()
+        #: whether heartbeats list the held ids or only their digest
+        self._held = HeldSync()
         self.app.add_middleware(_PlacementAck, agent=self)
         self.app.state.cluster_secret = secret
         self.app.state.on_start.append(self.start)
@@ -273,9 +275,10 @@ class NodeAgent:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
-            out = await self._post(heartbeat_path(self.node_id),
-                                   heartbeat_body(self.url, self._report(), self.orch.records(), acked,
-                                                  self.status == NODE_DRAINING))
+            body = self._held.body(self.url, self._report(), self.orch.records(), acked,
+                                   self.status == NODE_DRAINING)
+            out = await self._post(heartbeat_path(self.node_id), body)
+            self._held.answered(body, out)
             self._acked -= acked
             self._dirty |= set(out.get("missing", []))
         await self._drop(out.get("foreign", []))

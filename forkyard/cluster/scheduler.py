@@ -10,7 +10,9 @@ Redis or the scheduler itself was away.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, held, paused, placements}`` → ``{status, foreign, missing, adopt}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend]}``
+  (without ``held``: nothing changed on the node since its last full heartbeat; ``resend``:
+  the bindings differ from its digest, send the ids)
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
 * ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
@@ -55,9 +57,12 @@ class Heartbeat(BaseModel):
     #: registers anew (or Redis lost its data): otherwise the operator's status stands
     status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
     report: dict = Field(default_factory=dict)
-    held: list[str] = Field(default_factory=list, max_length=200_000)
+    #: the ids the node holds; None: only their ``digest`` is sent (nothing changed)
+    held: list[str] | None = Field(default=None, max_length=200_000)
     #: those of ``held`` the node holds paused
     paused: list[str] = Field(default_factory=list, max_length=200_000)
+    #: :func:`~forkyard.cluster.messages.held_digest` of the held ids (None: an older node)
+    digest: str | None = Field(default=None, pattern="^[0-9a-f]{16}$")
     #: placement ids whose requests ended on the node before ``report`` was built
     placements: list[str] = Field(default_factory=list, max_length=10_000)
 
@@ -299,9 +304,15 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, body: Heartbeat):
         # acks in the same script as the report that shows their sandboxes
+        digests: dict[str, str] = {}
         status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status,
-                                       acked=body.placements)
+                                       acked=body.placements, digests=digests)
+        if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
+            same = body.digest is not None and body.digest == digests[node_id]
+            return {"status": status, "foreign": [], "missing": [], "adopt": [], **({} if same else {"resend": True})}
         foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
+        if body.digest and not (foreign or missing or adopt) and body.digest != digests[node_id]:
+            await store.redigest(node_id)  # the sets agree: heal a digest kept before digests existed
         return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
     @app.post("/v1/nodes/{node_id}/publish")

@@ -71,8 +71,30 @@ DEATH_MAX_CHARS = 300
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
 
+# The digest of each node's binding set (``fy:nodedig:<node>``: XOR of the first 64 bits
+# of SHA-1 of every id, 16 hex chars), flipped by every script that adds an id to or
+# removes one from ``fy:nodesbx:<node>``; a heartbeat whose node holds the same digest
+# needs no reconciling (:func:`forkyard.cluster.messages.held_digest` computes the node's).
+LUA_DIGEST = """
+local function fy_dig_flip(node, id)
+  local h = redis.sha1hex(id)
+  local key = 'fy:nodedig:' .. node
+  local cur = redis.call('GET', key) or '0000000000000000'
+  local a = bit.bxor(tonumber(string.sub(cur, 1, 8), 16), tonumber(string.sub(h, 1, 8), 16))
+  local b = bit.bxor(tonumber(string.sub(cur, 9, 16), 16), tonumber(string.sub(h, 9, 16), 16))
+  redis.call('SET', key, bit.tohex(a, 8) .. bit.tohex(b, 8))
+end
+"""
+# KEYS: nodesbx   ARGV: node   Recomputes a node's digest from its set (after a full
+# reconcile: heals a digest written before digests existed).
+_REDIGEST = LUA_DIGEST + """
+redis.call('DEL', 'fy:nodedig:' .. ARGV[1])
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do fy_dig_flip(ARGV[1], id) end
+return redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'
+"""
+
 # KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id, committed
-_UPSERT = LUA_INDEX + """
+_UPSERT = LUA_INDEX + LUA_DIGEST + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur and cur ~= ARGV[1] then return 0 end
@@ -80,27 +102,27 @@ redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3]
            'committed', ARGV[6])
 fy_index(KEYS[1], ARGV[5], ARGV[2], ARGV[3])
 redis.call('HDEL', KEYS[1], 'moved')
-redis.call('SADD', KEYS[3], ARGV[5])
+if redis.call('SADD', KEYS[3], ARGV[5]) == 1 then fy_dig_flip(ARGV[1], ARGV[5]) end
 redis.call('SADD', KEYS[4], ARGV[5])
 return 1
 """
 # KEYS: sbx, nodesbx, sandboxes   ARGV: node, id
-_DELETE = LUA_INDEX + """
+_DELETE = LUA_INDEX + LUA_DIGEST + """
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur ~= ARGV[1] then return 0 end
 fy_unindex(KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[1])
-redis.call('SREM', KEYS[2], ARGV[2])
+if redis.call('SREM', KEYS[2], ARGV[2]) == 1 then fy_dig_flip(ARGV[1], ARGV[2]) end
 redis.call('SREM', KEYS[3], ARGV[2])
 return 1
 """
 # KEYS: sbx, from nodesbx, to nodesbx   ARGV: from, to, id, now
-_REBIND = """
+_REBIND = LUA_DIGEST + """
 local cur = redis.call('HMGET', KEYS[1], 'node', 'state', 'committed')
 if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' or cur[3] == '0' then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4], 'moved', '1')
-redis.call('SREM', KEYS[2], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[3])
+if redis.call('SREM', KEYS[2], ARGV[3]) == 1 then fy_dig_flip(ARGV[1], ARGV[3]) end
+if redis.call('SADD', KEYS[3], ARGV[3]) == 1 then fy_dig_flip(ARGV[2], ARGV[3]) end
 return 1
 """
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
@@ -129,7 +151,8 @@ if #ARGV > 8 then
   redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
 end
 fy_room(ARGV[1], rnow, tonumber(ARGV[7]), tonumber(ARGV[8]))
-return {redis.call('HGET', KEYS[2], 'status'), was_down}
+return {redis.call('HGET', KEYS[2], 'status'), was_down,
+        redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'}
 """
 
 # KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, healthy_since, timeout, tombstone ttl,
@@ -140,7 +163,7 @@ return {redis.call('HGET', KEYS[2], 'status'), was_down}
 # replaces the bindings of its sandboxes that are not paused by tombstones (their node
 # stops them when it is back), each with the cause for the gateway's 404. Destroys
 # nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
-_MARK_DOWN = _NOW + LUA_INDEX + """
+_MARK_DOWN = _NOW + LUA_INDEX + LUA_DIGEST + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
 local since = math.max(last, tonumber(ARGV[2]))
 if now - since <= tonumber(ARGV[3]) then return {'heard'} end
@@ -156,7 +179,7 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   if state ~= 'paused' then
     fy_unindex(key, id)
     redis.call('DEL', key)
-    redis.call('SREM', KEYS[2], id)
+    if redis.call('SREM', KEYS[2], id) == 1 then fy_dig_flip(string.sub(KEYS[1], string.len(ARGV[1]) + 6), id) end
     redis.call('SREM', KEYS[3], id)
     redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[4])
     redis.call('SET', ARGV[1] .. 'dead:' .. id, ARGV[6], 'EX', ARGV[5])
@@ -236,6 +259,7 @@ class ClusterStore:
         self._pending = self._r.register_script(_PENDING)
         self._reserve = self._r.register_script(RESERVE)
         self._index_existing = self._r.register_script(INDEX_EXISTING)
+        self._redigest = self._r.register_script(_REDIGEST)
         self._indexed = False
         self._release = self._r.register_script(RELEASE)
 
@@ -263,21 +287,30 @@ class ClusterStore:
         return int(sec) + int(usec) / 1e6
 
     async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None,
-                        own_status: str = NODE_UP, acked: list[str] = ()) -> str:
+                        own_status: str = NODE_UP, acked: list[str] = (), digests: dict | None = None) -> str:
         """Record a heartbeat, stamped with Redis's clock (``now`` overrides it: tests).
         The node is heard, so it is no longer declared down; its status (``up`` or
         ``draining``) is the operator's, or ``own_status`` (the node's own view) when
         the node is not registered (new, or Redis lost its data). The placements in
         ``acked`` stop counting (the report shows their sandboxes) and the node's room is
-        indexed again (:mod:`.rooms`), all in one script. Returns the status."""
-        status, was_down = await self._call(self._heartbeat(
+        indexed again (:mod:`.rooms`), all in one script. Returns the status; when
+        ``digests`` (a dict) is given, ``digests[node_id]`` is set to the digest of the
+        node's binding set (:data:`LUA_DIGEST`)."""
+        status, was_down, digest = await self._call(self._heartbeat(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
                   "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
+        if digests is not None:
+            digests[node_id] = _s(digest)
         return _s(status)
+
+    async def redigest(self, node_id: str) -> str:
+        """Recompute the digest of ``node_id``'s binding set from the set itself
+        (O(its sandboxes); after a full reconcile). Returns it."""
+        return _s(await self._call(self._redigest(keys=[f"{P}nodesbx:{node_id}"], args=[node_id])))
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, sorted by id, each with its heartbeat age on Redis's
