@@ -219,7 +219,13 @@ class Fleet:
 
         async def one(node):
             async with sem:
-                await node.publish()
+                for attempt in range(5):  # a loaded host may time a connection out
+                    try:
+                        return await node.publish()
+                    except Exception:  # noqa: BLE001
+                        if attempt == 4:
+                            raise
+                        await asyncio.sleep(1)
 
         await asyncio.gather(*(one(n) for n in self.nodes))
 

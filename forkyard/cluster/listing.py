@@ -32,7 +32,7 @@ import json
 
 from forkyard.orchestrator.errors import BadRequest
 
-#: Records read per batch of a page walk (besides the page's own ``limit``).
+#: Records read per batch of a page walk after the first (which reads ``limit + 1``).
 BATCH = 200
 
 # fy_index(key, id, state, record json): (re)index one binding; fy_unindex(key, id):
@@ -145,8 +145,12 @@ async def read_page(r, key: str, desc: bool, after: float | None, before: float 
             lo = repr(max(cursor[0], after)) if after is not None else repr(cursor[0])
     out: list[tuple[float, str, dict]] = []
     bound_score, run = None, 0  # items already seen at the current bound score
+    first = True
     while True:
-        n = BATCH + limit
+        # the first batch is the page itself (+1: is there more?); later ones, when
+        # filters refused some, BATCH at a time
+        n = limit + 1 + (cursor is not None) if first else BATCH
+        first = False
         start, stop = (hi, lo) if desc else (lo, hi)
         if bound_score is not None:
             start = repr(bound_score)
