@@ -386,12 +386,22 @@ class ControlPlaneSettings:
             committed paused sandboxes moved to live nodes without waiting for a call (s).
         node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
             admission lets run of the default size): what a node reports as its capacity.
+        redis_max_connections: ``FORKYARD_REDIS_MAX_CONNECTIONS`` (64): Redis connections
+            one scheduler or gateway process opens at most. Each request holds one at a
+            time (a pipeline or script is one command), so 64 covers 300 nodes' 1 Hz
+            heartbeats plus hundreds of placements per second at a few ms each; more
+            requests at once wait for a connection (back-pressure) instead of failing.
+        redis_pool_wait_s: ``FORKYARD_REDIS_POOL_WAIT_S`` (5): longest wait for a free
+            connection (s); past it the call fails as "Redis unavailable" (503).
     """
 
     heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
     orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
     node_max_sandboxes: int | None = field(
         default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
+    redis_max_connections: int = field(
+        default_factory=lambda: max(1, int(_env("FORKYARD_REDIS_MAX_CONNECTIONS", "64"))))
+    redis_pool_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_REDIS_POOL_WAIT_S", "5")))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ def _orch(request: Request) -> Orchestrator:
     return request.app.state.orchestrator
 
 
-def _parse_metadata(raw: str | None) -> dict[str, str]:
+def parse_metadata(raw: str | None) -> dict[str, str]:
     """``metadata`` query: URL-encoded ``k=v&…`` whose keys/values are themselves
     URL-quoted by the SDK."""
     if not raw:
@@ -44,7 +44,7 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
     Raises:
         BadRequest: malformed metadata filter.
     """
-    want = _parse_metadata(metadata)
+    want = parse_metadata(metadata)
     out = []
     for rec in recs:
         state = "paused" if rec.state == "paused" else "running"
@@ -170,6 +170,25 @@ def _when(name: str, raw: str | None) -> int | None:
     return micros_of(t)
 
 
+def list_filters(metadata: str | None, state: list[str] | str | None, started_after: str | None,
+                 started_before: str | None) -> tuple[set[str], int | None, int | None]:
+    """The ``GET /v2/sandboxes`` filters checked (shared by node and gateway): the
+    states asked for (``?state=a,b`` or ``?state=a&state=b``; default both) and the
+    start-time bounds (whole UNIX microseconds, compared with :func:`~forkyard.ids.micros`
+    of a start time; inclusive; None: open).
+
+    Raises:
+        BadRequest: bad state filter, metadata filter or time.
+    """
+    if isinstance(state, list):  # ?state=a,b (E2B's form) or ?state=a&state=b
+        state = ",".join(state) or None
+    states = set((state or "running,paused").split(","))
+    if not states <= {"running", "paused"}:
+        raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
+    parse_metadata(metadata)
+    return states, _when("startedAfter", started_after), _when("startedBefore", started_before)
+
+
 def list_page(recs, response: Response, metadata: str | None, state: list[str] | str | None, template: str | None,
               order: str | None, next_token: str | None, limit: int,
               started_after: str | None = None, started_before: str | None = None) -> list[dict]:
@@ -180,12 +199,7 @@ def list_page(recs, response: Response, metadata: str | None, state: list[str] |
     Raises:
         BadRequest: bad state filter, metadata filter, time or nextToken.
     """
-    if isinstance(state, list):  # ?state=a,b (E2B's form) or ?state=a&state=b
-        state = ",".join(state) or None
-    states = set((state or "running,paused").split(","))
-    if not states <= {"running", "paused"}:
-        raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
-    after, before = _when("startedAfter", started_after), _when("startedBefore", started_before)
+    states, after, before = list_filters(metadata, state, started_after, started_before)
     recs = filter_records(recs, metadata, states, template)
     # In the microseconds ``startedAt`` shows: a client passing back a sandbox's own
     # ``startedAt`` (the SDK's ``SandboxQuery(started_after=info.started_at)``) selects it.
