@@ -23,7 +23,7 @@ from pathlib import Path
 
 from forkyard.ids import rfc3339
 from forkyard.runtime import events
-from forkyard.runtime.gvisor.console import rotated
+from forkyard.runtime.events import rotated
 
 #: At most this many bytes from the end of a console log are read.
 MAX_READ_BYTES = 2 << 20

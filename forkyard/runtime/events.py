@@ -26,6 +26,13 @@ MAX_BYTES = 256 << 10
 LEVELS = ("debug", "info", "warn", "error")
 
 
+def rotated(console: Path) -> Path:
+    """The older half of console log ``console`` (``console.log.1``): a driver that
+    bounds its console (:mod:`forkyard.runtime.gvisor.console`) renames the full half
+    there; the logs read both."""
+    return console.with_name(console.name + ".1")
+
+
 def path(workdir: Path) -> Path:
     """The events file of the sandbox whose directory is ``workdir``."""
     return Path(workdir) / FILE

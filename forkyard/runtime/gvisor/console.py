@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from forkyard.runtime.events import rotated
+
 log = logging.getLogger(__name__)
 
 #: Bytes asked of the kernel for the pipe (F_SETPIPE_SZ; the default is 64 KiB).
@@ -38,11 +40,6 @@ PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = 1031
 #: Bytes read at a time.
 READ_CHUNK = 1 << 20
-
-
-def rotated(path: Path) -> Path:
-    """The older half of console log ``path`` (``console.log.1``)."""
-    return path.with_name(path.name + ".1")
 
 
 class Pump:
