@@ -153,3 +153,22 @@ def open_pipe(path: Path, max_bytes: int) -> tuple[int, Pump]:
     except OSError:
         pass  # the default size works too, with more reads
     return w, Pump(r, path, max_bytes).start()
+
+
+def size(path: Path) -> int:
+    """``path``'s size in bytes, 0 when it cannot be read."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def tail(console: Path, offset: int, limit: int = 20000) -> str:
+    """What ``console`` got from byte ``offset`` on (all of it when it rotated since), at
+    most its last ``limit`` bytes, decoded; "" when unreadable."""
+    try:
+        with open(console, "rb") as f:
+            f.seek(offset if size(console) >= offset else 0)
+            return f.read()[-limit:].decode(errors="replace")
+    except OSError:
+        return ""

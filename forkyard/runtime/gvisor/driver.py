@@ -46,6 +46,7 @@ from forkyard.config import GVisorSettings, Settings
 from forkyard.runtime.base import (Image, ImageKind, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
                                    SandboxSpec)
 from forkyard.runtime import events
+from forkyard.runtime.gvisor import console as console_mod
 from forkyard.runtime.gvisor import disk, export
 from forkyard.runtime.gvisor import image as image_mod
 from forkyard.runtime.gvisor import spec as ocispec
@@ -60,24 +61,6 @@ log = logging.getLogger(__name__)
 
 #: forkyard's own log entry for a successful start, by runsc command.
 _STARTED = {"run": "sandbox started (boot)", "restore": "sandbox started from its snapshot (restore)"}
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _tail(console: Path, offset: int, limit: int = 20000) -> str:
-    """What the console got from ``offset`` on (all of it when it rotated since), at most
-    the last ``limit`` bytes."""
-    try:
-        with open(console, "rb") as f:
-            f.seek(offset if _size(console) >= offset else 0)
-            return f.read()[-limit:].decode(errors="replace")
-    except OSError:
-        return ""
 
 
 START_TIMEOUT_S = 60.0
@@ -366,7 +349,7 @@ class GVisorDriver(RuntimeDriver):
         ok = False
         t1 = time.perf_counter()
         try:
-            offset = _size(console)
+            offset = console_mod.size(console)
             proc = await spawn_detached(self.settings.runsc_root, argv, console, self.settings.console_log_max_bytes,
                                         use_daemon=self.reaper_daemon)
             try:
@@ -377,7 +360,7 @@ class GVisorDriver(RuntimeDriver):
                 events.record(spec.workdir, "error", f"runsc {op} timed out after {START_TIMEOUT_S:.0f} s")
                 raise RuntimeError_(f"runsc {op} {sid} timed out after {START_TIMEOUT_S:.0f} s") from None
             if rc != 0:
-                full = _tail(console, offset)
+                full = console_mod.tail(console, offset)
                 # The whole of it (gVisor internals, heap addresses) stays in the log and
                 # console.log; the error, which reaches API clients, carries a short form.
                 log.warning("runsc %s %s failed (exit %s): %s", op, sid, rc, summarize(full))
