@@ -18,7 +18,7 @@
   ``connect``/``resume`` is never served here: the sandbox is paused first and the call
   answered 409 with :data:`~.config.DRAINING_HEADER`, so the gateway resumes it on
   another node;
-* **internal routes** under ``/cluster`` (cluster secret only): ``adopt`` a paused
+* **internal routes** under ``/cluster`` (this node's own key only, :mod:`.nodekeys`): ``adopt`` a paused
   sandbox from a dead or draining node, fork with an exported image, start fork
   children from another node's image, delete an exported fork image.
 """
@@ -40,6 +40,7 @@ from pydantic import BaseModel, Field, StrictInt
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
+from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
 from forkyard.config import ClusterSettings, ControlPlaneSettings
@@ -113,7 +114,9 @@ class NodeAgent:
     Args:
         proxy_app: the node app from ``create_app`` (its FastAPI instance at ``.fastapi``).
         node_id: this node's name; url: where gateways reach it.
-        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        scheduler_url: the scheduler's base URL; secret: this node's own key
+            (:mod:`.nodekeys`, bound to ``node_id`` and ``url``): sent to the scheduler, and
+            the only credential the node's internal routes accept.
         max_sandboxes: sandboxes this node runs at once (reported for placement, and
             enforced by the node's admission beside ``FORKYARD_MAX_SANDBOXES``).
     """
@@ -121,7 +124,7 @@ class NodeAgent:
     def __init__(self, proxy_app, node_id: str, url: str, scheduler_url: str, secret: str, max_sandboxes: int):
         self.app = proxy_app.fastapi
         self.orch = self.app.state.orchestrator
-        self.node_id, self.url, self.max_sandboxes = node_id, url, max_sandboxes
+        self.node_id, self.url, self.max_sandboxes = node_id, normal_url(url), max_sandboxes
         # The node enforces the count it reports: a placement computed on a stale report
         # is refused here (503, and the caller retries elsewhere) rather than overfilling.
         cap = self.orch.capacity
@@ -132,7 +135,8 @@ class NodeAgent:
         self.drain_done = False
         self.boot = secrets.token_hex(6)
         self.settings = ClusterSettings()
-        self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S)
+        self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S,
+                                     headers={NODE_URL_HEADER: self.url})
         #: Whether the last scheduler call succeeded (None before the first).
         self.linked: bool | None = None
         #: When a scheduler call last succeeded (monotonic s).

@@ -5,7 +5,8 @@ gateways acting at once never see half a change):
 
 =============================  ==========================================================
 ``fy:nodes``                   set of node ids
-``fy:node:<id>``               hash: ``url``, ``status`` (up/draining: the operator's),
+``fy:node:<id>``               hash: ``url``, ``tag`` (HMAC binding id and url,
+                               :mod:`.nodekeys`), ``status`` (up/draining: the operator's),
                                ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
                                :class:`~.types.NodeReport`), ``down_at`` while declared
                                down (:mod:`.liveness`; cleared by its next heartbeat),
@@ -51,6 +52,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from forkyard.cluster.config import redacted_url
+from forkyard.cluster.nodekeys import NodeKeys
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
 
 log = logging.getLogger("forkyard.cluster.store")
@@ -98,7 +101,8 @@ return 1
 """
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
 
-# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time)
+# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
+#                               binding tag (forkyard.cluster.nodekeys)
 # Records a heartbeat (the node is heard: no longer declared down). The status is the
 # operator's (drain/undrain); a node registering anew (or after Redis lost its data)
 # brings its own view. Returns {status, 1 if it was declared down}.
@@ -107,7 +111,7 @@ if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
 redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
-           'last_seen', string.format('%.6f', now))
+           'last_seen', string.format('%.6f', now), 'tag', ARGV[7])
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
 return {redis.call('HGET', KEYS[2], 'status'), was_down}
@@ -172,12 +176,14 @@ class ClusterStore:
     """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
 
     Args:
-        url: Redis URL (``FORKYARD_REDIS_URL``).
+        url: Redis URL (``FORKYARD_REDIS_URL``; a password in it is never shown).
+        keys: the control plane's :class:`~.nodekeys.NodeKeys`: node records carry and
+            need their binding tag (None: unchecked, for tools and tests of the store).
         timeout_s: socket connect/read timeout (s) for every command.
     """
 
-    def __init__(self, url: str, timeout_s: float = 2.0):
-        self.url = url
+    def __init__(self, url: str, timeout_s: float = 2.0, keys: NodeKeys | None = None):
+        self.url = redacted_url(url)  # for messages: never the password
         # Retry on a dropped connection (a restarted Redis closes every pooled one): up
         # to 3 tries, 50-500 ms apart.
         self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -190,6 +196,18 @@ class ClusterStore:
         self._mark_down = self._r.register_script(_MARK_DOWN)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._pending = self._r.register_script(_PENDING)
+        #: set by the scheduler and gateway (the master): node records are then written
+        #: with their binding tag and read only when it checks (:mod:`.nodekeys`)
+        self.keys: NodeKeys | None = keys
+        self._untrusted_logged: dict[str, float] = {}
+
+    def _untrusted(self, node_id: str, url: str) -> None:
+        """A node record whose binding tag does not check (written by someone without
+        the master): ignored; logged once a minute per node."""
+        if time.monotonic() - self._untrusted_logged.get(node_id, -60.0) >= 60:
+            self._untrusted_logged[node_id] = time.monotonic()
+            log.warning("ignoring node record %s -> %s in Redis: its binding tag does not check (not written by "
+                        "a scheduler for a heartbeat signed with that node's key)", node_id, url[:200])
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -224,7 +242,7 @@ class ClusterStore:
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
-                  "" if now is None else repr(now)]))
+                  "" if now is None else repr(now), self.keys.tag(node_id, url) if self.keys else ""]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
         return _s(status)
@@ -245,6 +263,9 @@ class ClusterStore:
             if not row:
                 continue
             row = {_s(k): _s(v) for k, v in row.items()}
+            if self.keys is not None and not self.keys.tag_ok(nid, row.get("url", ""), row.get("tag")):
+                self._untrusted(nid, row.get("url", ""))
+                continue
             last = float(row.get("last_seen", 0))
             out.append(NodeInfo(node_id=nid, url=row.get("url", ""),
                                 status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
