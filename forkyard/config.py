@@ -165,6 +165,12 @@ class Settings:
         default_auto_pause: what a sandbox created without ``autoPause`` does at its
             timeout (``FORKYARD_DEFAULT_AUTO_PAUSE``, ``true``): pause (true, forkyard's
             default) or kill (false, E2B's default).
+        short_timeout_kill_s: a sandbox whose pause-at-timeout came from
+            :attr:`default_auto_pause` (its creator sent no ``autoPause``) and whose
+            timeout a client then sets to at most this many seconds is killed at that
+            timeout, as on E2B, instead of paused (``FORKYARD_SHORT_TIMEOUT_KILL_S``, 2;
+            0: never). The E2B CLI ends ``e2b sandbox create``'s terminal with a 1 s
+            timeout, expecting the kill.
         blocked_egress: IPv4 CIDRs no sandbox may reach whatever its egress policy
             (``FORKYARD_BLOCKED_EGRESS``, comma-separated; None = the built-in list of
             private, link-local/metadata, CGNAT, documentation and multicast ranges in
@@ -226,6 +232,7 @@ class Settings:
         default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILE_MB", "8192")))
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
+    short_timeout_kill_s: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_SHORT_TIMEOUT_KILL_S", "2")))
     blocked_egress: list[str] | None = field(default_factory=lambda: _env_cidrs("FORKYARD_BLOCKED_EGRESS"))
     tls_cert: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_TLS_CERT") or None)
     tls_key: str | None = field(default_factory=lambda: os.environ.get("FORKYARD_TLS_KEY") or None)

@@ -349,6 +349,41 @@ def test_write_without_metadata_clears_earlier_metadata(sandbox):
 
 
 # ---- defaults ------------------------------------------------------------------------------
+def test_a_short_timeout_kills_a_sandbox_that_never_asked_to_pause(server):
+    """The E2B CLI ends ``e2b sandbox create``'s terminal with ``setTimeout(1000)``,
+    expecting E2B's kill (issue 23 item 6): a sandbox whose pause-at-timeout is only
+    forkyard's default and whose timeout a client sets to <= 2 s is killed then, not kept
+    paused for the retention period; one that asked to pause, or a longer timeout, still
+    pauses (docs/e2b-compat.md)."""
+    from e2b.exceptions import NotFoundException
+
+    quick = Sandbox.create("base", timeout=120)
+    asked = Sandbox.create("base", timeout=120, lifecycle={"on_timeout": "pause"})
+    try:
+        assert quick.get_info().lifecycle["on_timeout"] == "pause"
+        quick.set_timeout(1)
+        asked.set_timeout(1)
+        assert quick.get_info().lifecycle["on_timeout"] == "kill"  # what it will do, shown
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                quick.get_info()
+            except NotFoundException:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the sandbox with a 1 s timeout still exists after 60 s")
+        while asked.get_info().state.value != "paused" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert asked.get_info().state.value == "paused"
+    finally:
+        for sbx in (quick, asked):
+            try:
+                sbx.kill()
+            except Exception:  # noqa: BLE001
+                pass
+
+
 def test_server_default_auto_pause_setting(server, tmp_path):
     """FORKYARD_DEFAULT_AUTO_PAUSE=false gives E2B's default (kill at timeout) to sandboxes
     created without autoPause; an explicit autoPause still wins. A bad value stops the
@@ -421,6 +456,8 @@ def test_list_started_after_before_and_metrics_range(server):
         q = lambda **kw: [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"ranges": "1"}, **kw)).next_items()]
         assert q() == [second.sandbox_id, first.sandbox_id]  # newest first
         assert q(started_after=cut) == [second.sandbox_id]
+        # The exact startedAt the SDK got selects its sandbox (issue 23 item 3; see test_ids).
+        assert q(started_after=Sandbox.get_info(second.sandbox_id).started_at) == [second.sandbox_id]
         with server.api() as c:
             ids = lambda **p: [s["sandboxID"] for s in c.get("/v2/sandboxes", params={"metadata": "ranges=1", **p}).json()]
             assert ids(startedBefore=cut.isoformat()) == [first.sandbox_id]

@@ -43,3 +43,28 @@ def test_no_other_module_writes_the_id_or_name_pattern_again():
             if "re.compile(" in line and ("[a-z0-9]{1,64}" in line or "[a-z0-9][a-z0-9_-]" in line):
                 copies.append(f"{path.relative_to(PACKAGE)}:{n}: {line.strip()}")
     assert not copies, "use forkyard.ids instead:\n" + "\n".join(copies)
+
+
+def test_a_sandboxs_own_started_at_selects_it_in_a_list():
+    """``Sandbox.list(query=SandboxQuery(started_after=info.started_at))`` with the exact
+    ``startedAt`` the API showed includes that sandbox, and ``startedBefore`` likewise
+    (issue 23 item 3): Python rounds a timestamp to the nearest microsecond, so the text
+    can lie after the stored float; compared as floats, 38 % of start times failed."""
+    from fastapi import Response
+
+    from forkyard.api.routes_sandboxes import list_page
+    from forkyard.orchestrator.store import SandboxRecord
+
+    # .1234567 is shown as .123457: after the float (the case that failed) ...
+    for started in (1764620043.1234567, 1764620043.1234562, 1764620043.0):
+        rec = SandboxRecord(id="s1", template_id="base", state="running", slot=None, vcpus=1, memory_mb=512,
+                            started_at=started, end_at=started + 300, auto_pause=False)
+        shown = ids.rfc3339(started)
+        # ... passed back as the SDK does: parsed to a datetime, sent as isoformat().
+        sent = datetime.fromisoformat(shown.replace("Z", "+00:00")).astimezone().isoformat()
+        for bound in ("started_after", "started_before"):
+            page = list_page([rec], Response(), None, None, None, None, None, 100, **{bound: sent})
+            assert [r["sandboxID"] for r in page] == ["s1"], (started, shown, bound)
+        later = ids.rfc3339(started + 0.000002)
+        assert list_page([rec], Response(), None, None, None, None, None, 100, started_after=later) == []
+        assert ids.micros(started) == ids.micros_of(datetime.fromisoformat(shown.replace("Z", "+00:00")))

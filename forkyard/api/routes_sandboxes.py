@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
 from forkyard.api.auth import require_key
-from forkyard.ids import rfc3339
+from forkyard.ids import micros, micros_of, rfc3339
 from forkyard.orchestrator import timing
 from forkyard.orchestrator.errors import BadRequest
 from forkyard.orchestrator.manager import Orchestrator
@@ -74,7 +74,7 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
-        auto_pause=request.app.state.settings.default_auto_pause if body.auto_pause is None else body.auto_pause,
+        auto_pause=body.auto_pause,  # None: the node's default (settings.default_auto_pause)
         # E2B secures envd access for every sandbox (its spec: "secure: Ignored. All
         # system communication with the sandbox is always secured"). forkyard does the
         # same unless the client explicitly sends ``secure: false`` (an open envd, for
@@ -131,8 +131,9 @@ async def list_sandboxes_v2(
                      started_after, started_before)
 
 
-def _when(name: str, raw: str | None) -> float | None:
-    """UNIX seconds of an ISO 8601 query value (a naive one is UTC).
+def _when(name: str, raw: str | None) -> int | None:
+    """UNIX time in whole microseconds (:func:`~forkyard.ids.micros_of`) of an ISO 8601
+    query value (a naive one is UTC).
 
     Raises:
         BadRequest: not ISO 8601 (naming ``name``).
@@ -147,7 +148,7 @@ def _when(name: str, raw: str | None) -> float | None:
         raise BadRequest(f"{name}: {raw!r} is not an ISO 8601 time") from e
     if t.tzinfo is None:
         t = t.replace(tzinfo=timezone.utc)
-    return t.timestamp()
+    return micros_of(t)
 
 
 def list_page(recs, response: Response, metadata: str | None, state: list[str] | str | None, template: str | None,
@@ -167,7 +168,10 @@ def list_page(recs, response: Response, metadata: str | None, state: list[str] |
         raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
     after, before = _when("startedAfter", started_after), _when("startedBefore", started_before)
     recs = filter_records(recs, metadata, states, template)
-    recs = [r for r in recs if (after is None or r.started_at >= after) and (before is None or r.started_at <= before)]
+    # In the microseconds ``startedAt`` shows: a client passing back a sandbox's own
+    # ``startedAt`` (the SDK's ``SandboxQuery(started_after=info.started_at)``) selects it.
+    recs = [r for r in recs if (after is None or micros(r.started_at) >= after)
+            and (before is None or micros(r.started_at) <= before)]
     recs.sort(key=lambda r: (r.started_at, r.id), reverse=(order != "asc"))
     page = schemas.paginate(recs, limit, next_token, response)
     return [schemas.sandbox_listed(r) for r in page]

@@ -102,7 +102,7 @@ class Creator:
         timeout_s: int | None = None,
         metadata: dict[str, str] | None = None,
         env_vars: dict[str, str] | None = None,
-        auto_pause: bool = True,
+        auto_pause: bool | None = None,
         secure: bool = False,
         vcpus: int | None = None,
         memory_mb: int | None = None,
@@ -118,7 +118,8 @@ class Creator:
 
         Args:
             timeout_s: seconds until expiry (1 … 86400; default 300).
-            auto_pause: pause (True) or kill (False) at expiry.
+            auto_pause: pause (True) or kill (False) at expiry; None: the node's
+                ``default_auto_pause``, recorded as such (``auto_pause_default``).
             auto_pause_memory: False = that pause keeps the filesystem only (E2B
                 ``autoPauseMemory``); None/True = a full memory pause.
             auto_resume: proxied traffic resumes the sandbox when paused
@@ -162,7 +163,8 @@ class Creator:
             memory_mb=snap.memory_mb if snap else (memory_mb or self.settings.default_memory_mb),
             started_at=now,
             end_at=now + timeout_s,
-            auto_pause=auto_pause,
+            auto_pause=self.settings.default_auto_pause if auto_pause is None else auto_pause,
+            auto_pause_default=auto_pause is None,
             metadata=dict(metadata or {}),
             env_vars={**(snap.env_vars if snap else {}), **(env_vars or {})},
             image_id=snap.snapshot_id if snap else None,

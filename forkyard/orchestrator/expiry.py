@@ -82,6 +82,13 @@ class Expiry:
             rec = self.table.get(sandbox_id)
             rec.end_at = time.time() + timeout_s
             rec.timeout_s = max(timeout_s, 1)
+            if rec.auto_pause and rec.auto_pause_default and timeout_s <= self.settings.short_timeout_kill_s:
+                # "End it now" from a client that never chose pause (the E2B CLI's 1 s
+                # when its terminal closes): kill at the timeout, as E2B would.
+                rec.auto_pause = False
+                log.info("sandbox %s: timeout set to %d s and it never asked to pause at its timeout: "
+                         "it is killed then, as on E2B (FORKYARD_SHORT_TIMEOUT_KILL_S=%d)",
+                         sandbox_id, timeout_s, self.settings.short_timeout_kill_s)
             self.table.store.put(rec)
             return rec
 

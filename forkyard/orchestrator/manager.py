@@ -341,7 +341,7 @@ class Orchestrator:
 
     # ---- sandboxes ----------------------------------------------------------------
     async def create(self, template_id: str, timeout_s: int | None = None, metadata: dict[str, str] | None = None,
-                     env_vars: dict[str, str] | None = None, auto_pause: bool = True, secure: bool = False,
+                     env_vars: dict[str, str] | None = None, auto_pause: bool | None = None, secure: bool = False,
                      vcpus: int | None = None, memory_mb: int | None = None, auto_resume: bool = False,
                      egress: EgressPolicy | None = None, public_traffic: bool = True, mask_host: str | None = None,
                      auto_pause_memory: bool | None = None, disk_mb: int | None = None) -> SandboxRecord:

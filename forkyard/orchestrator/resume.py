@@ -88,7 +88,7 @@ class Resumer:
         if timeout_s is not None:
             rec.timeout_s = timeout_s
         if auto_pause is not None:
-            rec.auto_pause = auto_pause
+            rec.auto_pause, rec.auto_pause_default = auto_pause, False
         image_id = rec.image_id
         if await self._unfreeze(rec):
             marked = self.snapshots.staging_path(image_id or "-")

@@ -42,7 +42,8 @@ STATES = ("creating", "running", "pausing", "paused", "resuming", "snapshotting"
 _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paused_at": "REAL",
           "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
           "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0",
-          "auto_pause_memory": "INTEGER", "default_user": "TEXT", "default_workdir": "TEXT"}
+          "auto_pause_memory": "INTEGER", "default_user": "TEXT", "default_workdir": "TEXT",
+          "auto_pause_default": "INTEGER NOT NULL DEFAULT 0"}
 
 
 @dataclass
@@ -91,6 +92,9 @@ class SandboxRecord:
     #: (filesystem-only resume) sends them to the new envd.
     default_user: str | None = None
     default_workdir: str | None = None
+    #: ``auto_pause`` came from the node's default, not from the creator (see
+    #: :attr:`~forkyard.config.Settings.short_timeout_kill_s`).
+    auto_pause_default: bool = False
 
 
 class Store:
@@ -134,6 +138,7 @@ class Store:
         d = dict(row)
         d["auto_pause"] = bool(d["auto_pause"])
         d["auto_resume"] = bool(d.get("auto_resume"))
+        d["auto_pause_default"] = bool(d.get("auto_pause_default"))
         apm = d.get("auto_pause_memory")
         d["auto_pause_memory"] = None if apm is None else bool(apm)
         d["egress"] = json.loads(d["egress"]) if d.get("egress") else {}
@@ -146,6 +151,7 @@ class Store:
         d = asdict(rec)
         d["auto_pause"] = int(rec.auto_pause)
         d["auto_resume"] = int(rec.auto_resume)
+        d["auto_pause_default"] = int(rec.auto_pause_default)
         d["auto_pause_memory"] = None if rec.auto_pause_memory is None else int(rec.auto_pause_memory)
         d["egress"] = json.dumps(rec.egress) if rec.egress else None
         d["metadata"] = json.dumps(rec.metadata)

@@ -118,6 +118,22 @@ def attach(workdir: Path, overlay_dir: Path, size_mb: int) -> None:
     _make(workdir, overlay_dir, size_mb)
 
 
+async def provide(workdir: Path, overlay_dir: Path, size_mb: int, spares: SpareDisks | None,
+                  keeper: SpareKeeper | None) -> None:
+    """Give a starting sandbox its disk of ``size_mb`` MiB at ``overlay_dir``: a ready
+    spare moved in when ``spares`` has one of that size (a rename and a mount move, on
+    the loop), else one made now (:func:`attach`, in a thread); then ``keeper`` (if
+    any) makes up the spare taken.
+
+    Raises:
+        DiskError: the disk could not be made or mounted.
+    """
+    if not (spares is not None and not is_mounted(overlay_dir) and spares.take_into(workdir, overlay_dir, size_mb)):
+        await asyncio.to_thread(attach, workdir, overlay_dir, size_mb)
+    if keeper is not None:
+        keeper.refill()
+
+
 def detach(workdir: Path, overlay_dir: Path) -> None:
     """Unmount ``overlay_dir`` (lazily when busy; the loop device is freed with the last
     user) and delete the disk image. Never raises."""

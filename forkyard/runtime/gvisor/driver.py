@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 from forkyard.config import GVisorSettings, Settings
-from forkyard.guest.sudo import BROKER_PATH
 from forkyard.runtime.base import (Image, ImageKind, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
                                    SandboxSpec)
 from forkyard.runtime.gvisor import disk, export
@@ -51,13 +50,10 @@ from forkyard.runtime.gvisor.process import (checkpointing, container_files_exis
                                              rearm_envd, spawn_detached, state_file)
 from forkyard.runtime.gvisor.reaper import ensure_reaper
 from forkyard.runtime.gvisor.runsc import (POINTER, SHARE_PAGES_FLAG, SHARE_SAVED_FLAG, Runsc, missing,
-                                          runsc_keeps_tmp, runsc_supports, summarize)
+                                          probe_features, summarize)
 
 log = logging.getLogger(__name__)
 
-#: Started next to init when present (see :mod:`forkyard.guest.sudo`): gVisor ignores
-#: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
-_BROKER_LAUNCH = f'[ -x {BROKER_PATH} ] && {BROKER_PATH} & exec "$@"'
 START_TIMEOUT_S = 60.0
 #: Spare disks are made only once no start has ended for this long (s).
 SPARE_QUIET_S = 0.25
@@ -121,22 +117,12 @@ class GVisorDriver(RuntimeDriver):
         self.sudo_broker = sudo_broker
         self.runsc_path = self.runsc.path
         self.build = self.runsc.build
-        #: How new sandboxes mount ``/tmp``: on the rootfs when runsc has patch 0002, else
-        #: the sized tmpfs of before (:data:`~.spec.TMP_SIZED`; logged).
-        self.new_tmp = ocispec.TMP_ROOTFS if self.runsc_path and runsc_keeps_tmp(self.runsc_path) else ocispec.TMP_SIZED
-        if self.runsc_path and self.new_tmp != ocispec.TMP_ROOTFS:
-            log.warning("%s lacks forkyard's runsc patch 0002 (deploy/runsc/build.sh): sandboxes get a /tmp "
-                        "tmpfs of a quarter of their memory instead of /tmp on their disk", self.runsc_path)
-        #: Restores share the image's pages (``runtime.share_restored_pages`` and a runsc
-        #: with the flag; see :attr:`RuntimeDriver.shares_restored_pages`).
-        self.shares_restored_pages = bool(runtime.share_restored_pages and self.runsc_path
-                                          and runsc_supports(self.runsc_path, SHARE_PAGES_FLAG))
-        if runtime.share_restored_pages and self.runsc_path and not self.shares_restored_pages:
-            log.warning("FORKYARD_SHARE_RESTORED_PAGES=1 but %s lacks %s (forkyard's runsc patch 0020, "
-                        "deploy/runsc/build.sh): restores copy their memory", self.runsc_path, SHARE_PAGES_FLAG)
-        #: Leave-running checkpoints share the image with the sandbox (``runtime.share_saved_pages``).
-        self.shares_saved_pages = (self.shares_restored_pages and runtime.share_saved_pages
-                                   and checkpoint_compression == "none")
+        #: What this runsc can do with these settings (:func:`.runsc.probe_features`).
+        self.features = probe_features(self.runsc_path, runtime, checkpoint_compression)
+        #: How new sandboxes mount ``/tmp`` (:attr:`.runsc.Features.new_tmp`).
+        self.new_tmp = self.features.new_tmp
+        #: Restores share the image's pages (see :attr:`RuntimeDriver.shares_restored_pages`).
+        self.shares_restored_pages = self.features.shares_restored_pages
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md).
         self.reaper_daemon = runtime.reaper_daemon
@@ -287,12 +273,6 @@ class GVisorDriver(RuntimeDriver):
             if phases is not None:
                 phases["rearm"] = (time.perf_counter() - t0) * 1000
 
-    def _process_argv(self) -> list[str]:
-        """argv of the container's first process (init, maybe behind the broker launch)."""
-        if not self.sudo_broker:
-            return list(self.init_argv)
-        return ["/bin/sh", "-c", _BROKER_LAUNCH, self.init_argv[0], *self.init_argv]
-
     async def _start(self, spec: SandboxSpec, op: str, args: list[str], tmp: str,
                      rootfs_tar: str | None = None, phases: dict[str, float] | None = None,
                      upper_tar: Path | None = None) -> None:
@@ -340,17 +320,10 @@ class GVisorDriver(RuntimeDriver):
             overlay = self._overlay_dir(spec.workdir)
             overlay.mkdir(parents=True, exist_ok=True)
             if spec.disk_mb:
-                spares = self.spare_disks
                 try:
-                    if (spares is not None and not disk.is_mounted(overlay)
-                            and spares.take_into(spec.workdir, overlay, spec.disk_mb)):
-                        pass  # moved in: a rename and a syscall, no thread hop needed
-                    else:
-                        await asyncio.to_thread(disk.attach, spec.workdir, overlay, spec.disk_mb)
+                    await disk.provide(spec.workdir, overlay, spec.disk_mb, self.spare_disks, self._spare_keeper)
                 except disk.DiskError as e:
                     raise RuntimeError_(f"sandbox {sid}: disk of {spec.disk_mb} MiB: {e}") from e
-                if self._spare_keeper is not None:
-                    self._spare_keeper.refill()
         phases["disk"] = (time.perf_counter() - t0) * 1000
         if upper_tar is not None:
             placeholder = ocispec.ROOTFS_TAR_PLACEHOLDER
@@ -359,7 +332,7 @@ class GVisorDriver(RuntimeDriver):
             except OSError as e:
                 raise RuntimeError_(f"cannot create {placeholder}: {e}") from e
             rootfs_tar = str(placeholder)
-        ocispec.write_bundle(spec, self._process_argv(), envd, tmp=tmp, rootfs_tar=rootfs_tar)
+        ocispec.write_bundle(spec, ocispec.process_argv(self.init_argv, self.sudo_broker), envd, tmp=tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
         argv = self.runsc.start_argv(self._sandbox_flags(spec), args, upper_tar=upper_tar,
@@ -532,9 +505,7 @@ class GVisorDriver(RuntimeDriver):
         Raises:
             RuntimeError_: runsc failed (message = its stderr).
         """
-        rc, _, err = await self.runsc.run(["pause", sandbox_id])
-        if rc != 0:
-            raise RuntimeError_(f"runsc pause {sandbox_id} failed: {err}")
+        await self.runsc.check(["pause", sandbox_id])
 
     async def thaw(self, sandbox_id: str) -> None:
         """Continue a frozen sandbox (``runsc resume``).
@@ -542,9 +513,7 @@ class GVisorDriver(RuntimeDriver):
         Raises:
             RuntimeError_: runsc failed (message = its stderr).
         """
-        rc, _, err = await self.runsc.run(["resume", sandbox_id])
-        if rc != 0:
-            raise RuntimeError_(f"runsc resume {sandbox_id} failed: {err}")
+        await self.runsc.check(["resume", sandbox_id])
 
     async def is_frozen(self, sandbox_id: str) -> bool:
         """True when the sandbox exists and is frozen (runsc status ``paused``)."""
@@ -587,11 +556,9 @@ class GVisorDriver(RuntimeDriver):
         args = ["checkpoint", f"--image-path={image_dir}", f"--compression={self.checkpoint_compression}"]
         if leave_running:
             args.append("--leave-running")
-            if self.shares_saved_pages:
+            if self.features.shares_saved_pages:
                 args.append(SHARE_SAVED_FLAG)
-        rc, _, err = await self.runsc.run([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
-        if rc != 0:
-            raise RuntimeError_(f"runsc checkpoint {sandbox_id} failed: {err}")
+        await self.runsc.check([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         image_mod.write_image_build(image_dir, self.build)
         st = None
         bundle = ocispec.bundle_dir(self.settings.sandboxes_dir / sandbox_id)

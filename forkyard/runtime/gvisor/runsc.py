@@ -5,17 +5,21 @@ supports, and running it with the node's global flags (``--root``, debug logging
 from __future__ import annotations
 
 import asyncio
+import logging
 import mmap
 import os
 import re
 import shlex
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
-from forkyard.config import Settings
+from forkyard.config import GVisorSettings, Settings
 from forkyard.runtime.base import RuntimeError_
 from forkyard.runtime.gvisor import spec as ocispec
+
+log = logging.getLogger(__name__)
 
 #: Hexadecimal addresses in runsc's messages (e.g. ``&{0xc000a1b2c0 …}``): internals
 #: that mean nothing to a client.
@@ -91,6 +95,43 @@ def runsc_supports(runsc: str, flag: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Features:
+    """What a node's runsc build does with its settings, probed once at start.
+
+    Attributes:
+        new_tmp: how new sandboxes mount ``/tmp``: :data:`~.spec.TMP_ROOTFS` (on their
+            disk) when the build has forkyard's patch 0002, else :data:`~.spec.TMP_SIZED`
+            (a tmpfs of a quarter of their memory, as before).
+        shares_restored_pages: restores map the image's pages instead of copying them
+            (``runtime.share_restored_pages`` and a build with :data:`SHARE_PAGES_FLAG`,
+            patch 0020).
+        shares_saved_pages: leave-running checkpoints share the image with the sandbox
+            (the above, ``runtime.share_saved_pages`` and no checkpoint compression).
+    """
+
+    new_tmp: str
+    shares_restored_pages: bool
+    shares_saved_pages: bool
+
+
+def probe_features(path: str | None, runtime: GVisorSettings, compression: str) -> Features:
+    """Probe runsc at ``path`` (None: not installed) for :class:`Features`; logs a
+    warning for each asked-for feature the build lacks. Blocking (≤ 10 s, one
+    ``--version`` run and a search of the binary)."""
+    keeps_tmp = bool(path) and runsc_keeps_tmp(path)
+    if path and not keeps_tmp:
+        log.warning("%s lacks forkyard's runsc patch 0002 (deploy/runsc/build.sh): sandboxes get a /tmp "
+                    "tmpfs of a quarter of their memory instead of /tmp on their disk", path)
+    shares = bool(runtime.share_restored_pages and path and runsc_supports(path, SHARE_PAGES_FLAG))
+    if runtime.share_restored_pages and path and not shares:
+        log.warning("FORKYARD_SHARE_RESTORED_PAGES=1 but %s lacks %s (forkyard's runsc patch 0020, "
+                    "deploy/runsc/build.sh): restores copy their memory", path, SHARE_PAGES_FLAG)
+    return Features(new_tmp=ocispec.TMP_ROOTFS if keeps_tmp else ocispec.TMP_SIZED,
+                    shares_restored_pages=shares,
+                    shares_saved_pages=shares and runtime.share_saved_pages and compression == "none")
+
+
 class Runsc:
     """The runsc of a node.
 
@@ -162,6 +203,19 @@ class Runsc:
                 raise
             raise RuntimeError_(f"runsc {args[0]} timed out after {timeout:.0f} s") from None
         return proc.returncode, out.decode(errors="replace"), summarize(err.decode(errors="replace"))
+
+    async def check(self, args: list[str], timeout: float = COMMAND_TIMEOUT_S) -> str:
+        """:meth:`run` ``args`` (the command, then its operands, the container id last);
+        returns its stdout.
+
+        Raises:
+            RuntimeError_: as :meth:`run`, or runsc exited non-zero ("runsc COMMAND ID
+                failed: " and its stderr).
+        """
+        rc, out, err = await self.run(args, timeout)
+        if rc != 0:
+            raise RuntimeError_(f"runsc {args[0]} {args[-1]} failed: {err}")
+        return out
 
     def start_argv(self, sandbox_flags: list[str], args: list[str], upper_tar: Path | None = None,
                    annotated: bool = False) -> list[str]:

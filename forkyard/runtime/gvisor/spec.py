@@ -7,7 +7,21 @@ import os
 from pathlib import Path
 
 from forkyard.guest.files import hosts_file
+from forkyard.guest.sudo import BROKER_PATH
 from forkyard.runtime.base import SandboxSpec
+
+#: Started next to init when present (see :mod:`forkyard.guest.sudo`): gVisor ignores
+#: set-user-ID bits, so ``sudo`` for non-root users goes through this root broker.
+BROKER_LAUNCH = f'[ -x {BROKER_PATH} ] && {BROKER_PATH} & exec "$@"'
+
+
+def process_argv(init_argv: list[str], sudo_broker: bool) -> list[str]:
+    """argv of the container's first process: ``init_argv`` (envd), behind
+    :data:`BROKER_LAUNCH` when ``sudo_broker``."""
+    if not sudo_broker:
+        return list(init_argv)
+    return ["/bin/sh", "-c", BROKER_LAUNCH, init_argv[0], *init_argv]
+
 
 #: Where the envd binary appears inside every sandbox.
 ENVD_GUEST_PATH = "/usr/local/bin/envd"
