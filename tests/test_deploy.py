@@ -407,9 +407,20 @@ def test_k8s_objects_and_command_lines(k8s_rendered):
         assert sc["capabilities"] == {"add": ["ALL"], "drop": ["SYS_RESOURCE"]}
         assert sc["seccompProfile"]["type"] == sc["appArmorProfile"]["type"] == "Unconfined"
         host_paths = {v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
-        assert host_paths == {"/var/lib/forkyard", "/sys/fs/cgroup"}
-        redis = by[("StatefulSet", "forkyard-redis")]["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert redis[redis.index("--appendonly") + 1] == "yes"
+        assert host_paths == {"/var/lib/forkyard", "/sys/fs/cgroup", "/etc/forkyard/node_key"}
+        # a node holds its own key only (a host file), never the cluster secret or Redis's password
+        env = {e["name"]: e for e in node["env"]}
+        assert env["FORKYARD_NODE_KEY_FILE"]["value"] == "/etc/forkyard/node_key"
+        assert not {"FORKYARD_CLUSTER_SECRET", "FORKYARD_CLUSTER_SECRET_FILE", "FORKYARD_REDIS_URL"} & set(env)
+        (items,) = [v["secret"]["items"] for v in ds["volumes"] if "secret" in v]
+        assert [i["key"] for i in items] == ["api_key"]
+        redis = by[("StatefulSet", "forkyard-redis")]["spec"]["template"]["spec"]["containers"][0]
+        script = " ".join(redis["args"])
+        assert "--appendonly yes" in script and "umask 077" in script and "mkdir -m 700 /data/redis" in script
+        assert "requirepass" in script and "$(REDIS_PASSWORD)" not in script  # on stdin, not in argv
+        policy = by[("NetworkPolicy", "forkyard-redis")]["spec"]
+        assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in policy["ingress"][0]["from"]} \
+            == {"forkyard-scheduler", "forkyard-gateway"}
         for kind, name in (("DaemonSet", "forkyard-node"), ("Deployment", "forkyard-scheduler"),
                            ("Deployment", "forkyard-gateway")):
             (c,) = by[(kind, name)]["spec"]["template"]["spec"]["containers"]

@@ -441,7 +441,7 @@ class NodeAgent:
 
     # ---- the node app -------------------------------------------------------------------
     def wrap(self, app):
-        """ASGI middleware for the node app: ``/cluster/*`` needs the cluster secret
+        """ASGI middleware for the node app: ``/cluster/*`` needs this node's key
         (checked from headers, before the body); a mutating REST call (POST/PUT/DELETE,
         not sandbox traffic) answers only after its changes are published — waiting at
         most :data:`PUBLISH_WAIT_S`; after that they follow in the background."""
@@ -459,7 +459,7 @@ class NodeAgent:
             if scope["path"].startswith("/cluster/"):
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
                 if not cluster_secret_ok(headers, agent.secret):
-                    return await JSONResponse({"code": 401, "message": "cluster secret required"},
+                    return await JSONResponse({"code": 401, "message": "this node's key required (x-forkyard-cluster-secret)"},
                                               status_code=401)(scope, receive, send)
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)

@@ -99,8 +99,9 @@ def redis_url(env: dict[str, str] | None = None) -> str:
         raise ClusterConfigError(f"cannot read FORKYARD_REDIS_PASSWORD_FILE {path}: {e}") from e
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
-    if password.startswith("requirepass "):  # a Redis config line holding it, as deploy/ writes
-        password = password.split(None, 1)[1].strip()
+    conf = [ln.split(None, 1) for ln in password.splitlines() if ln.startswith("requirepass ")]
+    if conf:  # a Redis config holding it (`requirepass PASS`, as deploy/ writes redis-secret.conf)
+        password = conf[0][1].strip()
     if not password:
         raise ClusterConfigError(f"FORKYARD_REDIS_PASSWORD_FILE {path} is empty")
     parts = urlsplit(url)
