@@ -37,13 +37,13 @@ def _secret() -> str:
 
 
 def _node_key() -> str:
-    from forkyard.cluster.nodekeys import NodeKeyError, load_node_key
+    from forkyard.cluster.config import ClusterConfigError, cluster_secret_given, load_node_key
 
     try:
         key = load_node_key()
-    except NodeKeyError as e:
+    except ClusterConfigError as e:
         fail(str(e))
-    if os.environ.get("FORKYARD_CLUSTER_SECRET") or os.environ.get("FORKYARD_CLUSTER_SECRET_FILE"):
+    if cluster_secret_given():
         print("warning: this node is given the cluster secret (FORKYARD_CLUSTER_SECRET(_FILE)); a node needs only "
               "its own key (FORKYARD_NODE_KEY_FILE): remove it from the node's settings", flush=True)
     return key
@@ -54,7 +54,7 @@ def _redis(url: str | None) -> str:
     from forkyard.cluster.config import ClusterConfigError, redis_url
 
     try:
-        return redis_url(dict(os.environ, FORKYARD_REDIS_URL=url) if url else None)
+        return redis_url(url=url)
     except ClusterConfigError as e:
         fail(str(e))
 

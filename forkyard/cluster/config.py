@@ -39,6 +39,7 @@ PLACEMENT_HEADER = "x-forkyard-placement"
 #: resumes on another node (the gateway moves it and tries again there).
 DRAINING_HEADER = "x-forkyard-draining"
 from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
+from forkyard.cluster.nodekeys import NODE_KEY_PREFIX
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:9090"
@@ -78,8 +79,47 @@ def load_secret(env: dict[str, str] | None = None) -> str:
     return value
 
 
-def redis_url(env: dict[str, str] | None = None) -> str:
-    """``FORKYARD_REDIS_URL`` or the default, with the password read from the 0600 file
+def load_node_key(env: dict[str, str] | None = None) -> str:
+    """This node's key from ``FORKYARD_NODE_KEY`` or the 0600 file named by
+    ``FORKYARD_NODE_KEY_FILE``.
+
+    Raises:
+        ClusterConfigError: neither is set (the message says how to mint one), the file is
+            unreadable or readable by group/others, or the value is not a node key
+            (e.g. the cluster's master secret, which a node must not hold).
+    """
+    env = os.environ if env is None else env
+    value = env.get("FORKYARD_NODE_KEY", "").strip()
+    path = env.get("FORKYARD_NODE_KEY_FILE", "").strip()
+    if not value and path:
+        p = Path(path)
+        try:
+            mode = p.stat().st_mode
+            value = p.read_text().strip()
+        except OSError as e:
+            raise ClusterConfigError(f"cannot read FORKYARD_NODE_KEY_FILE {path}: {e}") from e
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    if not value:
+        raise ClusterConfigError("a cluster node needs its own key: on a host holding the cluster secret run "
+                                 "`forkyard cluster node-key NODE_ID --url ADVERTISE_URL --out node.key`, copy the file "
+                                 "to this node (mode 0600) and set FORKYARD_NODE_KEY_FILE to it. Nodes no longer take "
+                                 "FORKYARD_CLUSTER_SECRET: it stays on the scheduler and gateway hosts")
+    if not value.startswith(NODE_KEY_PREFIX) or len(value) != len(NODE_KEY_PREFIX) + 64:
+        raise ClusterConfigError("FORKYARD_NODE_KEY(_FILE) does not hold a node key (fynk_…): a node holds only "
+                                 "its own key (`forkyard cluster node-key`), never the cluster secret")
+    return value
+
+
+def cluster_secret_given(env: dict[str, str] | None = None) -> bool:
+    """Whether ``FORKYARD_CLUSTER_SECRET`` or ``FORKYARD_CLUSTER_SECRET_FILE`` is set (a
+    node warns: it must not hold it)."""
+    env = os.environ if env is None else env
+    return bool(env.get("FORKYARD_CLUSTER_SECRET") or env.get("FORKYARD_CLUSTER_SECRET_FILE"))
+
+
+def redis_url(env: dict[str, str] | None = None, url: str | None = None) -> str:
+    """``url`` (``--redis``), else ``FORKYARD_REDIS_URL``, else the default, with the password read from the 0600 file
     named by ``FORKYARD_REDIS_PASSWORD_FILE`` put in it when that is set (the URL's own
     password, ``redis://:PASS@host``, otherwise). Show it only through :func:`redacted_url`.
 
@@ -88,7 +128,7 @@ def redis_url(env: dict[str, str] | None = None) -> str:
             group or others.
     """
     env = os.environ if env is None else env
-    url = env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
+    url = url or env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
     path = env.get("FORKYARD_REDIS_PASSWORD_FILE", "").strip()
     if not path:
         return url

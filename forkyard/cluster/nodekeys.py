@@ -21,6 +21,8 @@ minted by an operator with ``forkyard cluster node-key ID --url URL --out FILE``
 * the gateway calls a node with that node's own key (never the master), and only at the
   URL the key is bound to: a node learns nothing it could use as another node.
 
+The node reads its key with :func:`forkyard.cluster.config.load_node_key`. This module
+needs only the standard library (deploy scripts mint keys with it before any install).
 HMAC-SHA256: RFC 2104 / FIPS 198-1 (Python's :mod:`hmac`). Rotating the master
 invalidates every node key at once (mint them again); a node whose URL changes needs a
 key for the new URL.
@@ -30,9 +32,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import stat
-from pathlib import Path
 
 #: Every node key starts with this, so a node refuses to be given the master instead.
 NODE_KEY_PREFIX = "fynk_"
@@ -40,10 +39,6 @@ NODE_KEY_PREFIX = "fynk_"
 NODE_URL_HEADER = "x-forkyard-node-url"
 _KEY_LABEL = b"forkyard-node-key\0"
 _TAG_LABEL = b"forkyard-node-binding"
-
-
-class NodeKeyError(Exception):
-    """A node key setting is missing or unsafe; the message says which and what to do."""
 
 
 def normal_url(url: str) -> str:
@@ -97,35 +92,3 @@ class NodeKeys:
             return 403, (f"this is not node {node_id}'s key for {normal_url(url)}: mint one with "
                          f"`forkyard cluster node-key {node_id} --url {normal_url(url)}` on a control-plane host")
         return None
-
-
-def load_node_key(env: dict[str, str] | None = None) -> str:
-    """This node's key from ``FORKYARD_NODE_KEY`` or the 0600 file named by
-    ``FORKYARD_NODE_KEY_FILE``.
-
-    Raises:
-        NodeKeyError: neither is set (the message says how to mint one), the file is
-            unreadable or readable by group/others, or the value is not a node key
-            (e.g. the cluster's master secret, which a node must not hold).
-    """
-    env = os.environ if env is None else env
-    value = env.get("FORKYARD_NODE_KEY", "").strip()
-    path = env.get("FORKYARD_NODE_KEY_FILE", "").strip()
-    if not value and path:
-        p = Path(path)
-        try:
-            mode = p.stat().st_mode
-            value = p.read_text().strip()
-        except OSError as e:
-            raise NodeKeyError(f"cannot read FORKYARD_NODE_KEY_FILE {path}: {e}") from e
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise NodeKeyError(f"{path} is readable by other users; run: chmod 600 {path}")
-    if not value:
-        raise NodeKeyError("a cluster node needs its own key: on a host holding the cluster secret run "
-                           "`forkyard cluster node-key NODE_ID --url ADVERTISE_URL --out node.key`, copy the file "
-                           "to this node (mode 0600) and set FORKYARD_NODE_KEY_FILE to it. Nodes no longer take "
-                           "FORKYARD_CLUSTER_SECRET: it stays on the scheduler and gateway hosts")
-    if not value.startswith(NODE_KEY_PREFIX) or len(value) != len(NODE_KEY_PREFIX) + 64:
-        raise NodeKeyError("FORKYARD_NODE_KEY(_FILE) does not hold a node key (fynk_…): a node holds only its own "
-                           "key (`forkyard cluster node-key`), never the cluster secret")
-    return value
