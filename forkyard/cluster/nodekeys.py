@@ -87,8 +87,9 @@ class NodeKeys:
             return 401, f"missing {NODE_URL_HEADER}: a node sends the URL its key is bound to"
         if hmac.compare_digest(got.encode(), self._master.encode()):
             return 403, ("the cluster secret is not accepted from nodes: each node authenticates with its own key "
-                         f"(forkyard cluster node-key {node_id} --url URL)")
+                         f"(forkyard cluster node-key {node_id[:100]} --url URL)")
         if not hmac.compare_digest(got.encode(), self.key(node_id, url).encode()):
-            return 403, (f"this is not node {node_id}'s key for {normal_url(url)}: mint one with "
-                         f"`forkyard cluster node-key {node_id} --url {normal_url(url)}` on a control-plane host")
+            nid, u = node_id[:100], normal_url(url)[:200]
+            return 403, (f"this is not node {nid}'s key for {u}: mint one with "
+                         f"`forkyard cluster node-key {nid} --url {u}` on a control-plane host")
         return None

@@ -100,11 +100,23 @@ def _err(status: int, message: str) -> JSONResponse:
 class _Guard:
     """ASGI middleware: a path the gateway and nodes would refuse is refused here too
     (:func:`forkyard.relay.paths.path_problem`, 400: one rule on every hop, issue 25), the
-    cluster secret is checked from the headers before any body is read (``/health``
-    excepted), and bodies over :data:`MAX_BODY` are refused."""
+    credential is checked from the headers before any body is read (``/health``
+    excepted: the cluster secret; a node's own calls: that node's key for the URL it sends,
+    :mod:`.nodekeys`), and bodies over :data:`MAX_BODY` are refused. Refused node calls
+    are logged once a minute per node id."""
 
     def __init__(self, app, secret: str):
         self.app, self.secret, self.keys = app, secret, NodeKeys(secret)
+        self._logged: dict[str, float] = {}
+
+    def _log_refused(self, node_id: str, call: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(node_id, -60.0) < 60:
+            return
+        if len(self._logged) > 1000:  # ids come from the caller: keep the table bounded
+            self._logged.clear()
+        self._logged[node_id] = now
+        log.warning("refused %s for node %s: %s", call, node_id[:100], why)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (problem := path_problem(scope)):
@@ -114,7 +126,7 @@ class _Guard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if m := _NODE_ROUTE.match(scope["path"]):  # a node's own calls: its key, never the master
             if bad := self.keys.check(m.group(1), headers.get(NODE_URL_HEADER), headers.get(SECRET_HEADER)):
-                log.warning("refused %s for node %s: %s", m.group(2), m.group(1), bad[1])
+                self._log_refused(m.group(1), m.group(2), bad[1])
                 return await _err(*bad)(scope, receive, send)
         elif not secret_ok(headers, self.secret):
             got = headers.get(SECRET_HEADER, "")
