@@ -26,8 +26,15 @@ def _assert_not_running_answer(r: httpx.Response, sid: str) -> None:
 
 
 def test_not_running_sandboxes_answer_502(server):
-    # unknown id
-    _assert_not_running_answer(_health(server, "nosuchsandbox"), "nosuchsandbox")
+    # unknown id: E2B's message word for word (issue 23 item 1), a page for a browser
+    r = _health(server, "nosuchsandbox")
+    _assert_not_running_answer(r, "nosuchsandbox")
+    assert r.json()["message"] == "The sandbox was not found"
+    r = httpx.get(f"{server.url}/health", timeout=30, headers={
+        "E2b-Sandbox-Id": "nosuchsandbox", "E2b-Sandbox-Port": "49983",
+        "User-Agent": "Mozilla/5.0 (Macintosh) AppleWebKit/605 Safari/605", "Accept": "text/html"})
+    assert r.status_code == 502 and r.headers["content-type"].startswith("text/html")
+    assert "Sandbox Not Found" in r.text and "nosuchsandbox" in r.text
     r = httpx.get(f"http://127.0.0.1:{server.port}/health", headers={"Host": "49983-nosuchsandbox.localhost"})
     _assert_not_running_answer(r, "nosuchsandbox")
 
@@ -89,10 +96,10 @@ import http.server, json
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         body = json.dumps({"host": self.headers.get("Host"), "te": self.headers.get("Transfer-Encoding"),
-                           "cl": self.headers.get("Content-Length")}).encode()
+                           "cl": self.headers.get("Content-Length"), "names": list(self.headers.keys())}).encode()
         self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
         self.wfile.write(body)
-    do_DELETE = do_GET
+    do_DELETE = do_POST = do_GET
 http.server.HTTPServer(("0.0.0.0", 8001), H).serve_forever()
 '''
 
@@ -183,7 +190,7 @@ def test_proxy_forwards_public_host_and_no_body(sandbox, server):
     sandbox.commands.run("python3 /tmp/echo.py", background=True, timeout=0)
     public = f"8001-{sandbox.sandbox_id}.localhost:{server.port}"
     r = _wait_served(f"http://127.0.0.1:{server.port}/", {"Host": public})
-    assert r.json() == {"host": public, "te": None, "cl": None}
+    assert {k: r.json()[k] for k in ("host", "te", "cl")} == {"host": public, "te": None, "cl": None}
     r = httpx.request("DELETE", f"http://127.0.0.1:{server.port}/", headers={"Host": public}, timeout=10)
     assert r.json()["te"] is None and r.json()["cl"] in (None, "0")
     # header routing: the Host the client used goes along too
@@ -552,6 +559,15 @@ def test_traffic_access_token_and_mask_request_host(server):
         hdrs = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "8001"}
         r = _wait_served(f"{server.url}/", {**hdrs, "e2b-traffic-access-token": token})
         assert r.status_code == 200 and r.json()["host"] == "8001-masked.example"
+        # Header names arrive in the case the client wrote them, on the bodyless fast path
+        # and the general relay alike, Host included (issue 23 item 4; E2B's SDK test reads
+        # the raw header lines).
+        for method in ("GET", "POST"):
+            r = httpx.request(method, f"{server.url}/", content=b"x" if method == "POST" else None, timeout=10,
+                              headers={**hdrs, "e2b-traffic-access-token": token, "X-Custom-Case": "1"})
+            names = r.json()["names"]
+            assert "X-Custom-Case" in names and "Host" in names and "host" not in names, (method, names)
+            assert r.json()["host"] == "8001-masked.example"
         r = httpx.get(f"{server.url}/", headers=hdrs, timeout=10)
         assert r.status_code == 403 and "traffic access token" in r.json()["message"]
         r = httpx.get(f"{server.url}/", headers={**hdrs, "e2b-traffic-access-token": "wrong"}, timeout=10)

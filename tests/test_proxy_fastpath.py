@@ -312,8 +312,16 @@ async def test_a_port_nothing_listens_on_is_e2bs_502():
         assert r.status_code == 502
         # exactly E2B's message: nothing internal (the upstream's address, an exception)
         assert r.json()["message"] == "The sandbox is running but port is not open", r.text
-        assert r.json()["sandboxId"] == "sbx"
+        assert r.json()["sandboxId"] == "sbx" and r.json()["port"] == port
         assert "127.0.0.1" not in r.text and "Error" not in r.text, r.text
+        # A browser gets a page, as from E2B's proxy (its User-Agent rule).
+        async with httpx.AsyncClient(base_url=url, headers={**HDRS, "User-Agent": "Mozilla/5.0 (X11) Firefox/120"},
+                                     timeout=30) as c:
+            for method in ("GET", "POST"):  # fast path and general relay
+                r = await c.request(method, "/big", content=b"x" if method == "POST" else None)
+                assert r.status_code == 502 and r.headers["content-type"].startswith("text/html"), r.text
+                assert "Closed Port Error" in r.text and "sbx" in r.text and str(port) in r.text
+                assert "127.0.0.1" not in r.text
 
 
 # --- A sandbox is untrusted: its server may answer anything. -------------------------

@@ -36,16 +36,33 @@ def test_make_dir_rename_remove(sandbox):
 
 
 def test_watch_dir(sandbox):
+    """The event sequence of E2B's envd, which the SDKs' own tests pin (issue 23 item 2):
+    writing a new file gives CREATE, CHMOD (envd sets its owner), WRITE; writing an
+    existing one starts with WRITE (the truncate); the recursive case names the path
+    below the watched directory."""
+    from e2b import FilesystemEventType as T
+
+    def events_until(handle, name, n):
+        got, deadline = [], time.time() + 10
+        while time.time() < deadline and len([e for e in got if e.name == name]) < n:
+            got += handle.get_new_events()
+            time.sleep(0.2)
+        return [e.type for e in got if e.name == name]
+
     sandbox.files.make_dir("/home/user/w")
     handle = sandbox.files.watch_dir("/home/user/w")
     try:
         sandbox.files.write("/home/user/w/new.txt", "x")
-        events = []
-        deadline = time.time() + 10
-        while time.time() < deadline and not any(e.name == "new.txt" for e in events):
-            events += handle.get_new_events()
-            time.sleep(0.2)
-        assert any(e.name == "new.txt" for e in events)
+        assert events_until(handle, "new.txt", 3) == [T.CREATE, T.CHMOD, T.WRITE]
+        sandbox.files.write("/home/user/w/new.txt", "again")
+        assert events_until(handle, "new.txt", 3)[0] == T.WRITE
+    finally:
+        handle.stop()
+    sandbox.files.make_dir("/home/user/r/sub")
+    handle = sandbox.files.watch_dir("/home/user/r", recursive=True)
+    try:
+        sandbox.files.write("/home/user/r/sub/deep.txt", "x")
+        assert events_until(handle, "sub/deep.txt", 3) == [T.CREATE, T.CHMOD, T.WRITE]
     finally:
         handle.stop()
 

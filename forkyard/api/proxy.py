@@ -10,7 +10,7 @@ relayed frame by frame.
 
 Errors answer like E2B's proxy, because the SDKs decide on them (e2b 2.63
 ``e2b/exceptions.py``, ``Sandbox.is_running``): a sandbox that is not running (unknown,
-killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox ID was not found",
+killed, expired, paused) → 502 ``{"code": 502, "message": "The sandbox was not found",
 "sandboxId": ID}`` (``is_running()`` is then false); a running sandbox whose port refuses
 the connection → 502 "The sandbox is running but port is not open". A Connect stream
 (``application/connect+*``) whose sandbox goes away mid-stream ends with a Connect
@@ -30,9 +30,9 @@ import httpx
 
 from forkyard.config import ENVD_PORT
 from forkyard.orchestrator.errors import NotFound
-from forkyard.relay.errors import send_json
+from forkyard.relay.errors import send_error, send_json
 from forkyard.relay.fastpath import FastConnections, has_no_body, relay_bodyless
-from forkyard.relay.headers import HOP, WS_SKIP
+from forkyard.relay.headers import HOP, WS_SKIP, client_headers
 from forkyard.relay.http import relay_http
 from forkyard.relay.paths import orchestrator_only
 from forkyard.relay.upstream import SandboxConnections, sandbox_client
@@ -153,7 +153,7 @@ class SandboxProxy:
         except NotFound as e:
             await self.forget(sid)
             if scope["type"] == "http":
-                return await send_json(send, 502, str(e), sandboxId=sid)
+                return await send_error(send, scope, 502, str(e), sandboxId=sid)
             return await send({"type": "websocket.close", "code": 1008})
         if orchestrator_only(scope, port):
             if scope["type"] == "http":
@@ -206,11 +206,12 @@ class SandboxProxy:
                                                f"{TRAFFIC_TOKEN_HEADER.decode()} header for port {port}", sandboxId=sid)
         # The public Host goes along (E2B's proxy does the same): servers in the sandbox
         # build absolute URLs and check virtual hosts from it; a maskRequestHost replaces it.
-        headers = [(k, v) for k, v in scope["headers"]
+        # Header names keep the case the client sent (client_headers), as with E2B.
+        headers = [(k, v) for k, v in client_headers(scope)
                    if (k.decode("latin-1").lower() not in HOP or k.lower() == b"host")
                    and k.lower() != TRAFFIC_TOKEN_HEADER and not (mask and k.lower() == b"host")]
         if mask:
-            headers.append((b"host", mask.encode()))
+            headers.append((b"Host", mask.encode()))
 
         def gone() -> str | None:
             try:
@@ -223,7 +224,7 @@ class SandboxProxy:
         message = gone()  # no await since _pool: a kill either ran before this check or will close this pool
         if message is not None:
             await self.forget(sid)
-            return await send_json(send, 502, message, sandboxId=sid)
+            return await send_error(send, scope, 502, message, sandboxId=sid)
         what = f"sandbox {sid} port {port}"
         try:
             if has_no_body(scope) and await relay_bodyless(fast, scope, send, host, port, headers, what,

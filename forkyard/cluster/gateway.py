@@ -62,8 +62,9 @@ from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.relay import fastpath, paths
+from forkyard.relay.errors import send_error
 from forkyard.relay.fastpath import relay_bodyless
-from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, target_path
+from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, client_headers, target_path
 from forkyard.relay.http import relay_http
 from forkyard.relay.paths import orchestrator_only
 from forkyard.relay.websocket import relay_ws
@@ -282,15 +283,18 @@ class Gateway(Ownership):
         except _Fail as e:
             if e.status != 404:
                 raise
-            # E2B's proxy answer for a sandbox that is not running (see forkyard.api.proxy).
+            # E2B's proxy answer for a sandbox that is not running (see forkyard.api.proxy),
+            # with the cause when one is known (paused, its node down, why it died).
             if scope["type"] == "http":
-                body = schemas.error(502, f"The sandbox {sandbox_id} was not found ({e})")
-                return await JSONResponse({**body, "sandboxId": sandbox_id}, status_code=502)(scope, receive, send)
+                why = str(e)
+                plain = why == f"sandbox {sandbox_id!r} not found"
+                message = "The sandbox was not found" + ("" if plain else f" ({why})")
+                return await send_error(send, scope, 502, message, sandboxId=sandbox_id)
             return await send({"type": "websocket.close", "code": 1008})
         base = node.url.replace("http://", "", 1)
         route_hdrs = [(b"e2b-sandbox-id", sandbox_id.encode()), (b"e2b-sandbox-port", str(port).encode())]
         if scope["type"] == "http":
-            headers = [(k, v) for k, v in scope["headers"]
+            headers = [(k, v) for k, v in client_headers(scope)  # names in the client's case
                        if k.decode("latin-1").lower() not in HOP | _NODE_SKIP | {"e2b-sandbox-id", "e2b-sandbox-port"}
                        or k.lower() == b"host"]  # the public Host reaches the sandbox; keys and ours never
             what = f"sandbox {sandbox_id} on node {node.node_id}"

@@ -92,12 +92,11 @@ class SandboxTable:
             # Wording of E2B's proxy ("... was not found"): the SDKs read it as "not running".
             rec = self.store.get(sandbox_id)
             if rec is not None and rec.state in ("paused", "pausing"):
-                raise NotFound(f"The sandbox {sandbox_id} was not found running: it is paused "
-                               "(connect or resume it)")
+                raise NotFound("The sandbox was not found running: it is paused (connect or resume it)")
             tomb = self.tombstones.get(sandbox_id)
             if tomb is not None:  # the SDK appends "The sandbox was killed or reached its timeout"
-                raise NotFound(f"The sandbox {sandbox_id} was not found: {tomb.describe()}")
-            raise NotFound(f"The sandbox {sandbox_id} was not found")
+                raise NotFound(f"The sandbox was not found: {tomb.describe()}")
+            raise NotFound("The sandbox was not found")  # E2B's proxy, word for word
         return slot.outer_ip, port
 
     def running(self, sandbox_id: str) -> SandboxRecord:

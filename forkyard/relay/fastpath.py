@@ -28,7 +28,7 @@ import weakref
 import h11
 
 from forkyard.relay import zerocopy
-from forkyard.relay.errors import UpstreamCut, connect_failed, send_json
+from forkyard.relay.errors import UpstreamCut, connect_failed, send_error, unreachable
 from forkyard.relay.headers import HOP_OUT_BYTES, target_path
 
 #: Bodies shorter than this (bytes) are relayed through Python: a splice costs a pipe
@@ -49,6 +49,10 @@ MAX_IDLE = 32
 _IDEMPOTENT = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"})
 #: The blank line that ends a response head (RFC 9112 §2.2: a bare LF is accepted).
 _HEAD_END = re.compile(rb"\n\r?\n")
+
+
+class BadResponse(OSError):
+    """The upstream's response head broke HTTP/1.1 (the message says how)."""
 
 
 class NotEligible(Exception):
@@ -246,7 +250,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
         # not a response this relay can frame.
         raise NotEligible("CONNECT")
     if not any(k.lower() == b"host" for k, _ in headers):
-        headers = [(b"host", f"{host}:{port}".encode()), *headers]
+        headers = [(b"Host", f"{host}:{port}".encode()), *headers]
     try:
         conn, request = _request(method, target.encode("latin-1"), headers)
     except h11.LocalProtocolError as e:
@@ -267,7 +271,7 @@ async def relay(conns: FastConnections, scope, send, host: str, port: int, heade
             resp, rest = await _exchange(loop, sock, conn, request)
     except h11.RemoteProtocolError as e:
         sock.close()
-        raise OSError(f"bad response from {what}: {e}") from None
+        raise BadResponse(f"bad response from {what}: {e}") from None
     except BaseException:
         sock.close()
         raise
@@ -351,7 +355,9 @@ async def relay_bodyless(fast: FastConnections, scope, send, host: str, port: in
         return False
     except (RefusedError, ConnectionError) as e:
         await connect_failed(send, what, e, refused=isinstance(e, RefusedError), gone=gone,
-                             sandbox_id=sandbox_id)
+                             sandbox_id=sandbox_id, scope=scope, port=port)
+    except BadResponse as e:  # what the sandbox's server sent wrong: nothing of ours in it
+        await send_error(send, scope, 502, str(e))
     except (TimeoutError, OSError) as e:
-        await send_json(send, 502, f"{what} is not reachable: {e!r}")
+        await unreachable(send, scope, what, e)
     return True

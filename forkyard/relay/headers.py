@@ -16,6 +16,24 @@ WS_SKIP = HOP | {"sec-websocket-key", "sec-websocket-version", "sec-websocket-ex
                  "sec-websocket-accept", "sec-websocket-protocol"}
 
 
+#: ASGI scope extension that :class:`forkyard.relay.zerocopy.ZeroCopyHttpToolsProtocol`
+#: sets: the request's header names as the client wrote them (bytes, in the order of
+#: ``scope["headers"]``, which ASGI lowercases).
+RAW_HEADER_NAMES = "forkyard.raw_header_names"
+
+
+def client_headers(scope) -> list[tuple[bytes, bytes]]:
+    """The request's headers with their names in the case the client sent them
+    (``Host:``, ``X-Custom-Header:``), as E2B's proxy passes them on and servers that
+    read raw header lines see them; lowercase when the server did not record them.
+    Compare names with ``.lower()``."""
+    headers = scope["headers"]
+    raw = scope.get("extensions", {}).get(RAW_HEADER_NAMES)
+    if not raw or len(raw) != len(headers):
+        return list(headers)
+    return [(name, value) for name, (_, value) in zip(raw, headers)]
+
+
 def target_path(scope) -> str:
     """The request's raw path and query string, as received (an ASGI scope's
     ``raw_path``, else its ``path``)."""

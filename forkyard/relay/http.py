@@ -11,7 +11,7 @@ import logging
 
 import httpx
 
-from forkyard.relay.errors import TooLarge, UpstreamCut, connect_failed, send_json
+from forkyard.relay.errors import TooLarge, UpstreamCut, connect_failed, send_json, unreachable
 from forkyard.relay.headers import HOP_OUT, target_path
 
 log = logging.getLogger("forkyard.proxy")
@@ -137,9 +137,10 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
     except TooLarge:
         return await send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
     except httpx.ConnectError as e:
-        return await connect_failed(send, what, e, refused=True, gone=gone, sandbox_id=sandbox_id)
+        return await connect_failed(send, what, e, refused=True, gone=gone, sandbox_id=sandbox_id, scope=scope,
+                                    port=httpx.URL(base).port)
     except httpx.HTTPError as e:
-        return await send_json(send, 502, f"{what} is not reachable: {e!r}")
+        return await unreachable(send, scope, what, e)
     if resp.status_code >= 600:
         await resp.aclose()
         return await send_json(send, 502, f"{what} answered status {resp.status_code}, not an HTTP status code")

@@ -24,6 +24,11 @@ The scope offers the extension (``scope["extensions"]["http.response.zerocopysen
 only on plain TCP connections: on a TLS listener the bytes must go through the SSL
 transport, so callers fall back to ``http.response.body``.
 
+The protocol also records each request's header names as the client wrote them
+(:data:`~forkyard.relay.headers.RAW_HEADER_NAMES` in the scope's extensions; ASGI
+lowercases ``scope["headers"]``), so the relays pass on ``Host:`` and ``X-Custom:``
+unchanged, as E2B's proxy does (:func:`~forkyard.relay.headers.client_headers`).
+
 This module depends on uvicorn internals (``RequestResponseCycle``'s ``transport``,
 ``expected_content_length``, ``chunked_encoding``, ``response_started``, ``disconnected``,
 ``flow``), pinned by ``uvicorn[standard]`` in pyproject.toml and exercised by
@@ -38,6 +43,8 @@ import os
 import socket
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+from forkyard.relay.headers import RAW_HEADER_NAMES
 
 EXTENSION = "http.response.zerocopysend"
 #: Pipe size asked for each splice (bytes; F_SETPIPE_SZ, at most
@@ -208,12 +215,23 @@ class ZeroCopyHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose requests on plain TCP connections offer
     ``http.response.zerocopysend`` (see the module doc)."""
 
+    def on_message_begin(self) -> None:
+        """uvicorn's, and a new request's header names start empty."""
+        super().on_message_begin()
+        self._raw_names: list[bytes] = []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """uvicorn's (it lowercases ``name``), and ``name`` kept as the client wrote it."""
+        self._raw_names.append(bytes(name))
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         """uvicorn's header handling; then the new cycle becomes a :class:`ZeroCopyCycle`
         (same state, one more message type) and the scope offers the extension. The
         cycle's task has been created but has not run yet, so the app sees both."""
         cycle = self.cycle
         super().on_headers_complete()
+        self.scope.setdefault("extensions", {})[RAW_HEADER_NAMES] = self._raw_names
         if self.cycle is cycle or type(self.cycle) is not RequestResponseCycle:
             return  # an upgrade (no new cycle) or an unknown uvicorn: leave it alone
         if self.transport.get_extra_info("sslcontext") is not None or self.transport.get_extra_info("socket") is None:

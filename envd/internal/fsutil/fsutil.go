@@ -211,10 +211,16 @@ func EnsureDir(dir string, uid, gid int) error {
 	return Chown(dir, uid, gid)
 }
 
-// Chown changes ownership when envd may do so; as non-root it is a no-op
-// for the current user and otherwise ignored (best effort).
+// Chown changes ownership when envd may do so. Running as the user itself
+// (identity.AsUser) it sets the user's own ownership again, best effort: E2B's
+// envd, running as root, chowns every file and directory it writes, and
+// watchers see that attribute change (a CHMOD event between CREATE and WRITE,
+// which the E2B SDKs' own tests expect). Other owners are ignored as non-root.
 func Chown(path string, uid, gid int) error {
-	if os.Geteuid() != 0 {
+	if euid := os.Geteuid(); euid != 0 {
+		if euid == uid {
+			_ = os.Lchown(path, uid, gid)
+		}
 		return nil
 	}
 	return os.Lchown(path, uid, gid)
