@@ -55,9 +55,10 @@ def test_capacity_from_env(monkeypatch):
     assert c.as_dict() == {"memoryMB": c.memory_mb, "vcpus": c.vcpus, "maxSandboxes": 7,
                            "minAvailableMemoryPct": c.min_available_pct, "sandboxHostMB": c.sandbox_host_mb,
                            "memoryOvercommit": 2.5, "hostMemoryMB": total - 100}
-    monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", "0")
-    with pytest.raises(ValueError, match="ratio"):
-        Capacity.from_env()
+    for bad in ("0", "-1"):
+        monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", bad)
+        with pytest.raises(ValueError, match="ratio"):
+            Capacity.from_env()
     monkeypatch.setenv("FORKYARD_MEMORY_OVERCOMMIT", "2.5")
     monkeypatch.setenv("FORKYARD_RESERVED_MEMORY_MB", str(total + 10))
     assert Capacity.from_env().memory_mb == 0  # never negative
@@ -106,6 +107,42 @@ def test_overcommitted_admission_counts_what_sandboxes_use():
     plain = Capacity(memory_mb=8000, vcpus=None, max_sandboxes=None, overcommit=1, host_memory_mb=1000,
                      memory_in_use=measure)
     assert plain.fits(live, 1, 512, count=13) and asked == []
+
+
+def test_admission_host_memory_readings_are_meminfos():
+    with open("/proc/meminfo") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f}
+    assert admission._host_memory_mb() == fields["MemTotal"] // 1024
+    # MemAvailable moves while we read: within 256 MiB of our own reading
+    assert abs(admission._host_available_mb() - fields["MemAvailable"] // 1024) < 256
+
+
+def test_admission_keeps_a_share_of_host_memory_available(monkeypatch):
+    """min_available_pct: a start is refused when the host's available memory, less
+    sandbox_host_mb per new sandbox, would fall under that share of its total; 0: the
+    host is not asked."""
+    monkeypatch.setattr(admission, "_host_available_mb", lambda: 1000)
+    monkeypatch.setattr(admission, "_host_memory_mb", lambda: 10000)
+    cap = Capacity(memory_mb=10**6, vcpus=None, max_sandboxes=None, min_available_pct=5, sandbox_host_mb=100)
+    cap.check([], 1, 1, count=5)  # 1000 - 500 = 500: exactly the 5 % that must stay
+    with pytest.raises(AtCapacity) as ei:
+        cap.check([], 1, 1, count=6)
+    assert ei.value.status == 503
+    assert str(ei.value) == ("node at capacity: host memory low (1000 MiB available, 5% of 10000 MiB must stay "
+                             "free), no room for 6 sandbox(es) of 1 vCPU / 1 MiB; retry later")
+    assert Capacity(memory_mb=10**6, vcpus=None, max_sandboxes=None, min_available_pct=4.5,
+                    sandbox_host_mb=100).fits([], 1, 1, count=5)  # 550 >= 450
+    assert not Capacity(memory_mb=10**6, vcpus=None, max_sandboxes=None, min_available_pct=5,
+                        sandbox_host_mb=101).fits([], 1, 1, count=5)
+
+    def unread():
+        raise AssertionError("host memory read with the check off")
+
+    monkeypatch.setattr(admission, "_host_available_mb", unread)
+    assert Capacity(memory_mb=10**6, vcpus=None, max_sandboxes=None).fits([], 1, 1, count=50)
+    defaults = Capacity(memory_mb=1, vcpus=None, max_sandboxes=None)
+    assert (defaults.min_available_pct, defaults.sandbox_host_mb, defaults.overcommit, defaults.host_memory_mb) == \
+        (0.0, 64, 1.0, None)
 
 
 def test_admission_vcpu_and_count_limits():
