@@ -5,7 +5,8 @@ gateways acting at once never see half a change):
 
 =============================  ==========================================================
 ``fy:nodes``                   set of node ids
-``fy:node:<id>``               hash: ``url``, ``status`` (up/draining: the operator's),
+``fy:node:<id>``               hash: ``url``, ``tag`` (HMAC binding id and url,
+                               :mod:`.nodekeys`), ``status`` (up/draining: the operator's),
                                ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
                                :class:`~.types.NodeReport`), ``down_at`` while declared
                                down (:mod:`.liveness`; cleared by its next heartbeat),
@@ -52,7 +53,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from forkyard.cluster.config import redacted_url
 from forkyard.cluster.listing import INDEX_EXISTING, LUA_INDEX, candidate_indexes, choose_index, read_page
+from forkyard.cluster.nodekeys import NodeKeys
 from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
 from forkyard.config import ControlPlaneSettings
 from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
@@ -128,7 +131,8 @@ return 1
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
 
 # KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
-#                           heartbeat timeout, placement TTL, then the placement ids it acknowledges
+#                           heartbeat timeout, placement TTL, binding tag (forkyard.cluster.nodekeys),
+#                           then the placement ids it acknowledges
 # Records a heartbeat (the node is heard: no longer declared down). The status is the
 # operator's (drain/undrain); a node registering anew (or after Redis lost its data)
 # brings its own view. The acknowledged placements stop counting and the node's room is
@@ -141,12 +145,12 @@ if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
 redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
-           'last_seen', string.format('%.6f', now))
+           'last_seen', string.format('%.6f', now), 'tag', ARGV[9])
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
 fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
-if #ARGV > 8 then
-  local ids = {unpack(ARGV, 9)}
+if #ARGV > 9 then
+  local ids = {unpack(ARGV, 10)}
   redis.call('ZREM', 'fy:placing:' .. ARGV[1], unpack(ids))
   redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
 end
@@ -229,7 +233,9 @@ class ClusterStore:
     """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
 
     Args:
-        url: Redis URL (``FORKYARD_REDIS_URL``).
+        url: Redis URL (``FORKYARD_REDIS_URL``; a password in it is never shown).
+        keys: the control plane's :class:`~.nodekeys.NodeKeys`: node records carry and
+            need their binding tag (None: unchecked, for tools and tests of the store).
         timeout_s: socket connect/read timeout (s) for every command.
         max_connections: connections opened at most (default
             ``FORKYARD_REDIS_MAX_CONNECTIONS``, :class:`~forkyard.config.ControlPlaneSettings`);
@@ -238,8 +244,8 @@ class ClusterStore:
     """
 
     def __init__(self, url: str, timeout_s: float = 2.0, max_connections: int | None = None,
-                 pool_wait_s: float | None = None):
-        self.url = url
+                 pool_wait_s: float | None = None, keys: NodeKeys | None = None):
+        self.url = redacted_url(url)  # for messages: never the password
         cfg = ControlPlaneSettings()
         # A bounded pool that makes callers wait (redis-py's default pool raises "Too many
         # connections" past 100). Retry on a dropped connection (a restarted Redis closes
@@ -262,6 +268,27 @@ class ClusterStore:
         self._redigest = self._r.register_script(_REDIGEST)
         self._indexed = False
         self._release = self._r.register_script(RELEASE)
+        #: set by the scheduler and gateway (the master): node records are then written
+        #: with their binding tag and read only when it checks (:mod:`.nodekeys`)
+        self.keys: NodeKeys | None = keys
+        self._untrusted_logged: dict[str, float] = {}
+
+    def _untrusted(self, node_id: str, url: str) -> None:
+        """A node record whose binding tag does not check (written by someone without
+        the master): ignored; logged once a minute per node."""
+        if time.monotonic() - self._untrusted_logged.get(node_id, -60.0) >= 60:
+            self._untrusted_logged[node_id] = time.monotonic()
+            log.warning("ignoring node record %s -> %s in Redis: its binding tag does not check (not written by "
+                        "a scheduler for a heartbeat signed with that node's key)", node_id, url[:200])
+
+    def _info(self, node_id: str, row: dict, now: float) -> NodeInfo | None:
+        """:func:`_node_info`, and None for a record whose binding tag does not check
+        when this store holds the :attr:`keys` (:meth:`_untrusted`)."""
+        n = _node_info(node_id, row, now)
+        if n is not None and self.keys is not None and not self.keys.tag_ok(node_id, n.url, _s(row.get(b"tag"))):
+            self._untrusted(node_id, n.url)
+            return None
+        return n
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -300,7 +327,8 @@ class ClusterStore:
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
-                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), *acked]))
+                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S),
+                  self.keys.tag(node_id, url) if self.keys else "", *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
         if digests is not None:
@@ -323,7 +351,7 @@ class ClusterStore:
             rows = await self._call(p.execute())
         sec, usec = rows[0]
         now = int(sec) + int(usec) / 1e6
-        return [n for n in (_node_info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
+        return [n for n in (self._info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
 
     async def node(self, node_id: str) -> NodeInfo | None:
         """One node or None (two reads, whatever the fleet's size)."""
@@ -331,7 +359,7 @@ class ClusterStore:
             p.time()
             p.hgetall(f"{P}node:{node_id}")
             (sec, usec), row = await self._call(p.execute())
-        return _node_info(node_id, row, int(sec) + int(usec) / 1e6)
+        return self._info(node_id, row, int(sec) + int(usec) / 1e6)
 
     async def candidates(self, k: int = CANDIDATES, snapshot_id: str | None = None, also: list[str] = ()
                          ) -> tuple[list[NodeInfo], dict[str, int], float, int]:
@@ -357,7 +385,7 @@ class ClusterStore:
         now = int(sec) + int(usec) / 1e6
         nodes, placing = [], {}
         for nid, row in zip(ids, rows):
-            if (n := _node_info(nid, row, now)) is not None:
+            if (n := self._info(nid, row, now)) is not None:
                 nodes.append(n)
                 placing[nid] = int(_s(row.get(b"placing") or b"0"))
         return nodes, placing, now, total
