@@ -1,0 +1,82 @@
+"""E2B volumes through the official e2b SDK (issue 23 item 5): the ``Volume`` API, mounts
+into real sandboxes (shared by several, kept across kill, pause/resume and fork), and the
+errors a client gets for bad input."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from e2b import Sandbox, Volume
+
+
+@pytest.fixture
+def volume(server):
+    vol = Volume.create("vol-" + __import__("secrets").token_hex(4))
+    yield vol
+    with server.api() as c:  # whatever the test left mounting it
+        for s in c.get("/v2/sandboxes").json():
+            c.delete(f"/sandboxes/{s['sandboxID']}")
+    Volume.destroy(vol.volume_id)
+
+
+def test_volume_api(server, volume):
+    info = Volume.get_info(volume.volume_id)
+    assert (info.volume_id, info.name, info.token) == (volume.volume_id, volume.name, volume.token)
+    assert volume.volume_id in {v.volume_id for v in Volume.list()}
+    with server.api() as c:
+        assert c.post("/volumes", json={"name": volume.name}).status_code == 409
+        r = c.post("/volumes", json={"name": "../x"})
+        assert r.status_code == 400 and "invalid volume name" in r.json()["message"]
+        assert c.get("/volumes/nope").status_code == 404
+    assert Volume.destroy("nope") is False
+    assert httpx.get(f"{server.url}/volumes").status_code == 401
+
+
+def test_mount_share_kill_pause_fork(server, volume):
+    a = Sandbox.create("base", timeout=120, volume_mounts={"/mnt": volume})
+    b = Sandbox.create("base", timeout=120, volume_mounts={"/srv": volume.name})
+    # Real work in one, read from the other: build and run a program that writes there.
+    a.files.write("/home/user/gen.py", "import sys\nopen(sys.argv[1] + '/out.txt', 'w').write(str(sum(range(10**6))))\n")
+    r = a.commands.run("python3 /home/user/gen.py /mnt && mkdir -p /mnt/d && echo hi > /mnt/d/f")
+    assert r.exit_code == 0
+    assert b.commands.run("cat /srv/out.txt").stdout == str(sum(range(10**6)))
+    assert b.commands.run("stat -c %U /srv/out.txt").stdout.strip() == "user"
+    # A link inside the sandbox resolves inside the sandbox, never on the host.
+    b.commands.run("ln -s / /srv/root && ln -s ../../../../../etc /srv/up")
+    listed = b.commands.run("ls /srv/root/").stdout.split()
+    assert "home" in listed and "work" not in listed  # the sandbox's /, not the host's (/work)
+    assert b.commands.run("cat /srv/up/hostname").stdout == a.commands.run("cat /etc/hostname").stdout
+    # Pause/resume keeps the mount and what was written while paused elsewhere shows.
+    assert a.pause() is True
+    b.commands.run("echo while-paused > /srv/p.txt")
+    a = Sandbox.connect(a.sandbox_id)
+    assert a.commands.run("cat /mnt/p.txt").stdout.strip() == "while-paused"
+    a.commands.run("echo after-resume > /mnt/r.txt")
+    # A fork child mounts the same volume (as on E2B): its writes reach the others.
+    (child,) = a.fork(count=1, timeout=60)
+    assert child.commands.run("cat /mnt/r.txt").stdout.strip() == "after-resume"
+    child.commands.run("echo from-child > /mnt/c.txt")
+    assert b.commands.run("cat /srv/c.txt").stdout.strip() == "from-child"
+    with server.api() as c:  # mounted: not destroyed, not snapshotted
+        assert c.delete(f"/volumes/{volume.volume_id}").status_code == 409
+        assert c.post(f"/sandboxes/{a.sandbox_id}/snapshots", json={}).status_code == 409
+    for s in (a, b, child):
+        s.kill()
+    # The volume outlives its sandboxes.
+    c = Sandbox.create("base", timeout=60, volume_mounts={"/opt": volume})
+    try:
+        assert sorted(e.name for e in c.files.list("/opt")) == sorted(["out.txt", "d", "root", "up", "p.txt", "r.txt", "c.txt", "lost+found"])
+    finally:
+        c.kill()
+
+
+def test_bad_mounts(server, volume):
+    with server.api() as c:
+        for mounts, word in (([{"name": "nope", "path": "/mnt"}], "not found"),
+                            ([{"name": volume.name, "path": "rel"}], "absolute"),
+                            ([{"name": volume.name, "path": "/a/../etc"}], "normalized"),
+                            ([{"name": volume.name, "path": "/proc/x"}], "/proc"),
+                            ([{"name": volume.name, "path": "/mnt/missing"}], "directory of the template"),
+                            ([{"name": volume.name, "path": "/mnt"}, {"name": volume.name, "path": "/mnt/"}], "twice")):
+            r = c.post("/sandboxes", json={"templateID": "base", "volumeMounts": mounts})
+            assert r.status_code == 400 and word in r.json()["message"], (mounts, r.text)
