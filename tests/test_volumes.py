@@ -4,6 +4,9 @@ errors a client gets for bad input."""
 
 from __future__ import annotations
 
+import io
+import os
+
 import httpx
 import pytest
 from e2b import Sandbox, Volume
@@ -80,3 +83,62 @@ def test_bad_mounts(server, volume):
                             ([{"name": volume.name, "path": "/mnt"}, {"name": volume.name, "path": "/mnt/"}], "twice")):
             r = c.post("/sandboxes", json={"templateID": "base", "volumeMounts": mounts})
             assert r.status_code == 400 and word in r.json()["message"], (mounts, r.text)
+
+
+def test_content_api_round_trip_and_confinement(server, volume, monkeypatch):
+    from e2b import VolumePathNotFoundException
+    from e2b.exceptions import AuthenticationException, VolumeException
+
+    monkeypatch.setenv("E2B_VOLUME_API_URL", server.url)  # the content API is on the node
+    assert volume.make_dir("/a/b", force=True).type.value == "directory"
+    entry = volume.write_file("/a/b/c.txt", "hello", mode=0o640)
+    assert (entry.name, entry.size, entry.mode, entry.uid, entry.path) == ("c.txt", 5, 0o640, 1000, "/a/b/c.txt")
+    assert volume.read_file("/a/b/c.txt") == "hello"
+    big = os.urandom(3 << 20)
+    volume.write_file("/big.bin", io.BytesIO(big))
+    assert volume.read_file("/big.bin", format="bytes") == big
+    assert [e.path for e in volume.list("/", depth=3)] == ["/a", "/a/b", "/a/b/c.txt", "/big.bin", "/lost+found"]
+    assert volume.update_metadata("/a/b/c.txt", mode=0o600).mode == 0o600
+    assert volume.get_info("/a").type.value == "directory" and volume.exists("/a/b/c.txt")
+    volume.remove("/a")
+    assert not volume.exists("/a/b/c.txt")
+    with pytest.raises(VolumePathNotFoundException):
+        volume.read_file("/nope")
+    # Confinement: '..' stops at the volume's root; a link made in a sandbox resolves inside it.
+    volume.write_file("/../../../../etc/fy-escape", "x", force=True)
+    assert not os.path.exists("/etc/fy-escape") and volume.read_file("/etc/fy-escape") == "x"
+    sbx = Sandbox.create("base", timeout=60, volume_mounts={"/mnt": volume})
+    try:
+        sbx.commands.run("ln -s / /mnt/root && ln -s /etc/passwd /mnt/pw", user="root")
+        assert sbx.files.read("/mnt/big.bin", format="bytes") == big
+    finally:
+        sbx.kill()
+    with pytest.raises(VolumePathNotFoundException):  # /etc/passwd of the volume: none
+        volume.read_file("/pw")
+    assert [e.name for e in volume.list("/root")] == [e.name for e in volume.list("/")]
+    with pytest.raises(VolumePathNotFoundException):
+        volume.read_file("/root/etc/shadow")
+    volume.write_file("/root/etc/hostname", "in-volume", force=True)  # lands in the volume
+    assert volume.read_file("/etc/hostname") == "in-volume"
+    # Bad input: clear 4xx.
+    with pytest.raises(AuthenticationException):
+        Volume(volume.volume_id, volume.name, token="wrong").read_file("/big.bin")
+    with pytest.raises(VolumeException, match="depth"):
+        volume.list("/", depth=99)
+    r = httpx.get(f"{server.url}/volumecontent/{volume.volume_id}/file", params={"path": "/big.bin"},
+                  headers={"X-API-Key": server.api_key})
+    assert r.status_code == 401  # the API key is not the volume's token
+
+
+def test_volume_size_is_enforced(server, volume, monkeypatch):
+    monkeypatch.setenv("E2B_VOLUME_API_URL", server.url)
+    sbx = Sandbox.create("base", timeout=60, volume_mounts={"/mnt": volume})
+    try:
+        r = sbx.commands.run("dd if=/dev/zero of=/mnt/fill bs=1M count=2000 2>&1; df -m /mnt | tail -1",
+                             timeout=60)
+    except Exception as e:  # dd exits 1 at ENOSPC: the SDK raises with its output
+        r = e
+    finally:
+        sbx.kill()
+    assert "No space left" in str(getattr(r, "stdout", r))
+    assert volume.get_info("/fill").size < 1100 << 20

@@ -238,14 +238,14 @@ class Creator:
         for name, path in mounts:
             path = check_mount_path(path, rootfs)
             if path in paths:
-                raise BadRequest(f"volume mount path {path!r} is given twice")
+                raise BadRequest(f"volumeMounts: path {path!r} is given twice")
             paths.add(path)
             try:
                 vol = self.volumes.by_name(name) if isinstance(name, str) else None
             except NotFound:
                 vol = None
             if vol is None:
-                raise BadRequest(f"volume {name!r} not found")
+                raise BadRequest(f"volumeMounts: volume {name!r} not found")
             out.append({"id": vol.id, "name": vol.name, "path": path})
         return out
 
