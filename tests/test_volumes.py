@@ -142,3 +142,18 @@ def test_volume_size_is_enforced(server, volume, monkeypatch):
         sbx.kill()
     assert "No space left" in str(getattr(r, "stdout", r))
     assert volume.get_info("/fill").size < 1100 << 20
+
+
+def test_volume_survives_restart(server, volume, monkeypatch):
+    from _hostutil import mounts_mentioning
+
+    monkeypatch.setenv("E2B_VOLUME_API_URL", server.url)
+    volume.write_file("/kept.txt", "kept")
+    with server.restarted_with():
+        assert Volume.get_info(volume.volume_id).token == volume.token
+        assert volume.read_file("/kept.txt") == "kept"
+    server.stop()  # no sandbox uses it: a stopped node leaves it unmounted
+    try:
+        assert mounts_mentioning(f"volumes/{volume.volume_id}") == []
+    finally:
+        server.start()
