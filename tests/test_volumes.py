@@ -144,14 +144,26 @@ def test_volume_size_is_enforced(server, volume, monkeypatch):
     assert volume.get_info("/fill").size < 1100 << 20
 
 
-def test_volume_survives_restart(server, volume, monkeypatch):
+def test_volume_survives_restart_and_cold_restore(server, volume, monkeypatch):
+    """A restart keeps the volume; a paused sandbox resumed after it is a real runsc
+    restore (the restart drops the hot-paused runtime), which gets its bind mount back."""
     from _hostutil import mounts_mentioning
 
     monkeypatch.setenv("E2B_VOLUME_API_URL", server.url)
     volume.write_file("/kept.txt", "kept")
-    with server.restarted_with():
-        assert Volume.get_info(volume.volume_id).token == volume.token
-        assert volume.read_file("/kept.txt") == "kept"
+    sbx = Sandbox.create("base", timeout=120, volume_mounts={"/mnt": volume})
+    try:
+        sbx.commands.run("echo before-pause > /mnt/p.txt")
+        assert sbx.pause() is True
+        with server.restarted_with():
+            assert Volume.get_info(volume.volume_id).token == volume.token
+            assert volume.read_file("/kept.txt") == "kept"
+            sbx = Sandbox.connect(sbx.sandbox_id)
+            assert sbx.commands.run("cat /mnt/p.txt /mnt/kept.txt").stdout.split() == ["before-pause", "kept"]
+            sbx.commands.run("echo after-restore > /mnt/r.txt")
+            assert volume.read_file("/r.txt").strip() == "after-restore"
+    finally:
+        sbx.kill()
     server.stop()  # no sandbox uses it: a stopped node leaves it unmounted
     try:
         assert mounts_mentioning(f"volumes/{volume.volume_id}") == []
