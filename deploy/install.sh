@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything forkyard needs on a Debian 12 host (idempotent, quick when done):
 #   runsc (gVisor built from source, pinned and patched, at /usr/local/lib/forkyard/runsc —
-#   deploy/runsc/build.sh, docs/runtime.md), debootstrap, iproute2, iptables; the Python
+#   deploy/runsc/build.sh, docs/runtime.md), debootstrap, iproute2, iptables, skopeo; the Python
 #   package with test extras in ./.venv; the static envd binary (envd/bin/envd).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,8 @@ say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
 
 need_pkgs=()
 # redis-server: the cluster's state store (tests start their own on a free port).
-for p in debootstrap iproute2 iptables redis-server patch; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
+# skopeo: pulls template images from OCI registries (forkyard/templates/registry.py).
+for p in debootstrap iproute2 iptables redis-server patch skopeo; do dpkg -s "$p" >/dev/null 2>&1 || need_pkgs+=("$p"); done
 if [ ${#need_pkgs[@]} -gt 0 ]; then
   say "apt-get install ${need_pkgs[*]}"
   apt-get update -qq

@@ -141,6 +141,13 @@ class Settings:
             the sandbox's memory limit at resume. Measured (512 MiB, runsc 20260905):
             a 100 MiB file resumed, 150 MiB got the boot OOM-killed. No E2B equivalent
             (E2B keeps a VM disk).
+        console_log_max_bytes: what one sandbox's console log (envd's log and anything
+            written to its stdio inside, :mod:`forkyard.runtime.gvisor.console`) may hold
+            on the host, ``console.log`` and its older half ``console.log.1`` together
+            (``FORKYARD_CONSOLE_LOG_MAX_BYTES``, 8388608 = 8 MiB; the newest bytes are
+            kept). Per sandbox and outside its disk size, so a node's consoles take at
+            most this times its sandboxes. No E2B equivalent (E2B's envd ships its log
+            over HTTP to a collector).
         net_prefix: 2-4 letters naming this server's netns/veths/iptables chains
             (``FORKYARD_NET_PREFIX``, ``fy``); two servers on one host need different ones.
         outer_net: IPv4 range for per-sandbox outer addresses, one /30 each
@@ -149,13 +156,20 @@ class Settings:
             (``FORKYARD_MAX_UPLOAD_MB``, 4096); larger ones get 413.
         max_unpacked_mb / max_unpacked_files / max_unpacked_file_mb: what one untrusted
             archive — an imported image (its layers together), a build ``COPY`` upload,
-            later a pulled image — may unpack to (:mod:`forkyard.templates.unpack`):
+            a pulled image — may unpack to (:mod:`forkyard.templates.unpack`):
             bytes, sparse files at their apparent size (``FORKYARD_MAX_UNPACKED_MB``,
             16384: an upload at ``FORKYARD_MAX_UPLOAD_MB`` gzipped about 4:1, as image
             layers are); entries (``FORKYARD_MAX_UNPACKED_FILES``, 1000000: large
             images hold 50k–500k); one file (``FORKYARD_MAX_UNPACKED_FILE_MB``, 8192).
             Past one the call answers 413 naming the setting. E2B has no such settings
             (its builds run in VMs with their own disks).
+        image_cache_mb: bytes (MiB) of compressed image layers pulled from registries
+            that this node keeps for later builds (``FORKYARD_IMAGE_CACHE_MB``, 20480),
+            under ``<data_dir>/image-cache`` (:mod:`forkyard.templates.registry`); the
+            least recently used go first after each pull.
+        insecure_registries: registries (``host[:port]``) pulled from over plain HTTP
+            or with unverified TLS (``FORKYARD_INSECURE_REGISTRIES``, comma-separated;
+            loopback registries always are); any other registry must speak verified HTTPS.
         domain: public sandbox domain (``FORKYARD_DOMAIN``, e.g. ``sbx.example.com`` with
             a wildcard DNS record ``*.sbx.example.com`` pointing at this server or the
             gateway; may carry a ``:port``). Returned as ``domain`` by create/connect, so
@@ -226,6 +240,8 @@ class Settings:
     max_disk_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_DISK_MB", "20480")))
     fs_image_memory_fraction: float = field(
         default_factory=lambda: float(os.environ.get("FORKYARD_FS_IMAGE_MEMORY_FRACTION", "0.2")))
+    console_log_max_bytes: int = field(
+        default_factory=lambda: max(4096, int(os.environ.get("FORKYARD_CONSOLE_LOG_MAX_BYTES", str(8 << 20)))))
     net_prefix: str = field(default_factory=lambda: os.environ.get("FORKYARD_NET_PREFIX", "fy"))
     outer_net: str = field(default_factory=lambda: os.environ.get("FORKYARD_OUTER_NET", "10.209.0.0/16"))
     max_upload_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UPLOAD_MB", "4096")))
@@ -234,6 +250,9 @@ class Settings:
         default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILES", "1000000")))
     max_unpacked_file_mb: int = field(
         default_factory=lambda: int(os.environ.get("FORKYARD_MAX_UNPACKED_FILE_MB", "8192")))
+    image_cache_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_IMAGE_CACHE_MB", "20480")))
+    insecure_registries: list[str] = field(default_factory=lambda: [
+        h.strip() for h in os.environ.get("FORKYARD_INSECURE_REGISTRIES", "").split(",") if h.strip()])
     domain: str = field(default_factory=lambda: os.environ.get("FORKYARD_DOMAIN", ""))
     default_auto_pause: bool = field(default_factory=lambda: _env_bool("FORKYARD_DEFAULT_AUTO_PAUSE", True))
     short_timeout_kill_s: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_SHORT_TIMEOUT_KILL_S", "2")))
@@ -380,12 +399,22 @@ class ControlPlaneSettings:
             committed paused sandboxes moved to live nodes without waiting for a call (s).
         node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
             admission lets run of the default size): what a node reports as its capacity.
+        redis_max_connections: ``FORKYARD_REDIS_MAX_CONNECTIONS`` (64): Redis connections
+            one scheduler or gateway process opens at most. Each request holds one at a
+            time (a pipeline or script is one command), so 64 covers 300 nodes' 1 Hz
+            heartbeats plus hundreds of placements per second at a few ms each; more
+            requests at once wait for a connection (back-pressure) instead of failing.
+        redis_pool_wait_s: ``FORKYARD_REDIS_POOL_WAIT_S`` (5): longest wait for a free
+            connection (s); past it the call fails as "Redis unavailable" (503).
     """
 
     heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
     orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
     node_max_sandboxes: int | None = field(
         default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
+    redis_max_connections: int = field(
+        default_factory=lambda: max(1, int(_env("FORKYARD_REDIS_MAX_CONNECTIONS", "64"))))
+    redis_pool_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_REDIS_POOL_WAIT_S", "5")))
 
 
 @dataclass(frozen=True)

@@ -71,3 +71,33 @@ async def test_concurrent_placements_each_count(redis_url):
         assert (await store.pending_placements(["n0"]))["n0"] == 10
     finally:
         await store.aclose()
+
+
+async def test_the_redis_pool_is_bounded_and_makes_callers_wait(redis_url):
+    """More concurrent calls than connections wait for one (they used to fail with
+    redis-py's "Too many connections" past its default 100, as 503s); past the wait
+    bound a call fails as Redis unavailable, and the pool never grows past its size."""
+    import redis as sync_redis
+
+    from forkyard.cluster.store import ClusterStoreUnavailable
+
+    store = ClusterStore(redis_url, max_connections=3, pool_wait_s=5)
+    try:
+        got = await asyncio.gather(*(store.heartbeat(f"n{i}", f"http://n{i}", NodeReport()) for i in range(60)))
+        assert got == ["up"] * 60
+        clients = [c for c in sync_redis.Redis.from_url(redis_url).client_list() if c.get("cmd") != "client|list"]
+        assert len(clients) <= 3, clients
+    finally:
+        await store.aclose()
+    store = ClusterStore(redis_url, max_connections=1, pool_wait_s=0.3)
+    try:
+        busy = asyncio.create_task(store._r.blpop("fy:test:never", timeout=1))  # holds the one connection
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(ClusterStoreUnavailable, match="No connection available"):
+            await store.now()
+        assert 0.25 < time.monotonic() - t0 < 1.5
+        await busy
+        assert await store.now() > 0  # free again
+    finally:
+        await store.aclose()

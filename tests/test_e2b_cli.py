@@ -34,7 +34,9 @@ def test_e2b_cli_sandbox_and_template_commands(server):
         assert sbx.sandbox_id in [s["sandboxId"] for s in json.loads(p.stdout)]
         p = e2b("sandbox", "logs", sbx.sandbox_id, "--format", "json")
         assert p.returncode == 0, p.stderr
-        assert "from-e2b-cli" in p.stdout and "envd" in p.stdout
+        # envd's lines as the sandbox's console, beside forkyard's own (issue 25 item 5)
+        assert "from-e2b-cli" in p.stdout and '"logger":"sandbox"' in p.stdout, p.stdout
+        assert '"logger":"forkyard"' in p.stdout and "sandbox started" in p.stdout, p.stdout
         p = e2b("sandbox", "metrics", sbx.sandbox_id, "--format", "json")
         assert p.returncode == 0 and "cpuUsedPct" in p.stdout, p.stdout + p.stderr
         p = e2b("sandbox", "exec", sbx.sandbox_id, "--", "sh", "-c", "echo exec-$((2+3)); exit 4")

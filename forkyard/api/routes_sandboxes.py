@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 import urllib.parse
 
@@ -12,7 +14,7 @@ from forkyard.api import schemas
 from forkyard.api.auth import require_key
 from forkyard.ids import micros, micros_of, rfc3339
 from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import BadRequest
+from forkyard.orchestrator.errors import BadRequest, NotFound
 from forkyard.orchestrator.manager import Orchestrator
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -22,7 +24,7 @@ def _orch(request: Request) -> Orchestrator:
     return request.app.state.orchestrator
 
 
-def _parse_metadata(raw: str | None) -> dict[str, str]:
+def parse_metadata(raw: str | None) -> dict[str, str]:
     """``metadata`` query: URL-encoded ``k=v&…`` whose keys/values are themselves
     URL-quoted by the SDK."""
     if not raw:
@@ -42,7 +44,7 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
     Raises:
         BadRequest: malformed metadata filter.
     """
-    want = _parse_metadata(metadata)
+    want = parse_metadata(metadata)
     out = []
     for rec in recs:
         state = "paused" if rec.state == "paused" else "running"
@@ -70,7 +72,7 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
                                    body.allow_internet_access)
     orch = _orch(request)
     rec = await orch.create(
-        template_id=body.template_id,
+        template_id=_tagged(request, body.template_id),
         timeout_s=body.timeout,
         metadata=body.metadata,
         env_vars=body.env_vars,
@@ -90,6 +92,23 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
     timing.add("total", (time.perf_counter() - t0) * 1000)
     return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201,
                         headers=timing.header(phases))
+
+
+def _tagged(request: Request, template_id: str) -> str:
+    """``name:tag`` of a built template → the snapshot of the build the tag names
+    (:meth:`forkyard.templates.build.TemplateBuilds.snapshot_for`); anything else as given.
+
+    Raises:
+        NotFound: a built template's tag that names no build.
+    """
+    builds = getattr(request.app.state, "template_builds", None)
+    name, _, tag = (template_id or "").partition(":")
+    if builds is None or builds.template_snapshot(name) is None:
+        return template_id
+    snap = builds.snapshot_for(name, tag or None)
+    if snap is None:
+        raise NotFound(f"template {template_id!r} not found (no build has tag {tag or 'default'!r})")
+    return name if snap == builds.template_snapshot(name).snapshot_id else snap  # the newest build: by name
 
 
 @router.post("/sandboxes", status_code=201)
@@ -152,6 +171,25 @@ def _when(name: str, raw: str | None) -> int | None:
     return micros_of(t)
 
 
+def list_filters(metadata: str | None, state: list[str] | str | None, started_after: str | None,
+                 started_before: str | None) -> tuple[set[str], int | None, int | None]:
+    """The ``GET /v2/sandboxes`` filters checked (shared by node and gateway): the
+    states asked for (``?state=a,b`` or ``?state=a&state=b``; default both) and the
+    start-time bounds (whole UNIX microseconds, compared with :func:`~forkyard.ids.micros`
+    of a start time; inclusive; None: open).
+
+    Raises:
+        BadRequest: bad state filter, metadata filter or time.
+    """
+    if isinstance(state, list):  # ?state=a,b (E2B's form) or ?state=a&state=b
+        state = ",".join(state) or None
+    states = set((state or "running,paused").split(","))
+    if not states <= {"running", "paused"}:
+        raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
+    parse_metadata(metadata)
+    return states, _when("startedAfter", started_after), _when("startedBefore", started_before)
+
+
 def list_page(recs, response: Response, metadata: str | None, state: list[str] | str | None, template: str | None,
               order: str | None, next_token: str | None, limit: int,
               started_after: str | None = None, started_before: str | None = None) -> list[dict]:
@@ -162,12 +200,7 @@ def list_page(recs, response: Response, metadata: str | None, state: list[str] |
     Raises:
         BadRequest: bad state filter, metadata filter, time or nextToken.
     """
-    if isinstance(state, list):  # ?state=a,b (E2B's form) or ?state=a&state=b
-        state = ",".join(state) or None
-    states = set((state or "running,paused").split(","))
-    if not states <= {"running", "paused"}:
-        raise BadRequest(f"invalid state filter {state!r}: use running and/or paused")
-    after, before = _when("startedAfter", started_after), _when("startedBefore", started_before)
+    states, after, before = list_filters(metadata, state, started_after, started_before)
     recs = filter_records(recs, metadata, states, template)
     # In the microseconds ``startedAt`` shows: a client passing back a sandbox's own
     # ``startedAt`` (the SDK's ``SandboxQuery(started_after=info.started_at)``) selects it.
@@ -256,13 +289,15 @@ async def logs_v1(request: Request, sandbox_id: str, start: int | None = Query(d
     """E2B ``SandboxLogs``: ``logs`` (``{timestamp, line}``, ``line`` being a JSON object
     with ``level``, ``logger`` and ``message`` as in E2B's, which the E2B CLI parses) and
     ``logEntries`` (``{timestamp, level, message, fields}``) from ``start`` (UNIX ms) on,
-    oldest first, at most ``limit``. Sources: envd (including each process it started
-    and how it ended) and the runtime, since the sandbox last started or resumed."""
+    oldest first, at most ``limit``. Sources (``logger``): ``forkyard`` (the node's own
+    entries) and ``sandbox`` (its console: envd's log, with each process it started and
+    how it ended, and anything written to it inside; always ``info``), see
+    :mod:`forkyard.orchestrator.logs`."""
     import json
 
     from forkyard.orchestrator.logs import select
 
-    entries = select(_orch(request).log_entries(sandbox_id), start, limit)
+    entries = select(await asyncio.to_thread(_orch(request).log_entries, sandbox_id), start, limit)
     lines = [json.dumps({"level": e["level"], "logger": e["fields"]["source"], "message": e["message"],
                          **{k: v for k, v in e["fields"].items() if k != "source"}}) for e in entries]
     return {"logs": [{"timestamp": e["timestamp"], "line": line} for e, line in zip(entries, lines)],
@@ -280,7 +315,8 @@ async def logs_v2(request: Request, sandbox_id: str, cursor: int | None = Query(
     ``search``, at most ``limit``. Page on with the last entry's time as the cursor."""
     from forkyard.orchestrator.logs import select
 
-    entries = select(_orch(request).log_entries(sandbox_id), cursor, limit, direction, level, search)
+    entries = select(await asyncio.to_thread(_orch(request).log_entries, sandbox_id), cursor, limit, direction,
+                     level, search)
     return {"logs": [_entry(e) for e in entries]}
 
 

@@ -33,7 +33,7 @@ from forkyard.config import ENVD_VERSION
 from forkyard.ids import rfc3339
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
-from forkyard.templates import build_oci, unpack
+from forkyard.templates import build_oci, registry, unpack
 from forkyard.templates.build import TemplateBuilds
 
 
@@ -80,6 +80,8 @@ def template_entries(request: Request) -> list[dict]:
     settings = request.app.state.settings
     out = []
     for t in images.list_templates(settings):
+        if registry.is_pulled(settings, t.template_id):
+            continue  # a pulled image: the base of built templates, not one itself (E2B lists none)
         try:
             ts = (settings.templates_dir / t.template_id / images.MARKER).stat().st_mtime
         except OSError:
@@ -126,8 +128,35 @@ async def request_build(request: Request):
     rec = _builds(request).request(name, body.get("cpuCount"), body.get("memoryMB"), body.get("tags"),
                                    body.get("diskSizeMB"))
     return JSONResponse({"templateID": rec.template_id, "buildID": rec.build_id, "public": False,
-                         "names": [rec.template_id], "tags": ["default"], "aliases": [rec.template_id]},
+                         "names": [rec.template_id], "tags": rec.tags, "aliases": [rec.template_id]},
                         status_code=202)
+
+
+@router.post("/templates/tags", status_code=201, dependencies=authed)
+async def assign_tags(request: Request):
+    """Point ``tags`` at the build ``target`` (``name[:tag]``) names: 201
+    ``{tags, buildID}``; 400 bad target/tags or none; 404 no such template or tag."""
+    body = await _json_body(request)
+    target = body.get("target")
+    if not isinstance(target, str) or not target:
+        raise BadRequest("target is required (name[:tag])")
+    build_id, tags = _builds(request).assign_tags(target, body.get("tags"))
+    return JSONResponse({"tags": tags, "buildID": build_id}, status_code=201)
+
+
+@router.delete("/templates/tags", status_code=204, dependencies=authed)
+async def remove_tags(request: Request):
+    """Remove ``tags`` of template ``name``: 204; 400 a tag in ``name``, bad tags or
+    ``default``; 404 no such template."""
+    body = await _json_body(request)
+    _builds(request).remove_tags(body.get("name"), body.get("tags"))
+    return Response(status_code=204)
+
+
+@router.get("/templates/{template_id}/tags", dependencies=authed)
+async def list_tags(request: Request, template_id: str):
+    """The template's tags (E2B ``TemplateTag``: ``{tag, buildID, createdAt}``); 404."""
+    return _builds(request).list_tags(template_id)
 
 
 @router.get("/templates/{template_id}/files/{files_hash}", status_code=201, dependencies=authed)
@@ -175,8 +204,10 @@ async def build_status(request: Request, template_id: str, build_id: str,
 @router.get("/templates/aliases/{alias}", dependencies=authed)
 async def get_alias(request: Request, alias: str):
     """``{templateID, public}`` of a usable template named ``alias``; 404 otherwise."""
-    name = alias.partition(":")[0]
-    if images.resolve(request.app.state.settings, name) or _builds(request).template_snapshot(name):
+    name, _, tag = alias.partition(":")
+    builds = _builds(request)
+    if (images.resolve(request.app.state.settings, name) and not registry.is_pulled(request.app.state.settings, name)
+            or builds.template_snapshot(name) and (not tag or builds.snapshot_for(name, tag))):
         return {"templateID": name, "public": False}
     raise NotFound(f"template alias {alias!r} not found")
 
@@ -209,6 +240,8 @@ async def delete_template(request: Request, template_id: str):
     deleted): 204; 404 unknown."""
     settings = request.app.state.settings
     name = template_id.partition(":")[0]
+    if registry.is_pulled(settings, name):
+        raise BadRequest(f"{name!r} is a pulled image that built templates use; delete those templates instead")
     if build_oci.is_imported(settings, name):
         await asyncio.to_thread(build_oci.remove_imported, settings, name)
         return Response(status_code=204)
@@ -217,6 +250,7 @@ async def delete_template(request: Request, template_id: str):
     builds = _builds(request)
     if builds.known_template(name):
         builds.delete(name)
+        await asyncio.to_thread(builds.drop_unused_pulled)
     else:  # E2B deletes snapshots through this path too
         request.app.state.orchestrator.delete_snapshot(template_id)
     return Response(status_code=204)

@@ -31,7 +31,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import asdict, fields
+from dataclasses import fields
 
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
@@ -40,6 +40,8 @@ from pydantic import BaseModel, Field, StrictInt
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
+from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
+                                       published_record)
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
 from forkyard.config import ClusterSettings, ControlPlaneSettings
@@ -51,8 +53,7 @@ from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.node")
 
-#: States a client can see; rows in other states are not (or no longer) bound.
-_HIDDEN = ("creating", "killing")
+_HIDDEN = HIDDEN
 #: How long a mutating reply waits for its changes to reach the scheduler (s); not at all
 #: while the scheduler is unreachable (they are published once it is back).
 PUBLISH_WAIT_S = 3.0
@@ -150,6 +151,8 @@ class NodeAgent:
         self._runtime = self.orch.runtime_build or "unknown"
         #: placement ids whose calls have ended here, acked in the next heartbeat
         self._acked: set[str] = set()
+        #: whether heartbeats list the held ids or only their digest
+        self._held = HeldSync()
         self.app.add_middleware(_PlacementAck, agent=self)
         self.app.state.cluster_secret = secret
         self.app.state.on_start.append(self.start)
@@ -247,14 +250,8 @@ class NodeAgent:
 
     # ---- scheduler calls --------------------------------------------------------------
     def _report(self) -> NodeReport:
-        rows = self.orch.records()
-        # Sandboxes still being created count too: their placement may predate the last
-        # heartbeat, so the scheduler's placing count no longer covers them.
-        running = [r for r in rows if r.state not in ("paused", "killing")]
-        return NodeReport(
-            vcpus=os.cpu_count() or 1, memory_mb=_memory_mb(), max_sandboxes=self.max_sandboxes,
-            running=len(running), paused=sum(1 for r in rows if r.state == "paused"),
-            vcpus_reserved=sum(r.vcpus for r in running),
+        return node_report(
+            self.orch.records(), vcpus=os.cpu_count() or 1, memory_mb=_memory_mb(), max_sandboxes=self.max_sandboxes,
             free_slots=len(self.orch.node_metrics()["spareSlots"]),
             cache_bytes=self.orch.cache_bytes, load1=os.getloadavg()[0],
             runtime=self._runtime, cached_snapshots=self.orch.cached_snapshots(),
@@ -278,13 +275,10 @@ class NodeAgent:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
-            rows = [r for r in self.orch.records() if r.state not in _HIDDEN]
-            held = [r.id for r in rows]
-            out = await self._post(f"/v1/nodes/{self.node_id}/heartbeat",
-                                   {"url": self.url, "report": self._report().to_dict(), "held": held,
-                                    "paused": [r.id for r in rows if r.state == "paused"],
-                                    "placements": sorted(acked),
-                                    "status": NODE_DRAINING if self.status == NODE_DRAINING else NODE_UP})
+            body = self._held.body(self.url, self._report(), self.orch.records(), acked,
+                                   self.status == NODE_DRAINING)
+            out = await self._post(heartbeat_path(self.node_id), body)
+            self._held.answered(body, out)
             self._acked -= acked
             self._dirty |= set(out.get("missing", []))
         await self._drop(out.get("foreign", []))
@@ -334,10 +328,9 @@ class NodeAgent:
                 continue
             # committed: false keeps a paused sandbox on this node until its image is in
             # the shared repository (another node could not resume it).
-            records.append({**asdict(rec), "committed": self.orch.pause_committed(rec)})
+            records.append(published_record(rec, self.orch.pause_committed(rec)))
         try:
-            out = await self._post(f"/v1/nodes/{self.node_id}/publish",
-                                   {"records": records, "deleted": deleted, "deaths": deaths},
+            out = await self._post(publish_path(self.node_id), publish_body(records, deleted, deaths),
                                    timeout_s=PUBLISH_CALL_S)
         except BaseException:
             self._dirty |= ids

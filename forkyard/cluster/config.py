@@ -13,6 +13,9 @@ CLI options override).
 ``FORKYARD_ADVERTISE_URL``         where the gateway reaches this node (default
                                    ``http://HOST:PORT`` of the node's listener)
 ``FORKYARD_NODE_MAX_SANDBOXES``    sandboxes this node runs at once, enforced by its admission (default: what its memory admits of 512 MiB sandboxes)
+``FORKYARD_REDIS_MAX_CONNECTIONS`` Redis connections a scheduler or gateway opens at most (64);
+``FORKYARD_REDIS_POOL_WAIT_S``     calls beyond wait for one, at most this long (5 s), then 503
+                                   (:class:`~forkyard.config.ControlPlaneSettings`)
 =================================  ==========================================================
 """
 

@@ -45,14 +45,15 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from forkyard.api import schemas
-from forkyard.api.routes_sandboxes import filter_records, list_page
+from forkyard.api.routes_sandboxes import parse_metadata, filter_records, list_filters
+from forkyard.cluster.listing import decode_cursor, encode_cursor, record_of
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.routing import Fail as _Fail
 from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
-from forkyard.ids import SANDBOX_ID
+from forkyard.ids import SANDBOX_ID, micros
 from forkyard.obs import logs
 from forkyard.orchestrator.errors import OrchestratorError
 from forkyard.orchestrator.store import SandboxRecord
@@ -505,21 +506,43 @@ class Gateway(Ownership):
         await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
 
     # ---- REST served by the gateway itself ------------------------------------------------
-    async def _records(self) -> tuple[list[SandboxRecord], dict[str, str]]:
-        """Every sandbox a client can see, cluster-wide: bindings whose node is not
-        declared down, and paused ones whatever their node; and ``{id: node id}``.
+    async def _page(self, metadata: str | None, states: set[str], template: str | None, after: int | None,
+                    before: int | None, desc: bool, next_token: str | None, limit: int
+                    ) -> tuple[list[dict], str | None]:
+        """One page of the sandboxes a client can see, cluster-wide, from the list
+        indexes (:mod:`.listing`: reads only the page): bindings whose node is not
+        declared down, and paused ones whatever their node; filters and order as a
+        node's list (:func:`~forkyard.api.routes_sandboxes.filter_records`). Returns the
+        listed items (with ``nodeID``) and the next page's token (None: last page).
+        ``after``/``before``: :func:`~forkyard.api.routes_sandboxes.list_filters`' bounds (µs).
 
         Raises:
             ClusterStoreUnavailable: listing needs Redis (503).
+            BadRequest: a token the gateway did not issue (400).
         """
         nodes = await self.nodes(stale_ok=False)
-        out, where = [], {}
-        for b in await self.store.bindings():
-            n = nodes.get(b.node_id)
-            if b.state == "paused" or (n is not None and not n.declared_down):
-                out.append(_record(b.record))
-                where[b.sandbox_id] = b.node_id
-        return out, where
+        want = parse_metadata(metadata)
+
+        def accept(row: dict) -> bool:
+            n = nodes.get(row.get("node", ""))
+            if row.get("state") != "paused" and (n is None or n.declared_down):
+                return False
+            rec = _record(record_of(row))
+            at = micros(rec.started_at)
+            return bool(filter_records([rec], metadata, states, template)) and \
+                (after is None or at >= after) and (before is None or at <= before)
+
+        cursor = decode_cursor(next_token) if next_token else None
+        # the index's bounds (s) hold every match (1 µs wider); accept() compares exactly
+        lo = None if after is None else after / 1e6 - 1e-6
+        hi = None if before is None else before / 1e6 + 1e-6
+        got, more = await self.store.page(states, want, template, lo, hi, desc, cursor, limit, accept)
+        items = []
+        for _, sid, row in got:
+            item = schemas.sandbox_listed(_record(record_of(row)))
+            item["nodeID"] = row.get("node")  # which node holds it (forkyard ls shows it; SDKs ignore it)
+            items.append(item)
+        return items, encode_cursor(got[-1][0], got[-1][1]) if more and got else None
 
     def _rest_app(self) -> FastAPI:
         gw = self
@@ -545,16 +568,15 @@ class Gateway(Ownership):
             ok = await gw.store.ping()
             return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
 
-        def with_nodes(items: list[dict], where: dict[str, str]) -> list[dict]:
-            for item in items:  # which node holds it (forkyard ls shows it; SDKs ignore it)
-                item["nodeID"] = where.get(item["sandboxID"])
-            return items
-
         @app.get("/sandboxes")
         async def list_v1(metadata: str | None = None):
-            recs, where = await gw._records()
-            return with_nodes([schemas.sandbox_listed(r) for r in filter_records(recs, metadata, {"running"}, None)],
-                              where)
+            list_filters(metadata, None, None, None)
+            out, token = [], None
+            while True:  # E2B's v1 list has no pages: every running match, read a page at a time
+                items, token = await gw._page(metadata, {"running"}, None, None, None, True, token, 1000)
+                out += items
+                if token is None:
+                    return out
 
         @app.get("/v2/sandboxes")
         async def list_v2(
@@ -566,17 +588,16 @@ class Gateway(Ownership):
             started_after: str | None = Query(default=None, alias="startedAfter"),
             started_before: str | None = Query(default=None, alias="startedBefore"),
         ):
-            recs, where = await gw._records()
-            return with_nodes(list_page(recs, response, metadata, state, template, order, next_token, limit,
-                                        started_after, started_before), where)
+            states, after, before = list_filters(metadata, state, started_after, started_before)
+            items, token = await gw._page(metadata, states, template, after, before, order != "asc", next_token, limit)
+            if token:
+                response.headers["x-next-token"] = token
+            return items
 
         @app.get("/metrics/node")
         @app.get("/metrics/cluster")
         async def cluster_metrics():
             nodes = await gw.nodes(fresh=True, stale_ok=False)
-            recs, _ = await gw._records()
-            paused = sum(1 for r in recs if r.state == "paused")
-            return {"sandboxes": {"running": len(recs) - paused, "paused": paused},
-                    "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
+            return {"sandboxes": await gw.store.counts(), "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
 
         return app

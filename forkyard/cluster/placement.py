@@ -12,9 +12,9 @@ pick the same node before its report catches up).
     score × 0.5   when the node's cache already holds the snapshot being restored
 
 ``load1`` (the 1-minute load average) stands in for "CPU in use". Ties go to the node
-with the lower id, so placement is deterministic for a given cluster state (every node
-is scored; E2B samples K=3 when fleets are large — at forkyard's node counts scoring all
-is cheap).
+with the lower id, so placement is deterministic for a given cluster state. The
+scheduler scores only the best-indexed nodes (:mod:`.rooms`: E2B samples K=3 of its
+fleet), and takes the chosen room atomically there; this function is the pure choice.
 
 **Fork**: children go to the source's node while it has room (they restore from the
 staged image there, no repository round trip), the rest one at a time by score.

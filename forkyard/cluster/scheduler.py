@@ -10,7 +10,9 @@ Redis or the scheduler itself was away.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, held, paused, placements}`` → ``{status, foreign, missing, adopt}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend]}``
+  (without ``held``: nothing changed on the node since its last full heartbeat; ``resend``:
+  the bindings differ from its digest, send the ids)
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
 * ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
@@ -35,8 +37,9 @@ import httpx
 from forkyard.cluster.config import secret_ok
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
+from forkyard.cluster.rooms import CANDIDATES
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeInfo, NodeReport
 from forkyard.config import ControlPlaneSettings
 from forkyard.obs import metrics
 from forkyard.relay.paths import path_problem
@@ -54,9 +57,12 @@ class Heartbeat(BaseModel):
     #: registers anew (or Redis lost its data): otherwise the operator's status stands
     status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
     report: dict = Field(default_factory=dict)
-    held: list[str] = Field(default_factory=list, max_length=200_000)
+    #: the ids the node holds; None: only their ``digest`` is sent (nothing changed)
+    held: list[str] | None = Field(default=None, max_length=200_000)
     #: those of ``held`` the node holds paused
     paused: list[str] = Field(default_factory=list, max_length=200_000)
+    #: :func:`~forkyard.cluster.messages.held_digest` of the held ids (None: an older node)
+    digest: str | None = Field(default=None, pattern="^[0-9a-f]{16}$")
     #: placement ids whose requests ended on the node before ``report`` was built
     placements: list[str] = Field(default_factory=list, max_length=10_000)
 
@@ -192,9 +198,51 @@ async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -
         elif gone:
             log.warning("node %s is down: %d more running sandbox(es) reported gone", nid, len(gone))
     for n in all_nodes:
+        if n.status == NODE_UP and not n.alive() and n.node_id not in declared:
+            await store.release(n.node_id)  # a silent node leaves the placement index (its heartbeat re-adds it)
+    for n in all_nodes:
         if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S:
             await move_orphans(store, n.node_id, all_nodes, redis_now)
     return declared
+
+
+#: Plans tried for one placement whose reservation lost a race (another placement, on
+#: this replica or another, took the room first).
+RESERVE_TRIES = 8
+
+
+async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, snapshot_id: str | None = None,
+                           prefer: str | None = None, exclude: set[str] = frozenset()
+                           ) -> tuple[list[tuple[NodeInfo, int]], str]:
+    """Place ``count`` sandboxes (:func:`~.placement.place` over the best-scored nodes
+    of the index, those caching ``snapshot_id`` and ``prefer``: :meth:`ClusterStore.candidates`)
+    and take their room atomically (:meth:`ClusterStore.reserve`); a reservation that
+    lost a race is planned again on what Redis holds then, at most :data:`RESERVE_TRIES`
+    times. A constant number of Redis calls per try, whatever the fleet's size.
+
+    Returns:
+        ``(plan, placement id)``: ``plan`` as :func:`~.placement.place` returns it.
+
+    Raises:
+        NoCapacity: no room for ``count`` (nothing is reserved).
+        ClusterStoreUnavailable: Redis failed.
+    """
+    k = max(CANDIDATES, count + len(exclude))
+    for _ in range(RESERVE_TRIES):
+        nodes, placing, now, indexed = await store.candidates(k, snapshot_id, [prefer] if prefer else [])
+        try:
+            plan = place(nodes, placing, now, count=count, vcpus=vcpus, snapshot_id=snapshot_id,
+                         prefer=prefer, exclude=exclude)
+        except NoCapacity:
+            if indexed > k:  # more nodes have room than were read: read more
+                k = min(indexed, 4 * k)
+                continue
+            raise
+        pid, _, _ = await store.reserve([(n.node_id, c) for n, c in plan])
+        if pid is not None:
+            return plan, pid
+    raise NoCapacity(f"{RESERVE_TRIES} placements of {count} sandbox(es) in a row lost the race for the last "
+                     "room to concurrent ones; retry")
 
 
 async def _reachable(client: httpx.AsyncClient, url: str) -> bool:
@@ -255,9 +303,16 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/nodes/{node_id}/heartbeat")
     async def heartbeat(node_id: str, body: Heartbeat):
-        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status)
-        await store.ack_placing(node_id, body.placements)  # after the report that shows them
+        # acks in the same script as the report that shows their sandboxes
+        digests: dict[str, str] = {}
+        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status,
+                                       acked=body.placements, digests=digests)
+        if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
+            same = body.digest is not None and body.digest == digests[node_id]
+            return {"status": status, "foreign": [], "missing": [], "adopt": [], **({} if same else {"resend": True})}
         foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
+        if body.digest and not (foreign or missing or adopt) and body.digest != digests[node_id]:
+            await store.redigest(node_id)  # the sets agree: heal a digest kept before digests existed
         return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
 
     @app.post("/v1/nodes/{node_id}/publish")
@@ -300,10 +355,6 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/placements")
     async def placements(body: PlacementRequest):
-        now = await store.now()
-        all_nodes = await store.nodes()
-        by_id = {n.node_id: n for n in all_nodes}
-        placing = await store.pending_placements([n.node_id for n in all_nodes], now=now)
         prefer, snapshot, exclude = None, body.snapshot, set(body.exclude)
         if body.kind in ("fork", "resume"):
             if not body.sandbox_id:
@@ -311,10 +362,10 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             b = await store.binding(body.sandbox_id)
             if b is None:
                 raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
-            owner = by_id.get(b.node_id)
             if body.kind == "fork":
                 prefer = b.node_id
             else:
+                owner = await store.node(b.node_id)
                 stays = owner is not None and owner.status == NODE_UP and owner.alive()
                 if stays and body.unreachable and not await _reachable(probe, owner.url):
                     stays = False
@@ -329,23 +380,22 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                                              "that node has committed it (or is back); retry shortly")
                 snapshot, exclude = b.record.get("image_id"), exclude | {b.node_id}
         try:
-            plan = place(all_nodes, placing, now, count=body.count, vcpus=body.vcpus,
-                         snapshot_id=snapshot, prefer=prefer, exclude=exclude)
+            plan, pid = await plan_and_reserve(store, count=body.count, vcpus=body.vcpus, snapshot_id=snapshot,
+                                               prefer=prefer, exclude=exclude)
         except NoCapacity as e:
             metrics.admission_refused("no_capacity")
             raise HTTPException(503, str(e)) from e
         if body.kind == "resume":
             target = plan[0][0]
             if not await store.rebind(body.sandbox_id, b.node_id, target.node_id):
+                await store.release(target.node_id, [pid])  # the room taken is given back
                 cur = await store.binding(body.sandbox_id)  # another scheduler or gateway moved it first
                 if cur is None:
                     raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
-                return {"placements": [_entry(by_id.get(cur.node_id), 1, cur.node_id)], "moved": False}
+                return {"placements": [_entry(await store.node(cur.node_id), 1, cur.node_id)], "moved": False}
             log.info("sandbox %s moves from node %s to node %s", body.sandbox_id, b.node_id, target.node_id)
-            pid = await store.add_placing(target.node_id, now=now)
             return {"placements": [_entry(target, 1, placement=pid)], "moved": True, "record": b.record}
-        return {"placements": [_entry(node, n, placement=await store.add_placing(node.node_id, n, now=now))
-                               for node, n in plan]}
+        return {"placements": [_entry(node, n, placement=pid) for node, n in plan]}
 
     from forkyard.obs.collect import cluster_families
     from forkyard.obs.middleware import ObsMiddleware

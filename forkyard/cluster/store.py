@@ -45,13 +45,18 @@ import secrets
 import time
 
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo, NodeReport
+from forkyard.cluster.listing import INDEX_EXISTING, LUA_INDEX, candidate_indexes, choose_index, read_page
+from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
+from forkyard.config import ControlPlaneSettings
+from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
+                                    NodeReport)
 
 log = logging.getLogger("forkyard.cluster.store")
 
@@ -66,43 +71,72 @@ DEATH_MAX_CHARS = 300
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
 
+# The digest of each node's binding set (``fy:nodedig:<node>``: XOR of the first 64 bits
+# of SHA-1 of every id, 16 hex chars), flipped by every script that adds an id to or
+# removes one from ``fy:nodesbx:<node>``; a heartbeat whose node holds the same digest
+# needs no reconciling (:func:`forkyard.cluster.messages.held_digest` computes the node's).
+LUA_DIGEST = """
+local function fy_dig_flip(node, id)
+  local h = redis.sha1hex(id)
+  local key = 'fy:nodedig:' .. node
+  local cur = redis.call('GET', key) or '0000000000000000'
+  local a = bit.bxor(tonumber(string.sub(cur, 1, 8), 16), tonumber(string.sub(h, 1, 8), 16))
+  local b = bit.bxor(tonumber(string.sub(cur, 9, 16), 16), tonumber(string.sub(h, 9, 16), 16))
+  redis.call('SET', key, bit.tohex(a, 8) .. bit.tohex(b, 8))
+end
+"""
+# KEYS: nodesbx   ARGV: node   Recomputes a node's digest from its set (after a full
+# reconcile: heals a digest written before digests existed).
+_REDIGEST = LUA_DIGEST + """
+redis.call('DEL', 'fy:nodedig:' .. ARGV[1])
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do fy_dig_flip(ARGV[1], id) end
+return redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'
+"""
+
 # KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id, committed
-_UPSERT = """
+_UPSERT = LUA_INDEX + LUA_DIGEST + """
 if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur and cur ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4],
            'committed', ARGV[6])
+fy_index(KEYS[1], ARGV[5], ARGV[2], ARGV[3])
 redis.call('HDEL', KEYS[1], 'moved')
-redis.call('SADD', KEYS[3], ARGV[5])
+if redis.call('SADD', KEYS[3], ARGV[5]) == 1 then fy_dig_flip(ARGV[1], ARGV[5]) end
 redis.call('SADD', KEYS[4], ARGV[5])
 return 1
 """
 # KEYS: sbx, nodesbx, sandboxes   ARGV: node, id
-_DELETE = """
+_DELETE = LUA_INDEX + LUA_DIGEST + """
 local cur = redis.call('HGET', KEYS[1], 'node')
 if cur ~= ARGV[1] then return 0 end
+fy_unindex(KEYS[1], ARGV[2])
 redis.call('DEL', KEYS[1])
-redis.call('SREM', KEYS[2], ARGV[2])
+if redis.call('SREM', KEYS[2], ARGV[2]) == 1 then fy_dig_flip(ARGV[1], ARGV[2]) end
 redis.call('SREM', KEYS[3], ARGV[2])
 return 1
 """
 # KEYS: sbx, from nodesbx, to nodesbx   ARGV: from, to, id, now
-_REBIND = """
+_REBIND = LUA_DIGEST + """
 local cur = redis.call('HMGET', KEYS[1], 'node', 'state', 'committed')
 if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' or cur[3] == '0' then return 0 end
 redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4], 'moved', '1')
-redis.call('SREM', KEYS[2], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[3])
+if redis.call('SREM', KEYS[2], ARGV[3]) == 1 then fy_dig_flip(ARGV[1], ARGV[3]) end
+if redis.call('SADD', KEYS[3], ARGV[3]) == 1 then fy_dig_flip(ARGV[2], ARGV[3]) end
 return 1
 """
 _NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
 
-# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time)
+# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
+#                           heartbeat timeout, placement TTL, then the placement ids it acknowledges
 # Records a heartbeat (the node is heard: no longer declared down). The status is the
 # operator's (drain/undrain); a node registering anew (or after Redis lost its data)
-# brings its own view. Returns {status, 1 if it was declared down}.
-_HEARTBEAT = _NOW + """
+# brings its own view. The acknowledged placements stop counting and the node's room is
+# indexed again (:mod:`.rooms`), in the same script: its report shows their sandboxes.
+# Returns {status, 1 if it was declared down}.
+_HEARTBEAT = LUA_ROOM + LUA_INDEX_REPORT + """
+local rnow = fy_time()
+local now = rnow
 if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
 redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
@@ -110,7 +144,15 @@ redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
            'last_seen', string.format('%.6f', now))
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
-return {redis.call('HGET', KEYS[2], 'status'), was_down}
+fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
+if #ARGV > 8 then
+  local ids = {unpack(ARGV, 9)}
+  redis.call('ZREM', 'fy:placing:' .. ARGV[1], unpack(ids))
+  redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
+end
+fy_room(ARGV[1], rnow, tonumber(ARGV[7]), tonumber(ARGV[8]))
+return {redis.call('HGET', KEYS[2], 'status'), was_down,
+        redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'}
 """
 
 # KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, healthy_since, timeout, tombstone ttl,
@@ -121,7 +163,7 @@ return {redis.call('HGET', KEYS[2], 'status'), was_down}
 # replaces the bindings of its sandboxes that are not paused by tombstones (their node
 # stops them when it is back), each with the cause for the gateway's 404. Destroys
 # nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
-_MARK_DOWN = _NOW + """
+_MARK_DOWN = _NOW + LUA_INDEX + LUA_DIGEST + """
 local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
 local since = math.max(last, tonumber(ARGV[2]))
 if now - since <= tonumber(ARGV[3]) then return {'heard'} end
@@ -129,13 +171,15 @@ if now < tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0') then return
 if redis.call('HEXISTS', KEYS[1], 'down_at') == 0 then
   redis.call('HSET', KEYS[1], 'down_at', string.format('%.6f', now))
 end
+redis.call('ZREM', ARGV[1] .. 'place', string.sub(KEYS[1], string.len(ARGV[1]) + 6))
 local gone = {'down'}
 for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
   local key = ARGV[1] .. 'sbx:' .. id
   local state = redis.call('HGET', key, 'state')
   if state ~= 'paused' then
+    fy_unindex(key, id)
     redis.call('DEL', key)
-    redis.call('SREM', KEYS[2], id)
+    if redis.call('SREM', KEYS[2], id) == 1 then fy_dig_flip(string.sub(KEYS[1], string.len(ARGV[1]) + 6), id) end
     redis.call('SREM', KEYS[3], id)
     redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[4])
     redis.call('SET', ARGV[1] .. 'dead:' .. id, ARGV[6], 'EX', ARGV[5])
@@ -168,28 +212,56 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def _node_info(node_id: str, row: dict, now: float) -> NodeInfo | None:
+    """A node's hash as a :class:`NodeInfo` (``age`` on Redis's clock ``now``); None
+    for an empty hash."""
+    if not row:
+        return None
+    row = {_s(k): _s(v) for k, v in row.items()}
+    last = float(row.get("last_seen", 0))
+    return NodeInfo(node_id=node_id, url=row.get("url", ""),
+                    status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
+                    last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
+                    report=NodeReport.from_dict(json.loads(row.get("report", "{}"))))
+
+
 class ClusterStore:
     """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
 
     Args:
         url: Redis URL (``FORKYARD_REDIS_URL``).
         timeout_s: socket connect/read timeout (s) for every command.
+        max_connections: connections opened at most (default
+            ``FORKYARD_REDIS_MAX_CONNECTIONS``, :class:`~forkyard.config.ControlPlaneSettings`);
+            a call finding them all busy waits for one, at most ``pool_wait_s`` (default
+            ``FORKYARD_REDIS_POOL_WAIT_S``), then raises :class:`ClusterStoreUnavailable`.
     """
 
-    def __init__(self, url: str, timeout_s: float = 2.0):
+    def __init__(self, url: str, timeout_s: float = 2.0, max_connections: int | None = None,
+                 pool_wait_s: float | None = None):
         self.url = url
-        # Retry on a dropped connection (a restarted Redis closes every pooled one): up
-        # to 3 tries, 50-500 ms apart.
-        self._r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                    health_check_interval=5,
-                                    retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
-                                    retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        cfg = ControlPlaneSettings()
+        # A bounded pool that makes callers wait (redis-py's default pool raises "Too many
+        # connections" past 100). Retry on a dropped connection (a restarted Redis closes
+        # every pooled one): up to 3 tries, 50-500 ms apart.
+        pool = BlockingConnectionPool.from_url(
+            url, max_connections=max_connections or cfg.redis_max_connections,
+            timeout=cfg.redis_pool_wait_s if pool_wait_s is None else pool_wait_s,
+            socket_timeout=timeout_s, socket_connect_timeout=timeout_s, health_check_interval=5,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError])
+        self._r = aioredis.Redis.from_pool(pool)
         self._upsert = self._r.register_script(_UPSERT)
         self._delete = self._r.register_script(_DELETE)
         self._rebind = self._r.register_script(_REBIND)
         self._mark_down = self._r.register_script(_MARK_DOWN)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
         self._pending = self._r.register_script(_PENDING)
+        self._reserve = self._r.register_script(RESERVE)
+        self._index_existing = self._r.register_script(INDEX_EXISTING)
+        self._redigest = self._r.register_script(_REDIGEST)
+        self._indexed = False
+        self._release = self._r.register_script(RELEASE)
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -215,19 +287,30 @@ class ClusterStore:
         return int(sec) + int(usec) / 1e6
 
     async def heartbeat(self, node_id: str, url: str, report: NodeReport, now: float | None = None,
-                        own_status: str = NODE_UP) -> str:
+                        own_status: str = NODE_UP, acked: list[str] = (), digests: dict | None = None) -> str:
         """Record a heartbeat, stamped with Redis's clock (``now`` overrides it: tests).
         The node is heard, so it is no longer declared down; its status (``up`` or
         ``draining``) is the operator's, or ``own_status`` (the node's own view) when
-        the node is not registered (new, or Redis lost its data). Returns the status."""
-        status, was_down = await self._call(self._heartbeat(
+        the node is not registered (new, or Redis lost its data). The placements in
+        ``acked`` stop counting (the report shows their sandboxes) and the node's room is
+        indexed again (:mod:`.rooms`), all in one script. Returns the status; when
+        ``digests`` (a dict) is given, ``digests[node_id]`` is set to the digest of the
+        node's binding set (:data:`LUA_DIGEST`)."""
+        status, was_down, digest = await self._call(self._heartbeat(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
-                  "" if now is None else repr(now)]))
+                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
+        if digests is not None:
+            digests[node_id] = _s(digest)
         return _s(status)
+
+    async def redigest(self, node_id: str) -> str:
+        """Recompute the digest of ``node_id``'s binding set from the set itself
+        (O(its sandboxes); after a full reconcile). Returns it."""
+        return _s(await self._call(self._redigest(keys=[f"{P}nodesbx:{node_id}"], args=[node_id])))
 
     async def nodes(self) -> list[NodeInfo]:
         """Every registered node, sorted by id, each with its heartbeat age on Redis's
@@ -240,24 +323,70 @@ class ClusterStore:
             rows = await self._call(p.execute())
         sec, usec = rows[0]
         now = int(sec) + int(usec) / 1e6
-        out = []
-        for nid, row in zip(ids, rows[1:]):
-            if not row:
-                continue
-            row = {_s(k): _s(v) for k, v in row.items()}
-            last = float(row.get("last_seen", 0))
-            out.append(NodeInfo(node_id=nid, url=row.get("url", ""),
-                                status=NODE_DOWN if "down_at" in row else row.get("status", NODE_UP),
-                                last_seen=last, age=now - last, grace_until=float(row.get("grace_until", 0)),
-                                report=NodeReport.from_dict(json.loads(row.get("report", "{}")))))
-        return out
+        return [n for n in (_node_info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
 
     async def node(self, node_id: str) -> NodeInfo | None:
-        """One node or None."""
-        for n in await self.nodes():
-            if n.node_id == node_id:
-                return n
-        return None
+        """One node or None (two reads, whatever the fleet's size)."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.time()
+            p.hgetall(f"{P}node:{node_id}")
+            (sec, usec), row = await self._call(p.execute())
+        return _node_info(node_id, row, int(sec) + int(usec) / 1e6)
+
+    async def candidates(self, k: int = CANDIDATES, snapshot_id: str | None = None, also: list[str] = ()
+                         ) -> tuple[list[NodeInfo], dict[str, int], float, int]:
+        """The ``k`` best-scored nodes that can take a sandbox (the ``fy:place`` index,
+        :mod:`.rooms`), up to ``k`` nodes whose cache holds ``snapshot_id``, and the
+        nodes in ``also`` (a fork's source): a constant number of reads whatever the
+        fleet's size. Returns ``(nodes, placing by node id, Redis time, nodes indexed)``;
+        the nodes may be full or silent by now (the reservation checks again)."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.time()
+            p.zrange(f"{P}place", 0, k - 1)
+            p.zcard(f"{P}place")
+            if snapshot_id:
+                p.srandmember(f"{P}snapnodes:{snapshot_id}", k)
+            got = await self._call(p.execute())
+        (sec, usec), best, total = got[0], got[1], int(got[2])
+        ids = list(dict.fromkeys([_s(x) for x in best] + [_s(x) for x in (got[3] if snapshot_id else [])]
+                                 + [x for x in also if x]))
+        async with self._r.pipeline(transaction=False) as p:
+            for nid in ids:
+                p.hgetall(f"{P}node:{nid}")
+            rows = await self._call(p.execute())
+        now = int(sec) + int(usec) / 1e6
+        nodes, placing = [], {}
+        for nid, row in zip(ids, rows):
+            if (n := _node_info(nid, row, now)) is not None:
+                nodes.append(n)
+                placing[nid] = int(_s(row.get(b"placing") or b"0"))
+        return nodes, placing, now, total
+
+    async def reserve(self, plan: list[tuple[str, int]], placement_id: str | None = None,
+                      force: bool = False, now: float | None = None) -> tuple[str | None, str, int]:
+        """Take room for ``plan`` (``[(node id, sandboxes), …]``) atomically: only if
+        every node in it is up, heard within the heartbeat timeout and has room for its
+        count (``max_sandboxes − running − placing``), on all of them at once (one Lua
+        script, :data:`.rooms.RESERVE`). ``force`` skips the checks and ``now`` stamps
+        the placement at that time (tests). Returns ``(placement id, "", 0)`` (16 hex
+        chars; the requests to the nodes carry it and each node acknowledges it in a
+        heartbeat) or ``(None, node id, its free room)`` for the first node without room."""
+        pid = placement_id or secrets.token_hex(8)
+        args = [repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), pid, "" if now is None else repr(now),
+                "1" if force else "0"]
+        for nid, n in plan:
+            args += [nid, int(n)]
+        res = await self._call(self._reserve(args=args))
+        if int(res[0]):
+            return pid, "", 0
+        return None, _s(res[1]), int(res[2])
+
+    async def release(self, node_id: str, placement_ids: list[str] = ()) -> int:
+        """Stop counting ``placement_ids`` on ``node_id`` (acknowledged, or a placement
+        given back) and index its room again. Returns its free room (-1: the node cannot
+        take sandboxes now)."""
+        return int(await self._call(self._release(
+            args=[repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), node_id, *placement_ids])))
 
     async def announce_restart(self, node_id: str, grace_s: float) -> bool:
         """The node is restarting (stopped with SIGTERM; its sandboxes keep running): it
@@ -273,6 +402,7 @@ class ClusterStore:
         if not await self._call(self._r.sismember(f"{P}nodes", node_id)):
             return False
         await self._call(self._r.hset(f"{P}node:{node_id}", "status", status))
+        await self.release(node_id)  # in or out of the placement index at once
         return True
 
     async def mark_down(self, node_id: str, healthy_since: float, timeout_s: float) -> list[str] | None:
@@ -289,8 +419,21 @@ class ClusterStore:
         return None if res[0] == "heard" else res[1:]
 
     async def ensure_epoch(self) -> None:
-        """Record when this state began (``fy:epoch``, Redis time) unless already set."""
+        """Record when this state began (``fy:epoch``, Redis time) unless already set;
+        the first time in this process, also index bindings written before the list
+        indexes existed (:mod:`.listing`; O(bindings) once, nothing for indexed ones)."""
         await self._call(self._r.set(f"{P}epoch", repr(await self.now()), nx=True))
+        if not self._indexed:
+            cursor, n = 0, 0
+            while True:
+                cursor, ids = await self._call(self._r.sscan(f"{P}sandboxes", cursor, count=500))
+                if ids:
+                    n += int(await self._call(self._index_existing(args=[_s(x) for x in ids])))
+                if not int(cursor):
+                    break
+            if n:
+                log.info("indexed %d sandbox binding(s) written before the list indexes", n)
+            self._indexed = True
 
     async def state_age(self) -> float | None:
         """Seconds since the state began (:meth:`ensure_epoch`); None when unknown (Redis
@@ -304,28 +447,18 @@ class ClusterStore:
         return int(sec) + int(usec) / 1e6 - float(_s(epoch))
 
     async def add_placing(self, node_id: str, n: int = 1, now: float | None = None) -> str:
-        """Count ``n`` sandboxes placed onto ``node_id`` until the node acknowledges the
+        """Count ``n`` sandboxes placed onto ``node_id`` without checking its room (a
+        move, tests; placements use :meth:`reserve`) until the node acknowledges the
         placement (:meth:`ack_placing`) or :data:`PLACING_TTL_S` passes. Returns the
         placement id (16 hex chars) the request to the node carries."""
-        now = await self.now() if now is None else now
-        pid = secrets.token_hex(8)
-        async with self._r.pipeline(transaction=True) as p:
-            p.zadd(f"{P}placing:{node_id}", {pid: now})
-            p.hset(f"{P}placingn:{node_id}", pid, n)
-            p.expire(f"{P}placing:{node_id}", 120)
-            p.expire(f"{P}placingn:{node_id}", 120)
-            await self._call(p.execute())
+        pid, _, _ = await self.reserve([(node_id, n)], force=True, now=now)
         return pid
 
     async def ack_placing(self, node_id: str, placement_ids: list[str]) -> None:
         """Stop counting placements the node has acknowledged (their rows are in the
-        report it just sent)."""
-        if not placement_ids:
-            return
-        async with self._r.pipeline(transaction=True) as p:
-            p.zrem(f"{P}placing:{node_id}", *placement_ids)
-            p.hdel(f"{P}placingn:{node_id}", *placement_ids)
-            await self._call(p.execute())
+        report it just sent; :meth:`heartbeat` does this itself with ``acked``)."""
+        if placement_ids:
+            await self.release(node_id, placement_ids)
 
     async def pending_placements(self, node_ids: list[str], now: float | None = None) -> dict[str, int]:
         """Sandboxes placed onto each node that its reports may not show yet."""
@@ -361,6 +494,30 @@ class ClusterStore:
             rows = await self._call(p.execute())
         return [b for b in (self._binding(sid, row) for sid, row in zip(ids, rows)) if b is not None]
 
+    async def page(self, states: set[str], want: dict[str, str], template: str | None, after: float | None,
+                   before: float | None, desc: bool, cursor: tuple[float, str] | None, limit: int, accept
+                   ) -> tuple[list[tuple[float, str, dict]], bool]:
+        """One page of bindings from the list indexes (:mod:`.listing`): the most
+        selective index the filters name (``states`` ⊆ {running, paused}, metadata pairs
+        ``want``, ``template``), walked from ``cursor`` on within the start-time bounds;
+        ``accept(row)`` checks each binding's hash against every filter. Returns
+        ``([(started_at, id, row), …], more)`` (:func:`.listing.read_page`)."""
+        keys = candidate_indexes(states, want, template)
+        async with self._r.pipeline(transaction=False) as p:
+            for k in keys:
+                p.zcard(k)
+            sizes = dict(zip(keys, await self._call(p.execute())))
+        return await self._call(read_page(self._r, choose_index(states, want, template, sizes), desc, after,
+                                          before, cursor, limit, accept))
+
+    async def counts(self) -> dict[str, int]:
+        """Bound sandboxes by visible state (``running``, ``paused``): two ``ZCARD``s."""
+        async with self._r.pipeline(transaction=False) as p:
+            p.zcard(f"{P}ix:s:running")
+            p.zcard(f"{P}ix:s:paused")
+            running, paused = await self._call(p.execute())
+        return {"running": int(running), "paused": int(paused)}
+
     async def node_sandboxes(self, node_id: str) -> set[str]:
         """Ids bound to ``node_id``."""
         return {_s(x) for x in await self._call(self._r.smembers(f"{P}nodesbx:{node_id}"))}
@@ -379,19 +536,20 @@ class ClusterStore:
                 for sid, why in deaths.items():
                     p.set(f"{P}dead:{sid}", why[:DEATH_MAX_CHARS], ex=DEATH_KEEP_S)
                 await self._call(p.execute())
-        foreign = []
-        for rec in records:
-            sid = rec["id"]
-            ok = await self._call(self._upsert(
-                keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-                args=[node_id, rec["state"], json.dumps(rec), repr(now), sid,
-                      "0" if rec.get("committed") is False else "1"]))
-            if not ok:
-                foreign.append(sid)
-        for sid in deleted:
-            await self._call(self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
-                                          args=[node_id, sid]))
-        return foreign
+        if not records and not deleted:
+            return []
+        # One round trip: each change is its own script (atomic), pipelined.
+        async with self._r.pipeline(transaction=False) as p:
+            for rec in records:
+                sid = rec["id"]
+                await self._upsert(keys=[f"{P}sbx:{sid}", f"{P}gone:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                   args=[node_id, rec["state"], json.dumps(rec), repr(now), sid,
+                                         "0" if rec.get("committed") is False else "1"], client=p)
+            for sid in deleted:
+                await self._delete(keys=[f"{P}sbx:{sid}", f"{P}nodesbx:{node_id}", f"{P}sandboxes"],
+                                   args=[node_id, sid], client=p)
+            res = await self._call(p.execute())
+        return [rec["id"] for rec, ok in zip(records, res) if not ok]
 
     async def reconcile(self, node_id: str, held: set[str], paused: set[str] = frozenset()
                         ) -> tuple[list[str], list[str], list[dict]]:

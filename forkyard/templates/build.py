@@ -43,8 +43,18 @@ import httpx
 from forkyard.config import Settings
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound, OrchestratorError
+from forkyard.ids import rfc3339
 from forkyard.orchestrator.images import TEMPLATE_KEY
-from forkyard.templates.spec import DEFAULT_TAGS, BuildRecord, StepFailed, resolve_base, split_name, validate_steps
+from forkyard.templates import build_oci, registry, unpack
+from forkyard.templates import tags as tagmod
+from forkyard.templates.spec import (
+    BuildRecord,
+    PullBase,
+    StepFailed,
+    resolve_base,
+    split_name,
+    validate_steps,
+)
 from forkyard.templates.steps import StepRunner
 from forkyard.templates.uploads import Uploads
 
@@ -87,6 +97,8 @@ class TemplateBuilds:
         self._sem = asyncio.Semaphore(MAX_CONCURRENT_BUILDS)
         self._http = httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_keepalive_connections=0))
         self._steps = StepRunner(settings, orch, self.uploads, self._http)
+        self.puller = registry.Puller(settings)
+        self.tags = tagmod.TagStore(settings.data_dir / "template-tags")
         self._load()
 
     # ---- persistence ------------------------------------------------------------------
@@ -121,7 +133,9 @@ class TemplateBuilds:
                     pass
 
     async def stop(self) -> None:
-        """Cancel running builds (each kills its sandbox and is recorded as failed)."""
+        """Cancel running builds (each kills its sandbox and is recorded as failed; a
+        pull in progress is stopped)."""
+        self.puller.cancel()
         for task in list(self._tasks.values()):
             task.cancel()
         for task in list(self._tasks.values()):
@@ -203,10 +217,8 @@ class TemplateBuilds:
             BadRequest: bad name/tag/resources, or ``name`` is a rootfs template.
             Conflict: a build of ``name`` is already running.
         """
-        base, _ = split_name(name)
-        for t in tags or []:
-            if t not in DEFAULT_TAGS:
-                raise BadRequest(f"tag {t!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
+        base, tag = split_name(name)
+        wanted = tagmod.normalize(([tag] if tag else []) + list(tags if tags is not None else []))
         if images.resolve(self.settings, base) is not None:
             raise BadRequest(f"{base!r} is a rootfs template on this node; choose another name")
         meta = self.orch.snapshots.find(base)
@@ -226,7 +238,8 @@ class TemplateBuilds:
             except ValueError as e:
                 raise BadRequest(str(e)) from None
         rec = BuildRecord(build_id=str(uuid.uuid4()), template_id=base, status="waiting",
-                          created_at=time.time(), cpu_count=cpu, memory_mb=mem, disk_mb=disk_mb or 0)
+                          created_at=time.time(), cpu_count=cpu, memory_mb=mem, disk_mb=disk_mb or 0,
+                          tags=wanted or [tagmod.DEFAULT_TAG])
         self._builds[rec.build_id] = rec
         self._save(rec)
         return rec
@@ -257,7 +270,8 @@ class TemplateBuilds:
             if v is not None and not isinstance(v, str):
                 raise BadRequest(f"{k} must be a string")
         rec.status = "building"
-        rec.log(f"Building template {rec.template_id} (build {rec.build_id}) from {base}", step="base")
+        shown = f"image {base.image}" if isinstance(base, PullBase) else base
+        rec.log(f"Building template {rec.template_id} (build {rec.build_id}) from {shown}", step="base")
         self._save(rec)
         task = asyncio.create_task(self._run(rec, base, steps, start_cmd or None, ready_cmd or None),
                                    name=f"template-build-{build_id}")
@@ -265,11 +279,34 @@ class TemplateBuilds:
         task.add_done_callback(lambda _t: self._tasks.pop(build_id, None))
         return rec
 
-    async def _run(self, rec: BuildRecord, base: str, steps: list[dict], start_cmd: str | None,
+    async def _pull(self, rec: BuildRecord, base: PullBase) -> str:
+        """Pull ``base`` (:mod:`.registry`) logging into ``rec``; the rootfs template's name.
+
+        Raises:
+            StepFailed: step ``base``, with what went wrong and what to do.
+        """
+        loop = asyncio.get_running_loop()
+
+        def progress(line: str) -> None:
+            try:
+                loop.call_soon_threadsafe(rec.log, line, "info", "base")
+            except RuntimeError:  # the loop closed under a pull that was cancelled
+                pass
+
+        try:
+            return await asyncio.to_thread(self.puller.pull, base.image, base.creds, progress)
+        except registry.PullError as e:
+            raise StepFailed("base", f"cannot pull {base.image}: {e}") from None
+        except (build_oci.ImageImportError, unpack.LimitExceeded) as e:
+            raise StepFailed("base", f"cannot unpack {base.image}: {e}") from None
+
+    async def _run(self, rec: BuildRecord, base: str | PullBase, steps: list[dict], start_cmd: str | None,
                    ready_cmd: str | None) -> None:
         sid = None
         try:
             async with self._sem:
+                if isinstance(base, PullBase):
+                    base = await self._pull(rec, base)
                 try:
                     sbx = await self.orch.create(
                         base, timeout_s=BUILD_SANDBOX_TIMEOUT_S, auto_pause=False,
@@ -286,10 +323,9 @@ class TemplateBuilds:
                     meta = await self.orch.snapshot(sid, name=rec.template_id)
                 except OrchestratorError as e:
                     raise StepFailed("finalize", f"snapshot failed: {e}") from e
-                for old in self.orch.snapshots.list():
-                    if old.metadata.get(TEMPLATE_KEY) == rec.template_id and old.snapshot_id != meta.snapshot_id:
-                        self.orch.snapshots.delete(old.snapshot_id)
                 rec.snapshot_id = meta.snapshot_id
+                self.tags.assign(rec.template_id, rec.build_id, rec.tags or [tagmod.DEFAULT_TAG])
+                self._drop_untagged(rec.template_id, keep=meta.snapshot_id)
                 rec.status, rec.finished_at = "ready", time.time()
                 rec.log(f"Template {rec.template_id} is ready (snapshot {meta.snapshot_id})", step="finalize")
         except asyncio.CancelledError:
@@ -307,6 +343,94 @@ class TemplateBuilds:
                     await asyncio.shield(self.orch.kill(sid))
                 except Exception as e:  # noqa: BLE001
                     log.warning("killing build sandbox %s failed: %s", sid, e)
+
+    def _drop_untagged(self, name: str, keep: str) -> None:
+        """Delete the snapshots of template ``name``'s earlier builds that no tag names
+        (``keep``: the newest build's)."""
+        tagged = {self._builds[b].snapshot_id for b in self.tags.builds_tagged(name) if b in self._builds}
+        for old in self.orch.snapshots.list():
+            if (old.metadata.get(TEMPLATE_KEY) == name and old.snapshot_id != keep
+                    and old.snapshot_id not in tagged):
+                self.orch.snapshots.delete(old.snapshot_id)
+
+    # ---- tags --------------------------------------------------------------------------
+    def snapshot_for(self, name: str, tag: str | None) -> str | None:
+        """Snapshot id of built template ``name`` at ``tag`` (None: ``default``). With no
+        tag recorded at all (templates built before tags), ``default`` is the newest build. None when ``name`` is not a built template here or the tag names nothing.
+
+        Raises:
+            BadRequest: invalid name or tag.
+        """
+        meta = self.template_snapshot(name)
+        if meta is None:
+            return None
+        tag = tagmod.normalize([tag])[0] if tag else tagmod.DEFAULT_TAG
+        build_id = self.tags.build_of(name, tag)
+        if build_id is None:
+            return meta.snapshot_id if tag == tagmod.DEFAULT_TAG and not self.tags.of(name) else None
+        rec = self._builds.get(build_id)
+        if rec is None or rec.snapshot_id is None or self.orch.snapshots.get(rec.snapshot_id) is None:
+            return None
+        return rec.snapshot_id
+
+    def assign_tags(self, target: str, tags) -> tuple[str, list[str]]:
+        """Point ``tags`` at the build ``target`` (``name[:tag]``) names (E2B ``POST
+        /templates/tags``); returns ``(build id, tags)``.
+
+        Raises:
+            BadRequest: bad target or tags, no tags. NotFound: no such template or tag.
+        """
+        name, tag = split_name(target)
+        wanted = tagmod.normalize(tags)
+        if not wanted:
+            raise BadRequest("At least one tag is required")
+        if self.template_snapshot(name) is None:
+            raise NotFound(f"template {name!r} not found")
+        build_id = self.tags.build_of(name, tag)
+        if build_id is None and (tag or tagmod.DEFAULT_TAG) == tagmod.DEFAULT_TAG and not self.tags.of(name):
+            newest = self.template_snapshot(name).snapshot_id
+            build_id = next((b.build_id for b in self.builds_of(name) if b.snapshot_id == newest), None)
+        if build_id is None or self.snapshot_for(name, tag) is None:
+            raise NotFound(f"Template '{target}' with tag '{tag or tagmod.DEFAULT_TAG}' not found")
+        self.tags.assign(name, build_id, wanted)
+        return build_id, wanted
+
+    def remove_tags(self, name: str, tags) -> None:
+        """Remove ``tags`` of template ``name`` (E2B ``DELETE /templates/tags``); the
+        builds no tag names any more stay until the template is deleted.
+
+        Raises:
+            BadRequest: ``name`` has a tag, bad or no tags, ``default`` among them.
+            NotFound: no such template.
+        """
+        if not isinstance(name, str) or ":" in name:
+            raise BadRequest("Template name should not contain a tag, use the 'tags' field instead")
+        base, _ = split_name(name)
+        wanted = tagmod.normalize(tags)
+        if not wanted:
+            raise BadRequest("At least one tag is required")
+        if self.template_snapshot(base) is None:
+            raise NotFound(f"template {name!r} not found")
+        self.tags.remove(base, wanted)
+
+    def list_tags(self, name: str) -> list[dict]:
+        """E2B ``TemplateTag`` entries ``{tag, buildID, createdAt}`` of template ``name``.
+
+        Raises:
+            NotFound: no such template.
+        """
+        base = name.partition(":")[0]
+        if self.template_snapshot(base) is None:
+            raise NotFound(f"template {name!r} not found")
+        out = [{"tag": t, "buildID": e["buildID"], "createdAt": rfc3339(e.get("createdAt", 0))}
+               for t, e in sorted(self.tags.of(base).items()) if isinstance(e, dict) and e.get("buildID")]
+        if not out:  # built before tags: its newest build is the default
+            newest = self.template_snapshot(base).snapshot_id
+            b = next((b for b in self.builds_of(base) if b.snapshot_id == newest), None)
+            if b is not None:
+                out.insert(0, {"tag": tagmod.DEFAULT_TAG, "buildID": b.build_id,
+                               "createdAt": rfc3339(b.finished_at or b.created_at)})
+        return out
 
     async def _while_alive(self, rec: BuildRecord, sid: str, work) -> None:
         """Run coroutine ``work`` while build sandbox ``sid`` lives; when it goes (killed,
@@ -356,6 +480,30 @@ class TemplateBuilds:
         for meta in self.orch.snapshots.list():
             if meta.metadata.get(TEMPLATE_KEY) == name:
                 self.orch.snapshots.delete(meta.snapshot_id)
+        self.tags.drop(name)
         for b in [b for b in self._builds.values() if b.template_id == name]:
             self._builds.pop(b.build_id, None)
             (self.builds_dir / f"{b.build_id}.json").unlink(missing_ok=True)
+
+    def drop_unused_pulled(self) -> list[str]:
+        """Remove the pulled images (:mod:`.registry`) nothing uses any more: no
+        committed image (a template's, a snapshot, a paused sandbox's, a fork's) expects
+        their rootfs and no sandbox record names them. Keeps them all while a build is
+        waiting or running, or while a sandbox runs from an image whose record is gone
+        (what it runs on cannot be told). Blocking (removes trees): call it in a thread.
+        Returns the names removed."""
+        pulled = [t.template_id for t in images.list_templates(self.settings)
+                  if registry.is_pulled(self.settings, t.template_id)]
+        if not pulled or any(b.status in ("waiting", "building") for b in self._builds.values()):
+            return []
+        metas = {m.snapshot_id: m for m in self.orch.snapshots.list()}
+        used = {m.template_id for m in metas.values()}
+        for sbx in self.orch.list():
+            if sbx.image_id and sbx.image_id not in metas:
+                return []
+            used.add(sbx.template_id)
+        gone = [name for name in pulled if name not in used]
+        for name in gone:
+            log.info("removing pulled image %s: no template, snapshot or sandbox uses it", name)
+            registry.remove_pulled(self.settings, name)
+        return gone

@@ -1,5 +1,7 @@
 """Import a container image (local OCI image layout or ``docker save`` tarball) as a
-rootfs template — no registry access needed.
+rootfs template — no registry access needed (:mod:`~forkyard.templates.registry` pulls
+into an OCI layout and imports it here). An OCI layout's index, manifests, config and
+layers are checked against their sha256 digests as they are read.
 
 Layers are applied in order into ``<templates_dir>/<name>/.rootfs.partial`` with OCI
 whiteout semantics (``.wh.NAME`` deletes ``NAME`` of lower layers, ``.wh..wh..opq``
@@ -23,6 +25,7 @@ account; the SDK's ``commands.run`` needs ``/bin/bash`` in the image.
 from __future__ import annotations
 
 import errno
+import hashlib
 import io
 import json
 import os
@@ -65,8 +68,9 @@ class _Source:
     decompressing again from the start); its index of members is bounded by the
     limits' entry count."""
 
-    def __init__(self, path: Path, limits: unpack.Limits):
+    def __init__(self, path: Path, limits: unpack.Limits, blobs_dir: Path | None = None):
         self.path = path
+        self.blobs_dir = blobs_dir  # an OCI layout whose blobs live elsewhere (skopeo's shared blob dir)
         self.tar: tarfile.TarFile | None = None
         self._plain: Path | None = None
         if path.is_dir():
@@ -100,8 +104,14 @@ class _Source:
         if name.startswith(("/", "..")):
             raise ImageImportError(f"unsafe path {name!r} in image")
         if self.tar is None:
+            where = self.path / name
+            if self.blobs_dir is not None and name.startswith("blobs/"):
+                where = self.blobs_dir / name[len("blobs/"):]
             try:
-                return open(self.path / name, "rb")
+                f = open(where, "rb")
+                if self.blobs_dir is not None:
+                    os.utime(f.fileno())  # the layer cache evicts the least recently used
+                return f
             except OSError as e:
                 raise ImageImportError(f"missing {name} in {self.path}: {e}") from e
         m = self.names.get(name)
@@ -110,12 +120,15 @@ class _Source:
             raise ImageImportError(f"missing {name} in {self.path}")
         return f
 
-    def json(self, name: str):
+    def json(self, name: str, digest: str | None = None):
+        """The JSON document ``name`` (checked against ``digest`` when given)."""
         try:
             with self.open(name) as f:
                 data = f.read(MAX_JSON_BYTES + 1)
             if len(data) > MAX_JSON_BYTES:
                 raise ImageImportError(f"{name} is larger than {MAX_JSON_BYTES} bytes")
+            if digest is not None and digest.startswith("sha256:") and hashlib.sha256(data).hexdigest() != digest[7:]:
+                raise ImageImportError(f"{name} does not match its digest {digest} (corrupt image or cache)")
             return json.loads(data)
         except ValueError as e:
             raise ImageImportError(f"{name} is not valid JSON: {e}") from e
@@ -136,14 +149,16 @@ def _blob(digest: str) -> str:
     return f"blobs/{alg}/{hexpart}"
 
 
-def _layers(src: _Source) -> tuple[list[str], dict]:
-    """Layer paths (bottom first) and the image config of ``src``."""
+def _layers(src: _Source) -> tuple[list[tuple[str, str | None]], dict]:
+    """``(path, digest or None)`` of each layer (bottom first) and the image config of
+    ``src``; the OCI layout's index, manifests and config are checked against their
+    digests as they are read (``docker save`` names its members by path only)."""
     if src.exists("manifest.json"):  # docker save
         manifest = src.json("manifest.json")
         if not isinstance(manifest, list) or not manifest or "Layers" not in manifest[0]:
             raise ImageImportError("manifest.json is not a docker save manifest")
         config = src.json(manifest[0]["Config"]) if manifest[0].get("Config") else {}
-        return list(manifest[0]["Layers"]), config
+        return [(p, None) for p in manifest[0]["Layers"]], config
     if src.exists("index.json"):  # OCI image layout
         desc = src.json("index.json")
         for _ in range(4):  # index → (nested index →) manifest
@@ -152,15 +167,15 @@ def _layers(src: _Source) -> tuple[list[str], dict]:
                 break
             pick = next((m for m in manifests if (m.get("platform") or {}).get("architecture") in (None, "amd64")),
                         manifests[0])
-            desc = src.json(_blob(pick["digest"]))
+            desc = src.json(_blob(pick["digest"]), pick["digest"])
         layers = desc.get("layers") if isinstance(desc, dict) else None
         if layers is None:
             raise ImageImportError("index.json does not lead to an image manifest with layers")
         for layer in layers:
             if "zstd" in layer.get("mediaType", ""):
                 raise ImageImportError("zstd-compressed layers are not supported")
-        config = src.json(_blob(desc["config"]["digest"])) if desc.get("config") else {}
-        return [_blob(layer["digest"]) for layer in layers], config
+        config = src.json(_blob(desc["config"]["digest"]), desc["config"]["digest"]) if desc.get("config") else {}
+        return [(_blob(layer["digest"]), layer["digest"]) for layer in layers], config
     raise ImageImportError("not an image: no manifest.json (docker save) or index.json (OCI layout)")
 
 
@@ -285,10 +300,43 @@ def _apply_member(root: beneath.Root, dfd: int, name: str, m: tarfile.TarInfo, t
     # device nodes: the runtime provides /dev
 
 
-def _open_layer(src: _Source, name: str) -> IO[bytes]:
-    """The layer blob ``name`` of ``src``, opened for streaming (never read whole)."""
-    f = src.open(name)
-    return f if hasattr(f, "peek") else io.BufferedReader(f)
+class _Digested(io.RawIOBase):
+    """Reads ``inner`` and hashes what it read; :meth:`verify` reads the rest and checks
+    the sha256 against ``digest`` (``sha256:<hex>``; other algorithms are not checked)."""
+
+    def __init__(self, inner: IO[bytes], digest: str | None):
+        self.inner, self.digest = inner, digest
+        self.hash = hashlib.sha256() if digest and digest.startswith("sha256:") else None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.inner.read(len(b))
+        if self.hash is not None:
+            self.hash.update(data)
+        b[: len(data)] = data
+        return len(data)
+
+    def verify(self, name: str) -> None:
+        """Raises ImageImportError when the blob does not match its digest."""
+        if self.hash is None:
+            return
+        while self.read(1 << 20):
+            pass
+        if self.hash.hexdigest() != self.digest[7:]:
+            raise ImageImportError(f"layer {name} does not match its digest {self.digest} (corrupt image or cache)")
+
+    def close(self) -> None:
+        self.inner.close()
+        super().close()
+
+
+def _open_layer(src: _Source, name: str, digest: str | None = None) -> tuple[IO[bytes], _Digested]:
+    """The layer blob ``name`` of ``src``, opened for streaming (never read whole), and
+    the reader under it that checks ``digest``."""
+    raw = _Digested(src.open(name), digest)
+    return io.BufferedReader(raw, 1 << 20), raw
 
 
 def _runtime_files(root: beneath.Root) -> None:
@@ -344,7 +392,7 @@ def _resolves(root: beneath.Root, rel: str) -> bool:
 
 
 def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None,
-                 disk_mb: int = 0) -> images.Template:
+                 disk_mb: int = 0, blobs_dir: Path | None = None, origin: str | None = None) -> images.Template:
     """Import the image at ``source`` as rootfs template ``name``.
 
     Args:
@@ -357,14 +405,19 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         disk_mb: disk size (MiB) of the template's sandboxes, recorded in its
             :data:`~forkyard.templates.images.SETTINGS_FILE`; 0 = the node's default.
             The caller checks it (:func:`~forkyard.templates.images.check_disk_mb`).
+        blobs_dir: where the blobs of the OCI layout ``source`` live when not under it
+            (``<blobs_dir>/sha256/<hex>``, skopeo's ``--dest-shared-blob-dir``).
+        origin: first line of the completion marker (default ``imported from SOURCE``;
+            :mod:`~forkyard.templates.registry` writes ``pulled from REF``).
 
     Returns:
         The new template (usable at once as ``templateID``).
 
     Raises:
         TemplateExists: a template ``name`` is already built here.
-        ImageImportError: bad name, unreadable image, unsupported layers (zstd), a
-            member leading outside the image or under a link that does not resolve in it.
+        ImageImportError: bad name, unreadable image, unsupported layers (zstd), a blob
+            that does not match its digest, a member leading outside the image or under a
+            link that does not resolve in it.
         unpack.LimitExceeded: the image unpacks past a limit of :mod:`~forkyard.templates.unpack`
             (``FORKYARD_MAX_UNPACKED_MB`` / ``_FILES`` / ``_FILE_MB``).
     """
@@ -374,7 +427,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
     if (tdir / "rootfs").exists() or (tdir / images.MARKER).exists():
         raise TemplateExists(f"template {name!r} already exists")
     limits = unpack.Limits.from_settings(settings)
-    src = _Source(Path(source), limits)
+    src = _Source(Path(source), limits, blobs_dir)
     started = time.monotonic()
     try:
         layers, config = _layers(src)
@@ -386,11 +439,13 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         partial.chmod(0o755)
         meter = unpack.Meter(limits)  # the layers together
         with beneath.Root(partial) as root:
-            for i, layer in enumerate(layers, 1):
-                progress(f"layer {i}/{len(layers)}: {layer}")
+            for i, (layer, digest) in enumerate(layers, 1):
+                progress(f"layer {i}/{len(layers)}: {digest or layer}")
                 try:
-                    with _open_layer(src, layer) as f:
+                    f, raw = _open_layer(src, layer, digest)
+                    with f:
                         _apply_layer(root, f, meter)
+                        raw.verify(layer)
                 except unpack.ArchiveError as e:
                     raise ImageImportError(f"layer {layer}: {e}") from e
                 except (tarfile.TarError, EOFError, OSError) as e:
@@ -408,7 +463,7 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
         base_tmpl.protect_rootfs(tdir / "rootfs")
         env = (config.get("config") or config.get("Config") or {}).get("Env") or []
         (tdir / images.MARKER).write_text(
-            f"imported from {source}\nlayers {len(layers)}\nenv {json.dumps(env)}\n"
+            f"{origin or f'imported from {source}'}\nlayers {len(layers)}\nenv {json.dumps(env)}\n"
             f"built {time.strftime('%Y-%m-%dT%H:%M:%S')} in {time.monotonic() - started:.1f}s\n"
         )
     except BaseException:

@@ -17,15 +17,14 @@ from forkyard.guest import envd
 from forkyard.ids import is_name, rfc3339
 from forkyard.orchestrator import images
 from forkyard.orchestrator.errors import BadRequest
+from forkyard.templates import registry, tags
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31}(:[A-Za-z0-9_.][A-Za-z0-9_.-]{0,31})?$")
 _MODE = re.compile(r"^[0-7]{3,4}$")
 STEP_TYPES = {"RUN", "COPY", "ENV", "WORKDIR", "USER"}
-#: Tags accepted on a build name (``name:tag``); other tags are not supported.
-DEFAULT_TAGS = {"default", "latest"}
 #: Image names that mean our ``base`` template (E2B's default ``fromImage``).
-BASE_IMAGES = {"e2bdev/base"}
+BASE_IMAGES = {"e2bdev/base"}  # as Docker Hub repositories
 MAX_LOG_ENTRIES = 20000
 #: Characters of log messages one build keeps (the oldest go first), so a step that
 #: prints without end holds at most this much server memory.
@@ -33,19 +32,19 @@ MAX_LOG_BYTES = 16 << 20
 
 
 def split_name(name: str) -> tuple[str, str | None]:
-    """``"name:tag"`` → ``("name", "tag")``; validates both.
+    """``"name:tag"`` → ``("name", "tag")`` (the tag normalized as E2B does:
+    :func:`forkyard.templates.tags.normalize`); validates both.
 
     Raises:
-        BadRequest: invalid name, or a tag other than ``default``/``latest``.
+        BadRequest: invalid name or tag.
     """
     if not isinstance(name, str):
         raise BadRequest("template name must be a string")
-    base, _, tag = name.partition(":")
+    base, _, tag = name.strip().partition(":")
+    base = base.lower()
     if not is_name(base):
         raise BadRequest(f"invalid template name {base!r}: 1-64 of a-z, 0-9, '-', '_', starting with a letter or digit")
-    if tag and tag not in DEFAULT_TAGS:
-        raise BadRequest(f"tag {tag!r} is not supported here (only {', '.join(sorted(DEFAULT_TAGS))})")
-    return base, tag or None
+    return base, (tags.normalize([tag])[0] if tag else None)
 
 
 @dataclass
@@ -63,6 +62,8 @@ class BuildRecord:
     disk_mb: int = 0
     snapshot_id: str | None = None
     reason: dict | None = None
+    #: tags the build gets when it succeeds (none asked: ``default``)
+    tags: list[str] = field(default_factory=list)
     logs: list[dict] = field(default_factory=list)
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
@@ -96,19 +97,57 @@ class StepFailed(Exception):
         self.step = step
 
 
-def resolve_base(settings: Settings, snapshots, body: dict) -> str:
-    """The template a build starts from (E2B ``fromTemplate``/``fromImage``; default
-    ``base``): a rootfs template built here or a snapshot in ``snapshots``
-    (``find(name)``). E2B's base image names mean ``base``.
+@dataclass(frozen=True)
+class PullBase:
+    """A build's base that is pulled from a registry first: ``image`` (the reference
+    as given) with ``creds`` (None: anonymous)."""
+
+    image: str
+    creds: registry.Credentials | None = None
+
+
+def registry_credentials(cfg) -> registry.Credentials | None:
+    """E2B's ``fromImageRegistry`` (``{"type": "registry", "username", "password"}``) as
+    credentials; None when absent.
 
     Raises:
-        BadRequest: both given, a malformed value, or nothing of that name here
-            (registry pulls are not supported: import the image first).
+        BadRequest: malformed, or a type forkyard does not pull with (``aws``, ``gcp``).
+    """
+    if cfg is None:
+        return None
+    if not isinstance(cfg, dict):
+        raise BadRequest("fromImageRegistry must be an object")
+    typ = cfg.get("type")
+    if typ in ("aws", "gcp"):
+        raise BadRequest(f"fromImageRegistry of type {typ!r} is not supported here: use from_image(image, "
+                         "username=, password=) (ECR: username 'AWS', password from `aws ecr get-login-password`; "
+                         "GCP: username '_json_key', password the service account JSON)")
+    user, password = cfg.get("username"), cfg.get("password")
+    if typ != "registry" or not isinstance(user, str) or not isinstance(password, str) or not user or not password:
+        raise BadRequest("fromImageRegistry must be {\"type\": \"registry\", \"username\": ..., \"password\": ...}")
+    if len(user) > 1024 or len(password) > 16384:
+        raise BadRequest("fromImageRegistry username or password is too long")
+    return registry.Credentials(user, password)
+
+
+def resolve_base(settings: Settings, snapshots, body: dict) -> str | PullBase:
+    """The template a build starts from (E2B ``fromTemplate``/``fromImage``; default
+    ``base``): a rootfs template built here or a snapshot in ``snapshots``
+    (``find(name)``), or an image to pull from its registry first (:class:`PullBase`,
+    with ``fromImageRegistry``'s credentials). E2B's base image (``e2bdev/base``, what
+    ``from_base_image()`` names) means the local ``base``.
+
+    Raises:
+        BadRequest: both given, a malformed value or image reference, credentials
+            without an image, or no template of that name here.
     """
     tmpl = body.get("fromTemplate")
     image = body.get("fromImage")
+    creds = registry_credentials(body.get("fromImageRegistry"))
     if tmpl is not None and image is not None:
         raise BadRequest("give fromTemplate or fromImage, not both")
+    if creds is not None and image is None:
+        raise BadRequest("fromImageRegistry needs fromImage")
     if tmpl is not None:
         if not isinstance(tmpl, str):
             raise BadRequest("fromTemplate must be a string")
@@ -120,17 +159,13 @@ def resolve_base(settings: Settings, snapshots, body: dict) -> str:
         return "base"
     if not isinstance(image, str) or not image:
         raise BadRequest("fromImage must be a non-empty string")
-    repo = image.split("@", 1)[0]
-    if ":" in repo.rsplit("/", 1)[-1]:
-        repo = repo.rsplit(":", 1)[0]
-    if repo in BASE_IMAGES or repo.startswith("docker.io/library/") and repo[18:] in BASE_IMAGES:
+    try:
+        ref = registry.parse_reference(image)
+    except registry.PullError as e:
+        raise BadRequest(str(e)) from None
+    if ref.registry == registry.DOCKER_HUB and ref.repository in BASE_IMAGES and not ref.digest:
         return "base"
-    short = repo.rsplit("/", 1)[-1]
-    if is_name(short) and (images.resolve(settings, short) or snapshots.find(short)):
-        return short
-    raise BadRequest(f"image {image!r} is not available: registry pulls are not supported here; "
-                     "import it first (POST /templates/import) or use fromTemplate")
-
+    return PullBase(image, creds)
 
 
 def validate_steps(steps, file_path: Callable[[str], Path]) -> list[dict]:

@@ -3,7 +3,7 @@
 The one place that bounds what an archive may make the server do (issue 25, item 3: a
 1.5 MB import once took the server to 2.39 GB of memory, a 20 KB tar holding a sparse
 file allocated 2 GiB of host disk). Every reader of an untrusted archive — image
-import, ``COPY`` uploads and, later, registry pulls — goes through :func:`members`
+import, ``COPY`` uploads and registry pulls — goes through :func:`members`
 with a :class:`Meter` over :class:`Limits` taken from the settings:
 
 * the archive is read as a stream (``tarfile`` ``r|`` mode, gzip decompressed as it is

@@ -16,8 +16,11 @@ One sandbox = one runsc container (container id = sandbox id) under
   docs/runtime.md. Only ``run``/``restore`` need it.
 * cgroups: ``/forkyard/<id>`` with memory limit and CPU quota from the spec (runsc
   creates and removes them; the sentry also sizes its ``MemTotal`` from the limit).
-* stdout/stderr of runsc ``run``/``restore`` — and so of the init process — go to
-  ``<workdir>/console.log``; failures quote what runsc wrote there.
+* stdout/stderr of runsc ``run``/``restore`` — and so of the init process — go through
+  a pipe into ``<workdir>/console.log``, bounded (:mod:`.console`); failures quote what
+  runsc wrote there. That file is the sandbox's (anything inside can write to it);
+  forkyard's own entries about the sandbox go to ``<workdir>/events.log``
+  (:mod:`forkyard.runtime.events`), which nothing inside can reach.
 
 Errors: every failure raises :class:`~forkyard.runtime.base.RuntimeError_` whose message
 contains runsc's own stderr.
@@ -42,6 +45,8 @@ from pathlib import Path
 from forkyard.config import GVisorSettings, Settings
 from forkyard.runtime.base import (Image, ImageKind, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
                                    SandboxSpec)
+from forkyard.runtime import events
+from forkyard.runtime.gvisor import console as console_mod
 from forkyard.runtime.gvisor import disk, export
 from forkyard.runtime.gvisor import image as image_mod
 from forkyard.runtime.gvisor import spec as ocispec
@@ -53,6 +58,10 @@ from forkyard.runtime.gvisor.runsc import (POINTER, SHARE_PAGES_FLAG, SHARE_SAVE
                                           probe_features, summarize)
 
 log = logging.getLogger(__name__)
+
+#: forkyard's own log entry for a successful start, by runsc command.
+_STARTED = {"run": "sandbox started (boot)", "restore": "sandbox started from its snapshot (restore)"}
+
 
 START_TIMEOUT_S = 60.0
 #: Spare disks are made only once no start has ended for this long (s).
@@ -340,24 +349,25 @@ class GVisorDriver(RuntimeDriver):
         ok = False
         t1 = time.perf_counter()
         try:
-            with open(console, "ab") as out:
-                offset = out.tell()
-                proc = await spawn_detached(self.settings.runsc_root, argv, out, use_daemon=self.reaper_daemon)
+            offset = console_mod.size(console)
+            proc = await spawn_detached(self.settings.runsc_root, argv, console, self.settings.console_log_max_bytes,
+                                        use_daemon=self.reaper_daemon)
             try:
                 rc = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
+                events.record(spec.workdir, "error", f"runsc {op} timed out after {START_TIMEOUT_S:.0f} s")
                 raise RuntimeError_(f"runsc {op} {sid} timed out after {START_TIMEOUT_S:.0f} s") from None
             if rc != 0:
-                with open(console, "rb") as f:
-                    f.seek(offset)
-                    full = f.read()[-20000:].decode(errors="replace")
+                full = console_mod.tail(console, offset)
                 # The whole of it (gVisor internals, heap addresses) stays in the log and
                 # console.log; the error, which reaches API clients, carries a short form.
                 log.warning("runsc %s %s failed (exit %s): %s", op, sid, rc, summarize(full))
                 said = POINTER.sub("0x…", summarize(full, limit=400))
+                events.record(spec.workdir, "error", f"runsc {op} failed (exit {rc})")
                 raise RuntimeError_(f"runsc {op} {sid} failed (exit {rc}): {said or 'no output'}")
+            events.record(spec.workdir, "info", _STARTED.get(op, f"sandbox started (runsc {op})"))
             phases["runsc"] = (time.perf_counter() - t1) * 1000
             ok = True
         finally:

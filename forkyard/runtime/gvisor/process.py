@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 from forkyard.runtime.base import RuntimeError_
-from forkyard.runtime.gvisor import reaper
+from forkyard.runtime.gvisor import console, reaper
 from forkyard.runtime.gvisor.runsc import Runsc
 
 log = logging.getLogger("forkyard.runtime.gvisor.driver")
@@ -29,26 +29,54 @@ def pid_alive(pid: int) -> bool:
     return data[data.rfind(b")") + 2 : data.rfind(b")") + 3] not in (b"Z", b"X")
 
 
-async def spawn_detached(runsc_root: Path, argv: list[str], out, use_daemon: bool = True):
+async def spawn_detached(runsc_root: Path, argv: list[str], console_path: Path, console_max_bytes: int,
+                         use_daemon: bool = True):
     """Start ``argv`` (``runsc run/restore --detach`` in its wrapper) with stdout and
-    stderr to the file ``out``, as a child of the node's reaper daemon
-    (:func:`.reaper.spawn`): the sandbox and gofer it leaves behind are then reaped
-    at once when they die, also after this server process was restarted. Falls back
-    to a child of this process (reaped by this process's reaper thread, or by PID 1
-    after a restart: ~1-2 s per destroy) when the daemon cannot be used.
+    stderr into a pipe copied to ``console_path`` with at most ``console_max_bytes``
+    bytes kept (:mod:`.console`), as a child of the node's reaper daemon
+    (:func:`.reaper.spawn`; the copying runs there too): the sandbox and gofer it leaves
+    behind are then reaped at once when they die, and the console keeps being copied,
+    also after this server process was restarted. Falls back to a child of this process
+    (reaped by this process's reaper thread, or by PID 1 after a restart: ~1-2 s per
+    destroy; its console copied by a thread of this process, so only until it exits)
+    when the daemon cannot be used.
 
     Returns:
-        an object with ``pid``, ``async wait() -> int`` and ``kill()``.
+        an object with ``pid``, ``async wait() -> int`` (once it exited, what it wrote is
+        in ``console_path``) and ``kill()``.
     """
     if use_daemon:
         try:
             with open(os.devnull, "rb") as devnull:
-                return await reaper.spawn(runsc_root, argv, devnull.fileno(), out.fileno(),
-                                          out.fileno())
+                return await reaper.spawn(runsc_root, argv, devnull.fileno(), devnull.fileno(), devnull.fileno(),
+                                          console={"path": str(console_path), "max_bytes": int(console_max_bytes)})
         except OSError as e:
             log.warning("reaper daemon unavailable (%s); runsc runs as this process's child", e)
-    return await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+    w, pump = console.open_pipe(console_path, console_max_bytes)
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=w, stderr=w, start_new_session=True)
+    finally:
+        os.close(w)
+    return _Drained(proc, pump)
+
+
+class _Drained:
+    """A child of this process whose :meth:`wait` returns once its output is copied."""
+
+    def __init__(self, proc, pump):
+        self.proc, self.pump, self.pid = proc, pump, proc.pid
+
+    async def wait(self) -> int:
+        rc = await self.proc.wait()
+        await asyncio.to_thread(self.pump.drain)
+        return rc
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
 
 
 def container_files_exist(runsc_root: Path, sandbox_id: str) -> bool:

@@ -129,6 +129,11 @@ def ensure_reaper() -> bool:
 # line ``{"argv": [...]}`` with three file descriptors (stdin, stdout, stderr) attached
 # (SCM_RIGHTS); the daemon answers ``{"pid": N}`` once the process runs (or
 # ``{"error": "..."}``) and ``{"rc": R}`` when it exits (R < 0: killed by signal -R).
+# With ``"console": {"path": P, "max_bytes": N}`` the process's stdout and stderr are
+# instead a pipe that the daemon copies to P, bounded (:mod:`.console`; the answer then
+# says ``"console": true``), and ``{"rc": R}`` comes once what it wrote is in P. The
+# socket's name changed with that (``reaper2.sock``), so a server never hands a console
+# to an older daemon that would ignore it.
 
 import json as _json
 import selectors as _selectors
@@ -136,8 +141,10 @@ import socket as _socket
 import subprocess as _subprocess
 import sys as _sys
 
+from forkyard.runtime.gvisor import console
+
 IDLE_EXIT_S = 30.0
-SOCKET_NAME = "reaper.sock"
+SOCKET_NAME = "reaper2.sock"
 
 
 def _exit_code(status: int) -> int:
@@ -153,6 +160,8 @@ class _Daemon:
         self.last_busy = time.monotonic()
         self.wake = threading.Event()
         self.childless = True  # no child at all (then no orphan can come to us either)
+        self.pumps: dict[int, console.Pump] = {}  # pid → its console pump (until it exits)
+        self.consoles: list[console.Pump] = []  # every pump still copying
 
     def serve(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -171,7 +180,8 @@ class _Daemon:
                 conn, _ = lsock.accept()
             except TimeoutError:
                 with self.lock:
-                    idle = not self.waiting and not self.clients and self.childless
+                    self.consoles = [p for p in self.consoles if not p.done.is_set()]
+                    idle = not self.waiting and not self.clients and self.childless and not self.consoles
                     if idle and time.monotonic() - self.last_busy > IDLE_EXIT_S:
                         # Leave only if the socket is still ours; unlink first, so a
                         # client that finds no socket starts a new daemon.
@@ -197,14 +207,22 @@ class _Daemon:
             argv = [str(a) for a in req["argv"]]
             if len(fds) != 3:
                 raise ValueError("expected 3 file descriptors")
+            out, err, pump = fds[1], fds[2], None
+            if req.get("console"):
+                w, pump = console.open_pipe(Path(req["console"]["path"]), int(req["console"]["max_bytes"]))
+                fds.append(w)  # closed below, once the child has its copy
+                out = err = w
             with self.lock:  # registered before the reap loop can see it exit
                 pid = os.posix_spawnp(argv[0], argv, os.environ, setsid=True, file_actions=[
-                    (os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, fds[1], 1),
-                    (os.POSIX_SPAWN_DUP2, fds[2], 2)])
+                    (os.POSIX_SPAWN_DUP2, fds[0], 0), (os.POSIX_SPAWN_DUP2, out, 1),
+                    (os.POSIX_SPAWN_DUP2, err, 2)])
                 self.waiting[pid] = conn
                 self.childless = False
+                if pump is not None:
+                    self.pumps[pid] = pump
+                    self.consoles.append(pump)
             self.wake.set()
-            conn.sendall(_json.dumps({"pid": pid}).encode() + b"\n")
+            conn.sendall(_json.dumps({"pid": pid, "console": pump is not None}).encode() + b"\n")
         except Exception as exc:  # noqa: BLE001 — told to the client
             try:
                 conn.sendall(_json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode() + b"\n")
@@ -232,7 +250,10 @@ class _Daemon:
                 continue
             with self.lock:
                 conn = self.waiting.pop(pid, None)
+                pump = self.pumps.pop(pid, None)
                 self.last_busy = time.monotonic()
+            if pump is not None:
+                pump.drain()  # what runsc wrote before it exited is in the file when we answer
             if conn is not None:
                 try:
                     conn.sendall(_json.dumps({"rc": _exit_code(status)}).encode() + b"\n")
@@ -322,10 +343,13 @@ class Spawned:
 _start_lock = asyncio.Lock()
 
 
-async def spawn(runsc_root: Path, argv: list[str], stdin: int, stdout: int, stderr: int) -> Spawned:
+async def spawn(runsc_root: Path, argv: list[str], stdin: int, stdout: int, stderr: int,
+                console: dict | None = None) -> Spawned:
     """Start ``argv`` (PATH looked up; in its own session) as a child of the reaper
     daemon of ``runsc_root`` — started first if none runs — with the given file
-    descriptors as its stdin/stdout/stderr.
+    descriptors as its stdin/stdout/stderr; with ``console`` (``{"path": str,
+    "max_bytes": int}``) its stdout/stderr are a pipe the daemon copies to that file,
+    bounded (:mod:`.console`), and ``stdout``/``stderr`` are not used.
 
     Raises:
         OSError: the daemon could not be started or refused (its message).
@@ -333,7 +357,7 @@ async def spawn(runsc_root: Path, argv: list[str], stdin: int, stdout: int, stde
     path = socket_path(runsc_root)
     for attempt in (1, 2):
         try:
-            return await _spawn_once(path, argv, stdin, stdout, stderr)
+            return await _spawn_once(path, argv, stdin, stdout, stderr, console)
         except _Gone:
             if attempt == 2:
                 raise OSError("reaper daemon closed the connection") from None
@@ -345,7 +369,8 @@ class _Gone(OSError):
     pass
 
 
-async def _spawn_once(path: Path, argv: list[str], stdin: int, stdout: int, stderr: int) -> Spawned:
+async def _spawn_once(path: Path, argv: list[str], stdin: int, stdout: int, stderr: int,
+                      console: dict | None) -> Spawned:
     loop = asyncio.get_running_loop()
     try:
         conn = _connect(path)
@@ -357,7 +382,8 @@ async def _spawn_once(path: Path, argv: list[str], stdin: int, stdout: int, stde
                 await asyncio.to_thread(_start_daemon, path)
                 conn = _connect(path)
     try:
-        _socket.send_fds(conn, [_json.dumps({"argv": argv}).encode()], [stdin, stdout, stderr])
+        req = {"argv": argv, **({"console": console} if console else {})}
+        _socket.send_fds(conn, [_json.dumps(req).encode()], [stdin, stdout, stderr])
         conn.setblocking(False)
         buf = b""
         while b"\n" not in buf:

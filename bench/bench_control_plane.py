@@ -1,0 +1,199 @@
+"""Control-plane benchmark with a simulated fleet (issue 26): N nodes, B sandboxes.
+
+A real ``redis-server`` (AOF on, ``appendfsync everysec`` as deploy/ runs it), real
+``forkyard scheduler`` replicas and a real ``forkyard gateway`` (subprocesses), and N
+simulated nodes in this process (``tests/_fleet.py``) that heartbeat every second and
+publish their rows through the node agent's own message builders
+(:mod:`forkyard.cluster.messages`) — a protocol change breaks this bench, not silently
+its numbers. No runsc needed.
+
+Prints, with the ratio to a raw Redis round trip (``HGET`` of a node's hash from this
+process) measured in the same run:
+
+* placement p50/p95 with 1 client and with ``--clients`` clients (spread over the
+  replicas; each placed create reaches its node, which acknowledges it), placements/s;
+* the schedulers' CPU (% of one core, all replicas together) with heartbeats only;
+* gateway ``GET /v2/sandboxes`` p50/p95 (first page, a later page, a metadata filter,
+  ``state=paused``) and ``GET /metrics/cluster`` p50 at each of ``--list-sizes``;
+* ``over-granted``: sandboxes a node was given beyond its room (the nodes' capacities
+  add up to exactly what the run places, and a last fill takes every place left: must
+  be 0).
+
+Usage: ``python bench/bench_control_plane.py --nodes 100 --sandboxes 10000
+[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
+from _common import pct  # noqa: E402
+
+import httpx  # noqa: E402
+import redis.asyncio as aioredis  # noqa: E402
+
+from _fleet import ControlPlane, Fleet, cpu_seconds  # noqa: E402
+from forkyard.cluster.config import SECRET_HEADER  # noqa: E402
+
+
+def line(name: str, xs: list[float], raw: float) -> str:
+    """``name``: p50/p95 (ms) and p50 / raw Redis p50."""
+    return f"{name:<58} p50 {pct(xs, 50):8.2f} ms  p95 {pct(xs, 95):8.2f} ms  ({pct(xs, 50) / raw:6.1f}x raw Redis)"
+
+
+async def raw_redis_ms(url: str, node_id: str, n: int = 300) -> list[float]:
+    """Round trips (ms) of ``HGET fy:node:<id> last_seen`` from this process."""
+    r = aioredis.from_url(url)
+    out = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await r.hget(f"fy:node:{node_id}", "last_seen")
+            out.append((time.perf_counter() - t0) * 1000)
+    finally:
+        await r.aclose()
+    return out
+
+
+class Placer:
+    """Placement clients: POST /v1/placements to a replica, then the create "reaches"
+    the chosen node (rows appear there, acknowledged in its next heartbeat)."""
+
+    def __init__(self, cp: ControlPlane, fleet: Fleet):
+        self.cp, self.fleet = cp, fleet
+        self.refused = 0
+
+    async def run(self, total: int, clients: int, until_full: bool = False) -> tuple[list[float], float]:
+        """``total`` placements by ``clients`` concurrent clients (``until_full``: until
+        every one is refused for capacity). Returns (latencies ms, wall s)."""
+        lat: list[float] = []
+        left = [total]
+
+        async def client(k: int):
+            url = self.cp.scheduler_urls[k % len(self.cp.scheduler_urls)]
+            async with httpx.AsyncClient(base_url=url, headers={SECRET_HEADER: self.cp.secret}, timeout=60,
+                                         trust_env=False) as c:
+                while until_full or left[0] > 0:
+                    left[0] -= 1
+                    t0 = time.perf_counter()
+                    r = await c.post("/v1/placements", json={"kind": "create", "snapshot": "base"})
+                    ms = (time.perf_counter() - t0) * 1000
+                    if r.status_code == 503:
+                        self.refused += 1
+                        if until_full:
+                            return
+                        continue
+                    if r.status_code != 200:
+                        raise RuntimeError(f"placement: {r.status_code} {r.text[:300]}")
+                    lat.append(ms)
+                    for p in r.json()["placements"]:
+                        self.fleet.by_id[p["nodeID"]].start(p["count"], p.get("placementID"))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(k) for k in range(clients)))
+        return lat, time.perf_counter() - t0
+
+
+async def timed_gets(c: httpx.AsyncClient, path: str, n: int, **params) -> tuple[list[float], httpx.Response]:
+    """``n`` sequential GETs of ``path``; (latencies ms, the last answer)."""
+    out, r = [], None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r = await c.get(path, params=params or None)
+        out.append((time.perf_counter() - t0) * 1000)
+        if r.status_code != 200:
+            raise RuntimeError(f"GET {path}: {r.status_code} {r.text[:300]}")
+    return out, r
+
+
+async def main(a) -> int:
+    root = Path(a.root or tempfile.mkdtemp(prefix="fy-cpbench-"))
+    cp = ControlPlane(root, schedulers=a.schedulers)
+    # Capacity: the seeded sandboxes + both placement phases fill the nodes; the last fill takes the rest.
+    room = math.ceil((a.sandboxes + 2 * a.placements) / a.nodes)
+    fleet = Fleet(a.nodes, room, cp.scheduler_urls, cp.secret)
+    print(f"# {a.nodes} nodes (room {room} each), {a.sandboxes} sandboxes, {a.schedulers} scheduler replica(s), "
+          f"{a.clients} clients; load before: {os.getloadavg()[0]:.1f}", flush=True)
+    try:
+        cp.start()
+        await fleet.register()
+        fleet.run()
+        raw = await raw_redis_ms(cp.redis_url, fleet.nodes[0].node_id)
+        raw50 = pct(raw, 50)
+        print(f"{'raw Redis round trip (HGET)':<58} p50 {raw50:8.3f} ms  p95 {pct(raw, 95):8.3f} ms", flush=True)
+        seeded = 0
+        sizes = sorted({int(s) for s in a.list_sizes.split(",") if s} | {a.sandboxes})
+        async with httpx.AsyncClient(base_url=cp.gateway_url, headers={"X-API-Key": cp.api_key}, timeout=300,
+                                     trust_env=False) as gw:
+            for size in sizes:
+                if size > a.sandboxes:
+                    continue
+                t0 = time.perf_counter()
+                await fleet.seed(size - seeded, metadata=lambda i, base=seeded: {"user": f"u{(base + i) % 100}",
+                                                                                  "run": "bench"}, paused_every=10)
+                seeded = size
+                print(f"# seeded {seeded} sandboxes in {time.perf_counter() - t0:.1f} s", flush=True)
+                if str(size) not in a.list_sizes.split(","):
+                    continue
+                first, r = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100)
+                token = r.headers.get("x-next-token")
+                later, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, nextToken=token) \
+                    if token else ([0.0], None)
+                meta, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, metadata="user=u7")
+                paused, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, state="paused")
+                metrics, _ = await timed_gets(gw, "/metrics/cluster", a.reps)
+                print(line(f"gateway GET /v2/sandboxes first page at {size}", first, raw50))
+                print(line(f"gateway GET /v2/sandboxes later page at {size}", later, raw50))
+                print(line(f"gateway GET /v2/sandboxes metadata=user=u7 at {size}", meta, raw50))
+                print(line(f"gateway GET /v2/sandboxes state=paused at {size}", paused, raw50))
+                print(line(f"gateway GET /metrics/cluster at {size}", metrics, raw50), flush=True)
+        await asyncio.sleep(2)  # every node has heartbeated with its full set
+        pids = cp.pids("scheduler")
+        c0, t0 = sum(cpu_seconds(p) for p in pids), time.perf_counter()
+        await asyncio.sleep(a.cpu_seconds)
+        cpu = (sum(cpu_seconds(p) for p in pids) - c0) / (time.perf_counter() - t0) * 100
+        print(f"{f'scheduler CPU with heartbeats only ({seeded} sandboxes)':<58} {cpu:6.1f} % of a core "
+              f"({len(pids)} replica(s) together; load {os.getloadavg()[0]:.1f})", flush=True)
+        placer = Placer(cp, fleet)
+        one, _ = await placer.run(a.placements, 1)
+        print(line(f"placement p50, 1 client ({seeded} sandboxes)", one, raw50), flush=True)
+        many, wall = await placer.run(a.placements, a.clients)
+        print(line(f"placement p50, {a.clients} clients", many, raw50)
+              + f"  {len(many) / wall:7.0f} placements/s", flush=True)
+        await asyncio.sleep(1.5)  # acks land
+        rest, _ = await placer.run(0, a.clients, until_full=True)
+        running = {n.node_id: n.report().running for n in fleet.nodes}  # paused ones take no room
+        over = sum(max(0, running[n.node_id] - n.max_sandboxes) for n in fleet.nodes)
+        held = sum(running.values())
+        print(f"# filled to capacity: {held} of {room * a.nodes} places taken ({len(rest)} in the last fill); "
+              f"heartbeat errors {len(fleet.errors())}; load after {os.getloadavg()[0]:.1f}")
+        print(f"over-granted: {over}", flush=True)
+        for e in fleet.errors()[:3]:
+            print("#   ", e)
+        return 1 if over or held != room * a.nodes else 0
+    finally:
+        await fleet.stop()
+        cp.close()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=10)
+    ap.add_argument("--sandboxes", type=int, default=1000)
+    ap.add_argument("--placements", type=int, default=200, help="placements per phase (1 client, N clients)")
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--schedulers", type=int, default=2)
+    ap.add_argument("--list-sizes", default="1000", help="comma-separated sandbox counts to measure listing at")
+    ap.add_argument("--reps", type=int, default=10, help="GETs per listing measurement")
+    ap.add_argument("--cpu-seconds", type=float, default=10.0)
+    ap.add_argument("--root", help="state directory (default: a new temporary one; removed at the end)")
+    sys.exit(asyncio.run(main(ap.parse_args())))

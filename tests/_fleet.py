@@ -1,0 +1,257 @@
+"""A control plane with a simulated fleet, for tests and ``bench/bench_control_plane.py``
+(issue 26): a real ``redis-server`` (AOF on), real ``forkyard scheduler`` replicas and a
+real ``forkyard gateway`` (subprocesses, the deploy units' command lines), and N
+simulated nodes in this process.
+
+A simulated node holds ``SandboxRecord`` rows and speaks the node ↔ scheduler protocol
+through the node agent's own builders (:mod:`forkyard.cluster.messages`: the heartbeat
+body and its report, published records) and client (:class:`~forkyard.cluster.schedclient.SchedulerClient`),
+so a change of the protocol breaks the simulation rather than silently its numbers. It
+runs no sandbox: :meth:`SimNode.start` is what a node does when a placed create reaches
+it (rows appear, the placement is acknowledged in the next heartbeat). Its URL answers
+nothing (the scheduler asks a node's ``/health`` only before declaring it down, and these
+nodes never fall silent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from _cluster import Proc
+from conftest import free_port
+from forkyard.cluster.messages import (HeldSync, heartbeat_path, node_report, publish_body, publish_path,
+                                       published_record)
+from forkyard.cluster.schedclient import SchedulerClient
+from forkyard.cluster.types import HEARTBEAT_INTERVAL_S
+from forkyard.orchestrator.store import SandboxRecord
+
+#: Publish calls carry at most this many records (the scheduler's bound is 10,000).
+PUBLISH_BATCH = 2000
+
+
+class ControlPlane:
+    """Redis + ``schedulers`` scheduler replicas + one gateway under ``root``.
+
+    Attributes:
+        redis_url, scheduler_urls (list), gateway_url, api_key, secret.
+        procs: every subprocess (``redis``, ``scheduler``…, ``gateway``) by name.
+    """
+
+    def __init__(self, root: Path, schedulers: int = 2, env: dict[str, str] | None = None, aof: bool = True):
+        import os
+
+        self.root = root
+        shutil.rmtree(root, ignore_errors=True)
+        (root / "redis").mkdir(parents=True)
+        os.chmod(root, 0o700)
+        self.api_key = "e2b_" + secrets.token_hex(20)
+        self.secret = secrets.token_hex(24)
+        rport, gport = free_port(), free_port()
+        sports = [free_port() for _ in range(schedulers)]
+        self.redis_url = f"redis://127.0.0.1:{rport}/0"
+        self.scheduler_urls = [f"http://127.0.0.1:{p}" for p in sports]
+        self.gateway_url = f"http://127.0.0.1:{gport}"
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("FORKYARD_", "E2B_"))}
+        base.update(FORKYARD_CLUSTER_SECRET=self.secret, FORKYARD_API_KEY=self.api_key,
+                    FORKYARD_REDIS_URL=self.redis_url, FORKYARD_SCHEDULER_URL=",".join(self.scheduler_urls),
+                    FORKYARD_LOG_FORMAT="text", PYTHONUNBUFFERED="1", **(env or {}))
+        cli = [sys.executable, "-m", "forkyard.cli.main"]
+        self.procs: dict[str, Proc] = {
+            "redis": Proc("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--dir",
+                                    str(root / "redis"), "--appendonly", "yes" if aof else "no",
+                                    "--appendfsync", "everysec", "--save", ""], base, root / "redis.log", None)}
+        for i, p in enumerate(sports):
+            self.procs[f"scheduler{i}"] = Proc(f"scheduler{i}", cli + ["scheduler", "--port", str(p),
+                                                                       "--log-level", "warning"],
+                                               base, root / f"scheduler{i}.log", f"http://127.0.0.1:{p}/health")
+        self.procs["gateway"] = Proc("gateway", cli + ["gateway", "--port", str(gport), "--log-level", "warning"],
+                                     base, root / "gateway.log", f"{self.gateway_url}/health")
+
+    def start(self) -> ControlPlane:
+        """Start Redis, then the schedulers and the gateway (each until healthy)."""
+        self.procs["redis"].start()
+        r = redis.Redis.from_url(self.redis_url)
+        deadline = time.time() + 20
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.RedisError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        for name, p in self.procs.items():
+            if name != "redis":
+                p.start()
+        return self
+
+    def pids(self, prefix: str) -> list[int]:
+        """Process ids of the subprocesses whose name starts with ``prefix``."""
+        return [p.proc.pid for n, p in self.procs.items() if n.startswith(prefix) and p.running()]
+
+    def close(self) -> None:
+        """Stop every subprocess and remove ``root``."""
+        for name in [n for n in self.procs if n != "redis"] + ["redis"]:
+            self.procs[name].stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU (s) process ``pid`` has used (``/proc/PID/stat``)."""
+    import os
+
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class SimNode:
+    """One simulated node (see the module docstring).
+
+    Args:
+        node_id: its name; max_sandboxes: the capacity it reports.
+        scheduler_urls: the replicas, in the order this node tries them.
+        secret: the cluster secret.
+    """
+
+    def __init__(self, node_id: str, max_sandboxes: int, scheduler_urls: list[str], secret: str, vcpus: int = 16):
+        self.node_id, self.max_sandboxes, self.vcpus = node_id, max_sandboxes, vcpus
+        self.url = f"http://127.0.0.1:9/{node_id}"  # never called (see the module docstring)
+        self.rows: dict[str, SandboxRecord] = {}
+        self.dirty: set[str] = set()
+        self.acked: set[str] = set()
+        self.boot = secrets.token_hex(6)
+        self.client = SchedulerClient(scheduler_urls, secret, timeout_s=30.0)
+        self.beats = 0
+        self.held = HeldSync()
+        self.errors: list[str] = []
+
+    def start(self, count: int, placement_id: str | None, metadata: dict[str, str] | None = None,
+              state: str = "running", started_at: float | None = None) -> list[str]:
+        """What a node does with a placed create of ``count`` sandboxes: rows (published
+        next), the placement acknowledged in the next heartbeat. Returns the new ids."""
+        ids = []
+        now = time.time() if started_at is None else started_at
+        for _ in range(count):
+            sid = "i" + secrets.token_hex(9)
+            self.rows[sid] = SandboxRecord(id=sid, template_id="base", state=state, slot=None, vcpus=2,
+                                           memory_mb=512, started_at=now, end_at=now + 3600, auto_pause=False,
+                                           metadata=dict(metadata or {}), envd_access_token=secrets.token_hex(16))
+            self.dirty.add(sid)
+            ids.append(sid)
+        if placement_id:
+            self.acked.add(placement_id)
+        return ids
+
+    def report(self):
+        """This node's report, built by the agent's builder."""
+        return node_report(list(self.rows.values()), vcpus=self.vcpus, memory_mb=65536,
+                           max_sandboxes=self.max_sandboxes, free_slots=8, cache_bytes=0, load1=0.0,
+                           runtime="simulated", cached_snapshots=[], boot=self.boot, drain_done=False)
+
+    async def _post(self, path: str, body: dict) -> dict:
+        r = await self.client.post(path, json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"{path}: {r.status_code} {r.text[:200]}")
+        return r.json()
+
+    async def publish(self) -> None:
+        """Publish the changed rows (in batches of :data:`PUBLISH_BATCH`)."""
+        while self.dirty:
+            batch = [self.dirty.pop() for _ in range(min(PUBLISH_BATCH, len(self.dirty)))]
+            records = [published_record(self.rows[s], True) for s in batch if s in self.rows]
+            deleted = [s for s in batch if s not in self.rows]
+            try:
+                await self._post(publish_path(self.node_id), publish_body(records, deleted, {}))
+            except BaseException:
+                self.dirty.update(batch)
+                raise
+
+    async def beat(self) -> dict:
+        """One heartbeat as the agent sends it (publish first, then the heartbeat).
+        Returns the scheduler's answer (``full``: whether it listed the held ids)."""
+        await self.publish()
+        acked = set(self.acked)
+        body = self.held.body(self.url, self.report(), list(self.rows.values()), acked, False)
+        out = await self._post(heartbeat_path(self.node_id), body)
+        self.held.answered(body, out)
+        self.acked -= acked
+        self.beats += 1
+        return {**out, "full": "held" in body}
+
+
+class Fleet:
+    """``n`` simulated nodes heartbeating every second (:meth:`run`), half of them
+    trying the scheduler replicas in the other order (a load balancer's spread)."""
+
+    def __init__(self, n: int, max_sandboxes: int, scheduler_urls: list[str], secret: str):
+        self.nodes = [SimNode(f"sim{i:04d}", max_sandboxes, scheduler_urls if i % 2 == 0 else scheduler_urls[::-1],
+                              secret) for i in range(n)]
+        self.by_id = {n.node_id: n for n in self.nodes}
+        self._tasks: list[asyncio.Task] = []
+
+    async def register(self) -> None:
+        """Every node's first heartbeat (a few at a time)."""
+        sem = asyncio.Semaphore(16)
+
+        async def one(node):
+            async with sem:
+                await node.beat()
+
+        await asyncio.gather(*(one(n) for n in self.nodes))
+
+    async def seed(self, total: int, metadata=None, paused_every: int = 0) -> None:
+        """Spread ``total`` sandboxes over the nodes and publish them (without
+        placements: as rows a restarted node publishes again). ``metadata(i)`` gives the
+        i-th one's metadata; every ``paused_every``-th is paused."""
+        for i in range(total):
+            node = self.nodes[i % len(self.nodes)]
+            state = "paused" if paused_every and i % paused_every == 0 else "running"
+            node.start(1, None, metadata(i) if metadata else None, state=state, started_at=time.time() - total + i)
+        sem = asyncio.Semaphore(8)
+
+        async def one(node):
+            async with sem:
+                for attempt in range(5):  # a loaded host may time a connection out
+                    try:
+                        return await node.publish()
+                    except Exception:  # noqa: BLE001
+                        if attempt == 4:
+                            raise
+                        await asyncio.sleep(1)
+
+        await asyncio.gather(*(one(n) for n in self.nodes))
+
+    def run(self) -> None:
+        """Start the heartbeat loops (every :data:`~forkyard.cluster.types.HEARTBEAT_INTERVAL_S`,
+        phases spread at random)."""
+        async def loop(node: SimNode):
+            await asyncio.sleep(random.random() * HEARTBEAT_INTERVAL_S)
+            while True:
+                t0 = time.monotonic()
+                try:
+                    await node.beat()
+                except Exception as e:  # noqa: BLE001 — counted, the loop goes on
+                    node.errors.append(repr(e)[:200])
+                await asyncio.sleep(max(0.0, HEARTBEAT_INTERVAL_S - (time.monotonic() - t0)))
+
+        self._tasks = [asyncio.create_task(loop(n)) for n in self.nodes]
+
+    async def stop(self) -> None:
+        """Stop the loops and close the clients."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for n in self.nodes:
+            await n.client.aclose()
+
+    def errors(self) -> list[str]:
+        """Every heartbeat or publish error so far."""
+        return [e for n in self.nodes for e in n.errors]

@@ -1,0 +1,226 @@
+"""The control plane at scale (issue 26), with a simulated fleet (``tests/_fleet.py``:
+real redis-server with AOF, two real scheduler processes and the gateway; nodes that
+speak the node agent's protocol through its own message builders). No runsc needed.
+
+Before issue 26 a placement read every node and its pending count, chose, then wrote:
+concurrent placements read the same counts and herded onto the same nodes (with room
+for 300 and 8 clients, 400 of 400 were granted, 344 onto full nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from _fleet import ControlPlane, Fleet
+from forkyard.cluster.config import SECRET_HEADER
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory):
+    cp = ControlPlane(tmp_path_factory.mktemp("cp"), schedulers=2)
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.close()
+
+
+@pytest.fixture
+def plane(control_plane):
+    """The module's control plane with an empty Redis (the schedulers carry no state)."""
+    redis.Redis.from_url(control_plane.redis_url).flushall()
+    return control_plane
+
+
+async def _place(c: httpx.AsyncClient, count: int) -> httpx.Response:
+    return await c.post("/v1/placements", json={"kind": "create", "count": count, "snapshot": "base"})
+
+
+async def test_racing_placements_on_two_replicas_never_give_a_node_more_than_its_room(plane):
+    """8 clients on each of 2 replicas place creates (of 1 and 2 sandboxes) as fast as
+    they can against 10 nodes with room for 3 each: exactly 30 are granted, none beyond
+    a node's room, and the next placement is refused for capacity."""
+    room, nodes = 3, 10
+    fleet = Fleet(nodes, room, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    fleet.run()
+    granted: Counter = Counter()
+    try:
+        async def client(url: str, k: int):
+            async with httpx.AsyncClient(base_url=url, headers={SECRET_HEADER: plane.secret}, timeout=30) as c:
+                while True:
+                    r = await _place(c, 1 + k % 2)
+                    if r.status_code == 503:
+                        return
+                    assert r.status_code == 200, r.text
+                    for p in r.json()["placements"]:
+                        granted[p["nodeID"]] += p["count"]
+
+        await asyncio.gather(*(client(u, k) for u in plane.scheduler_urls for k in range(8)))
+        # a client that gave up on a lost race may have left room: take what is left, one at a time
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[0], headers={SECRET_HEADER: plane.secret},
+                                     timeout=30) as c:
+            while (r := await _place(c, 1)).status_code == 200:
+                granted[r.json()["placements"][0]["nodeID"]] += 1
+            assert r.status_code == 503 and "no node has room" in r.json()["message"], r.text
+        over = {n: v for n, v in granted.items() if v > room}
+        assert not over, f"nodes given more sandboxes than their room ({room}): {over}"
+        assert sum(granted.values()) == room * nodes, granted
+        # Redis counts the same: every node's pending placements add up to its room
+        r = redis.Redis.from_url(plane.redis_url)
+        pending = {n.node_id: sum(int(v) for v in r.hvals(f"fy:placingn:{n.node_id}")) for n in fleet.nodes}
+        assert pending == {n.node_id: room for n in fleet.nodes}, pending
+        assert r.zcard("fy:place") == 0  # full nodes leave the placement index
+        assert not fleet.errors(), fleet.errors()[:3]
+    finally:
+        await fleet.stop()
+
+
+async def test_acknowledged_placements_free_their_count_and_the_node_fills_exactly(plane):
+    """Placed creates that reach the node (rows + ack in its next heartbeat) move from
+    ``placing`` to ``running``; the node can then take exactly what is left."""
+    fleet = Fleet(2, 4, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    try:
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[1], headers={SECRET_HEADER: plane.secret},
+                                     timeout=30) as c:
+            for _ in range(3):
+                p = (await _place(c, 1)).json()["placements"][0]
+                fleet.by_id[p["nodeID"]].start(1, p["placementID"])
+            for n in fleet.nodes:
+                await n.beat()  # rows published, placements acked
+            r = redis.Redis.from_url(plane.redis_url)
+            assert sum(r.hlen(f"fy:placingn:{n.node_id}") for n in fleet.nodes) == 0
+            got = Counter()
+            while (resp := await _place(c, 1)).status_code == 200:
+                got[resp.json()["placements"][0]["nodeID"]] += 1
+            assert resp.status_code == 503
+            assert {n.node_id: len(n.rows) + got[n.node_id] for n in fleet.nodes} == {n.node_id: 4 for n in fleet.nodes}
+    finally:
+        await fleet.stop()
+
+
+def test_control_plane_bench_runs_small_and_never_over_grants(tmp_path):
+    """bench/bench_control_plane.py at a small size: it runs, prints its table, and its
+    racing placements never put more sandboxes on a node than its room."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_control_plane.py"), "--nodes", "4",
+                          "--sandboxes", "300", "--placements", "40", "--clients", "4", "--list-sizes", "300",
+                          "--cpu-seconds", "2", "--root", str(tmp_path / "bench")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "placement p50, 1 client" in out.stdout and "over-granted: 0" in out.stdout, out.stdout
+
+
+def _all_pages(get, **params) -> list[str]:
+    """Every id a paginated list gives, following ``x-next-token``."""
+    ids, token = [], None
+    while True:
+        r = get(**params, **({"nextToken": token} if token else {}))
+        assert r.status_code == 200, r.text
+        ids += [x["sandboxID"] for x in r.json()]
+        token = r.headers.get("x-next-token")
+        if not token:
+            return ids
+
+
+async def test_gateway_list_reads_only_the_page_and_lists_as_a_node_does(plane):
+    """GET /v2/sandboxes through the gateway: filters (state, metadata, template, start
+    times), order and paging give what a node's own list gives over the same records
+    (forkyard.api.routes_sandboxes.list_page, the oracle), and a page reads about its own
+    size from Redis, not every binding (it read all 600 before issue 26)."""
+    from datetime import datetime, timezone
+
+    from fastapi import Response
+
+    from forkyard.api.routes_sandboxes import list_page
+
+    fleet = Fleet(3, 1000, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    try:
+        await fleet.seed(600, metadata=lambda i: {"user": f"u{i % 7}", "k=x": "a b&c" if i % 3 else "z"},
+                         paused_every=5)
+        recs = [r for n in fleet.nodes for r in n.rows.values()]
+        iso = lambda t: datetime.fromtimestamp(t, timezone.utc).isoformat()  # noqa: E731
+        mid = sorted(r.started_at for r in recs)[300]
+
+        def oracle(**q) -> list[str]:
+            ids, token = [], None
+            while True:
+                resp = Response()
+                page = list_page(recs, resp, q.get("metadata"), q.get("state"), q.get("template"), q.get("order"),
+                                 token, q.get("limit", 100), q.get("startedAfter"), q.get("startedBefore"))
+                ids += [x["sandboxID"] for x in page]
+                token = resp.headers.get("x-next-token")
+                if not token:
+                    return ids
+
+        with httpx.Client(base_url=plane.gateway_url, headers={"X-API-Key": plane.api_key}, timeout=60) as gw:
+            def get(**params):
+                return gw.get("/v2/sandboxes", params=params)
+
+            import urllib.parse
+
+            for q in [{}, {"limit": 7}, {"order": "asc", "limit": 33}, {"state": "paused", "limit": 9},
+                      {"state": "running"}, {"metadata": "user=u3", "limit": 10},
+                      {"metadata": urllib.parse.urlencode({"user": "u2", "k=x": "a b&c"}), "state": "running"},
+                      {"startedAfter": iso(mid), "limit": 50}, {"startedBefore": iso(mid), "order": "asc"},
+                      {"template": "base", "metadata": "user=u6", "state": "paused"}, {"template": "other"}]:
+                assert _all_pages(get, **q) == oracle(**q), q
+            assert get(nextToken="bm90LWEtdG9rZW4").status_code == 400
+            # v1 (running only, no pages) and the cluster's counts
+            v1 = gw.get("/sandboxes", params={"metadata": "user=u1"}).json()
+            assert sorted(x["sandboxID"] for x in v1) == sorted(oracle(metadata="user=u1", state="running"))
+            m = gw.get("/metrics/cluster").json()["sandboxes"]
+            assert m == {"running": 480, "paused": 120}, m
+            r = redis.Redis.from_url(plane.redis_url)
+            r.config_resetstat()
+            assert len(get(limit=10).json()) == 10
+            reads = r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+            assert reads <= 11 + 3, f"one page of 10 read {reads} hashes (11 bindings + 3 nodes at most)"
+    finally:
+        await fleet.stop()
+
+
+async def test_heartbeats_send_only_a_digest_until_something_changes(plane):
+    """A node whose sandboxes did not change sends only the digest of its held ids (the
+    scheduler compares it with the digest its scripts keep of the node's bindings: no
+    set is read); a change on the node, or on the scheduler's side (a paused sandbox
+    moved away), brings the full list back, and the move is reconciled."""
+    from forkyard.cluster.messages import held_digest
+    from forkyard.cluster.store import ClusterStore
+
+    fleet = Fleet(2, 100, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    store = ClusterStore(plane.redis_url)
+    try:
+        await fleet.seed(40, paused_every=4)
+        n0, n1 = fleet.nodes
+        assert (await n0.beat())["full"]  # its set changed since the last full heartbeat
+        for _ in range(3):
+            out = await n0.beat()
+            assert not out["full"] and not out.get("resend"), out
+        r = redis.Redis.from_url(plane.redis_url)
+        assert r.get(f"fy:nodedig:{n0.node_id}").decode() == held_digest(n0.rows)
+        n0.start(1, None)  # a new sandbox on the node: full again
+        assert (await n0.beat())["full"] and not (await n0.beat())["full"]
+        moved = next(s for s, rec in n0.rows.items() if rec.state == "paused")
+        assert await store.rebind(moved, n0.node_id, n1.node_id)  # the scheduler side changes
+        assert r.get(f"fy:nodedig:{n0.node_id}").decode() == held_digest(set(n0.rows) - {moved})
+        out = await n0.beat()
+        assert not out["full"] and out["resend"]
+        out = await n0.beat()
+        assert out["full"] and out["foreign"] == [moved], out
+        assert (await n1.beat())["adopt"][0]["id"] == moved
+    finally:
+        await store.aclose()
+        await fleet.stop()
