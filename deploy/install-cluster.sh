@@ -16,7 +16,11 @@
 #   /etc/forkyard/{cluster,node,scheduler,gateway}.env   settings, 0644, kept if present
 #   /etc/forkyard/redis.conf                              0644, kept if present
 #   /etc/forkyard/cluster_secret, api_key, redis-secret.conf, secrets.env   0600, generated
-#       once and kept: copy these four to every other host of the cluster (same values).
+#       once and kept (scheduler/gateway/redis roles): copy them to the other control-plane
+#       hosts (same values); node hosts get api_key and secrets.env, never cluster_secret
+#   /etc/forkyard/node_key      0600 (node role): this node's own key, minted from
+#       cluster_secret when this host has it (a one-host cluster); on other node hosts copy
+#       one minted with `forkyard cluster node-key ID --url URL` (docs/deploy.md)
 # With --enable (and systemd as PID 1) the selected services are enabled and started;
 # otherwise the systemctl commands are printed. Idempotent.
 set -euo pipefail
@@ -77,23 +81,33 @@ keep_or_copy() {  # $1 source, $2 destination, $3 mode: never overwrite an edite
   if [ -e "$2" ]; then say "keeping $2"; else install -m "$3" "$1" "$2"; fi
 }
 rand_hex() { python3 -c 'import secrets; print(secrets.token_hex(32))'; }
-secret_file() {  # $1 path, $2 content: create once, mode 0600
+secret_file() {  # $1 path, $2 content[, $3 what to do with it]: create once, mode 0600
   if [ ! -s "$1" ]; then
     (umask 077; printf '%s\n' "$2" > "$1")
-    say "generated $1 (0600): copy it to every host of the cluster"
+    say "generated $1 (0600): ${3:-copy it to the other hosts of the cluster that need it (docs/deploy.md)}"
   fi
   chmod 0600 "$1"
 }
 keep_or_copy deploy/systemd/etc/cluster.env "$ETC/cluster.env" 0644
-secret_file "$ETC/cluster_secret" "$(rand_hex)"
-secret_file "$ETC/api_key" "e2b_$(rand_hex | cut -c1-40)"
-if [ ! -s "$ETC/redis-secret.conf" ]; then
-  pw=$(rand_hex)
-  secret_file "$ETC/redis-secret.conf" "requirepass $pw"
-  [ -s "$ETC/secrets.env" ] || secret_file "$ETC/secrets.env" \
-    "$(sed "s/REDIS_PASSWORD/$pw/" deploy/systemd/etc/secrets.env.example)"
+if has_role scheduler || has_role gateway || has_role redis; then
+  secret_file "$ETC/cluster_secret" "$(rand_hex)"
+  secret_file "$ETC/redis-secret.conf" "requirepass $(rand_hex)"
 fi
-[ -s "$ETC/secrets.env" ] && chmod 0600 "$ETC/secrets.env"
+secret_file "$ETC/api_key" "e2b_$(rand_hex | cut -c1-40)"
+secret_file "$ETC/secrets.env" "$(cat deploy/systemd/etc/secrets.env.example)"
+if has_role node && [ ! -s "$ETC/node_key" ]; then
+  if [ -s "$ETC/cluster_secret" ]; then
+    # This host's node as node.env leaves it by default: id = host name, URL = http://127.0.0.1:3000
+    # (the stdlib-only module, so no installed package is needed).
+    key=$(FORKYARD_SECRET_FILE="$ETC/cluster_secret" PYTHONPATH="$SRC" python3 -c '
+import os, socket
+from forkyard.cluster.nodekeys import node_key
+print(node_key(open(os.environ["FORKYARD_SECRET_FILE"]).read().strip(), socket.gethostname(), "http://127.0.0.1:3000"))')
+    secret_file "$ETC/node_key" "$key" "this host's node key (never copy it to another host)"
+  else
+    say "no $ETC/node_key: on a scheduler host run \`forkyard cluster node-key $(hostname) --url URL --out FILE\` and copy FILE here (0600)"
+  fi
+fi
 
 units=()
 for r in node scheduler gateway redis; do

@@ -87,7 +87,8 @@ class Cluster:
     """Redis + scheduler + gateway + ``nodes`` nodes under ``root``.
 
     Attributes:
-        gateway_url, scheduler_url, api_key, secret: what clients and tests use.
+        gateway_url, scheduler_url, api_key, secret: what clients and tests use (``secret``:
+            the control plane's; each node's env has its own ``FORKYARD_NODE_KEY``).
         sdk: keyword arguments for the e2b SDK (``api_url``, ``sandbox_url``, ``api_key``).
         schedulers: every scheduler replica (``scheduler`` is the first); nodes and the
             gateway are given all their URLs.
@@ -139,9 +140,14 @@ class Cluster:
                             root / "gateway.log", f"{self.gateway_url}/health")
         self.nodes: list[Proc] = []
         self.node_urls: list[str] = []
+        from forkyard.cluster.nodekeys import node_key
+
+        node_base = {k: v for k, v in base.items() if k not in ("FORKYARD_CLUSTER_SECRET", "FORKYARD_REDIS_URL")}
         for i in range(nodes):
             port = free_port()
-            env = dict(base, FORKYARD_DATA_DIR=str(root / f"node{i}"), FORKYARD_PORT=str(port),
+            # A node holds only its own key, bound to its id and URL (forkyard.cluster.nodekeys).
+            env = dict(node_base, FORKYARD_NODE_KEY=node_key(self.secret, f"node{i}", f"http://127.0.0.1:{port}"),
+                       FORKYARD_DATA_DIR=str(root / f"node{i}"), FORKYARD_PORT=str(port),
                        FORKYARD_NET_PREFIX=f"n{'abcdefgh'[i]}{_LETTER}",
                        FORKYARD_OUTER_NET=f"10.{240 + _N}.{i * 64}.0/18", FORKYARD_NODE_ID=f"node{i}",
                        FORKYARD_NODE_MAX_SANDBOXES=str((max_sandboxes or {}).get(i, 40)))

@@ -29,6 +29,7 @@ from _cluster import Proc
 from conftest import free_port
 from forkyard.cluster.messages import (HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
+from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S
 from forkyard.orchestrator.store import SandboxRecord
@@ -118,7 +119,7 @@ class SimNode:
     Args:
         node_id: its name; max_sandboxes: the capacity it reports.
         scheduler_urls: the replicas, in the order this node tries them.
-        secret: the cluster secret.
+        secret: the cluster secret (the node's key is minted from it).
     """
 
     def __init__(self, node_id: str, max_sandboxes: int, scheduler_urls: list[str], secret: str, vcpus: int = 16):
@@ -128,7 +129,9 @@ class SimNode:
         self.dirty: set[str] = set()
         self.acked: set[str] = set()
         self.boot = secrets.token_hex(6)
-        self.client = SchedulerClient(scheduler_urls, secret, timeout_s=30.0)
+        # as a node does: its own key (minted from the master, never the master itself)
+        self.client = SchedulerClient(scheduler_urls, node_key(secret, node_id, self.url), timeout_s=30.0,
+                                      headers={NODE_URL_HEADER: self.url})
         self.beats = 0
         self.held = HeldSync()
         self.errors: list[str] = []

@@ -508,7 +508,7 @@ def test_cluster_auth(cluster):
             r = h.request(method, f"{c.gateway_url}{path}", json={"id": "x"}, headers=key)
             assert r.status_code == 404 and "not part of the API" in r.text, (path, r.status_code, r.text)
         # and a node takes only records shaped as forkyard writes them (ids name host paths)
-        secret = {"x-forkyard-cluster-secret": c.secret}
+        secret = {"x-forkyard-cluster-secret": c.nodes[0].env["FORKYARD_NODE_KEY"]}  # node0's own key
         record = {"template_id": "base", "state": "paused", "slot": None, "vcpus": 2, "memory_mb": 512,
                   "started_at": 0, "end_at": 0, "auto_pause": True, "image_id": "snapx"}
         for bad in [{"id": "."}, {"id": "../../tmp/x"}, {"id": "ok1", "disk_mb": -1}, {"id": "ok1", "vcpus": 10**6},
@@ -679,7 +679,7 @@ def test_what_a_dead_node_or_gateway_leaves_is_moved_expired_and_collected(base_
             sbx = Sandbox.create("base", timeout=300, **c.sdk)
         # the first half of a cross-node fork, as a gateway that then died left it
         r = httpx.post(f"{c.node_urls[0]}/cluster/sandboxes/{sbx.sandbox_id}/fork", json={"count": 0, "timeout": 60},
-                       headers={"x-forkyard-cluster-secret": c.secret}, timeout=120)
+                       headers={"x-forkyard-cluster-secret": c.nodes[0].env["FORKYARD_NODE_KEY"]}, timeout=120)
         assert r.status_code == 200, r.text
         fork_manifest = c.root / "repository" / "manifests" / f"{r.json()['image']}.json"
         assert fork_manifest.exists()

@@ -104,7 +104,7 @@ def test_a_cluster_node_without_a_shared_repository_is_refused(tmp_path):
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "FORKYARD_REPO" in out.stdout + out.stderr and "FORKYARD_ALLOW_LOCAL_REPO" in \
         out.stdout + out.stderr, out.stdout + out.stderr
-    # allowed: it goes on (and stops at the next missing setting, the cluster secret), with a warning
+    # allowed: it goes on (and stops at the next missing setting, its node key), with a warning
     out = subprocess.run(argv, env=dict(env, FORKYARD_ALLOW_LOCAL_REPO="1"), capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "warning: FORKYARD_REPO is unset" in out.stdout, out.stdout + out.stderr
-    assert "cluster needs a shared secret" in out.stdout + out.stderr
+    assert "cluster node needs its own key" in out.stdout + out.stderr

@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -180,12 +181,20 @@ def test_systemd_analyze_verify_catches_a_broken_unit(installed, tmp_path):
 
 def test_install_cluster_writes_0600_secrets_and_keeps_edits(installed):
     etc = installed / "etc/forkyard"
-    for name in ("cluster_secret", "api_key", "redis-secret.conf", "secrets.env"):
+    for name in ("cluster_secret", "api_key", "redis-secret.conf", "secrets.env", "node_key"):
         assert (etc / name).stat().st_mode & 0o777 == 0o600, name
     assert len((etc / "cluster_secret").read_text().strip()) >= 32
     assert re.fullmatch(r"e2b_[0-9a-f]{40}", (etc / "api_key").read_text().strip())
+    # The node's own key (bound to this host's name and default URL), never the secret itself.
+    from forkyard.cluster.nodekeys import node_key
+
+    assert (etc / "node_key").read_text().strip() == node_key((etc / "cluster_secret").read_text().strip(),
+                                                             socket.gethostname(), "http://127.0.0.1:3000")
+    # The Redis password is only in redis-secret.conf (scheduler and gateway read it from
+    # there), not in the secrets.env every node also reads.
     pw = (etc / "redis-secret.conf").read_text().split()[1]
-    assert env_file(etc / "secrets.env")["FORKYARD_REDIS_URL"] == f"redis://:{pw}@127.0.0.1:6379/0"
+    assert env_file(etc / "secrets.env")["FORKYARD_REDIS_URL"] == "redis://127.0.0.1:6379/0"
+    assert pw not in (etc / "secrets.env").read_text()
     redis_conf = (etc / "redis.conf").read_text()
     assert re.search(r"^appendonly yes$", redis_conf, re.M) and re.search(r"^appendfsync everysec$", redis_conf, re.M)
     # A second run keeps what the operator edited and the secrets already shared.
@@ -237,6 +246,11 @@ def unit_cluster(installed, tmp_path, base_template):
     (etc / "gateway.env").write_text(f"FORKYARD_GATEWAY_HOST=127.0.0.1\nFORKYARD_GATEWAY_PORT={ports['gateway']}\n")
     secrets_env = (etc / "secrets.env").read_text().replace("127.0.0.1:6379", f"127.0.0.1:{ports['redis']}")
     (etc / "secrets.env").write_text(secrets_env)
+    # The node's id and URL changed: its key is minted again, as docs/deploy.md says.
+    subprocess.run([str(REPO / ".venv/bin/forkyard"), "cluster", "node-key", "unit-node",
+                    "--url", f"http://127.0.0.1:{ports['node']}", "--out", str(etc / "node_key")],
+                   env=dict(os.environ, FORKYARD_CLUSTER_SECRET_FILE=str(etc / "cluster_secret")),
+                   check=True, capture_output=True)
     # LoadCredential=: a private copy of each secret, 0400, owned by the service's user.
     # DynamicUser= runs scheduler and gateway unprivileged. The venv's interpreter must then
     # be readable by that user: install-cluster.sh builds /opt/forkyard/venv on
@@ -254,7 +268,7 @@ def unit_cluster(installed, tmp_path, base_template):
         d.mkdir()
         os.chmod(d, 0o500)
         for name, src in (("cluster_secret", "cluster_secret"), ("api_key", "api_key"),
-                          ("redis_secret.conf", "redis-secret.conf")):
+                          ("redis_secret.conf", "redis-secret.conf"), ("node_key", "node_key")):
             shutil.copy(etc / src, d / name)
             os.chmod(d / name, 0o400)
             os.chown(d / name, uid, uid)
@@ -285,7 +299,10 @@ def unit_cluster(installed, tmp_path, base_template):
         procs.append(redis)
         import redis as redis_client
 
-        url = env_file(etc / "secrets.env")["FORKYARD_REDIS_URL"]
+        from forkyard.cluster.config import redis_url
+
+        url = redis_url({"FORKYARD_REDIS_URL": env_file(etc / "secrets.env")["FORKYARD_REDIS_URL"],
+                         "FORKYARD_REDIS_PASSWORD_FILE": str(etc / "redis-secret.conf")})
         deadline = time.time() + 20
         while True:
             try:
@@ -390,9 +407,20 @@ def test_k8s_objects_and_command_lines(k8s_rendered):
         assert sc["capabilities"] == {"add": ["ALL"], "drop": ["SYS_RESOURCE"]}
         assert sc["seccompProfile"]["type"] == sc["appArmorProfile"]["type"] == "Unconfined"
         host_paths = {v["hostPath"]["path"] for v in ds["volumes"] if "hostPath" in v}
-        assert host_paths == {"/var/lib/forkyard", "/sys/fs/cgroup"}
-        redis = by[("StatefulSet", "forkyard-redis")]["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert redis[redis.index("--appendonly") + 1] == "yes"
+        assert host_paths == {"/var/lib/forkyard", "/sys/fs/cgroup", "/etc/forkyard/node_key"}
+        # a node holds its own key only (a host file), never the cluster secret or Redis's password
+        env = {e["name"]: e for e in node["env"]}
+        assert env["FORKYARD_NODE_KEY_FILE"]["value"] == "/etc/forkyard/node_key"
+        assert not {"FORKYARD_CLUSTER_SECRET", "FORKYARD_CLUSTER_SECRET_FILE", "FORKYARD_REDIS_URL"} & set(env)
+        (items,) = [v["secret"]["items"] for v in ds["volumes"] if "secret" in v]
+        assert [i["key"] for i in items] == ["api_key"]
+        redis = by[("StatefulSet", "forkyard-redis")]["spec"]["template"]["spec"]["containers"][0]
+        script = " ".join(redis["args"])
+        assert "--appendonly yes" in script and "umask 077" in script and "mkdir -m 700 /data/redis" in script
+        assert "requirepass" in script and "$(REDIS_PASSWORD)" not in script  # on stdin, not in argv
+        policy = by[("NetworkPolicy", "forkyard-redis")]["spec"]
+        assert {p["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for p in policy["ingress"][0]["from"]} \
+            == {"forkyard-scheduler", "forkyard-gateway"}
         for kind, name in (("DaemonSet", "forkyard-node"), ("Deployment", "forkyard-scheduler"),
                            ("Deployment", "forkyard-gateway")):
             (c,) = by[(kind, name)]["spec"]["template"]["spec"]["containers"]
@@ -442,6 +470,10 @@ def test_compose_file_is_valid_and_its_command_lines_parse(tmp_path):
         s = services[name]
         assert s["cap_add"] == ["ALL"] and s["cap_drop"] == ["SYS_RESOURCE"] and not s.get("privileged")
         assert s["environment"]["FORKYARD_ADVERTISE_URL"] == f"http://{name}:3000"
+        # a node holds its own key only: not the cluster secret, not the Redis password
+        assert s["environment"]["FORKYARD_NODE_KEY_FILE"] == f"/run/secrets/{name}_key"
+        assert "FORKYARD_CLUSTER_SECRET_FILE" not in s["environment"] and "FORKYARD_REDIS_URL" not in s["environment"]
+        assert {x["source"] for x in s["secrets"]} == {f"{name}_key", "api_key"}
         assert s["environment"]["FORKYARD_REPO"].startswith("s3://")
         # sandbox disks are loop mounts: loop-control and loop block devices; a resolver
         assert s["devices"] == ["/dev/loop-control"] and s["device_cgroup_rules"] == ["b 7:* rmw"]

@@ -37,8 +37,8 @@ def load_or_create_key(path: Path) -> str:
     return key
 
 
-#: Header carrying the cluster secret on control-plane calls (gateway → node, node →
-#: scheduler). Never forwarded into a sandbox: the gateway sends it only on REST calls,
+#: Header carrying the control plane's credential: the cluster secret (gateway → scheduler)
+#: or a node's own key (gateway → node, node → scheduler; forkyard.cluster.nodekeys). Never forwarded into a sandbox: the gateway sends it only on REST calls,
 #: and the node's proxy strips it from sandbox traffic.
 CLUSTER_SECRET_HEADER = "x-forkyard-cluster-secret"
 
@@ -54,7 +54,7 @@ def cluster_secret_ok(headers, secret: str | None) -> bool:
 
 def require_key(request: Request) -> None:
     """FastAPI dependency: 401 unless ``X-API-Key`` matches the server's key — or, on a
-    cluster node, the request carries the cluster secret (the gateway's calls;
+    cluster node, the request carries this node's key (the gateway's calls;
     ``app.state.cluster_secret``, see :mod:`forkyard.cluster.config`)."""
     expected: str = request.app.state.api_key
     got = request.headers.get("x-api-key", "")

@@ -19,6 +19,8 @@ commands = typer.Typer()
 #: ``forkyard node`` (run, drain, undrain, ls, which), added by :mod:`forkyard.cli.main`.
 node_app = typer.Typer(help="Run a node, or manage the cluster's nodes.", no_args_is_help=False,
                        invoke_without_command=True)
+#: ``forkyard cluster`` (node-key), added by :mod:`forkyard.cli.main`.
+cluster_app = typer.Typer(help="Control-plane credentials of a cluster.", no_args_is_help=True)
 
 SCHEDULER_OPT = typer.Option(None, "--scheduler", help="Scheduler URL (FORKYARD_SCHEDULER_URL, "
                                                        "default http://127.0.0.1:9090; replicas comma-separated).")
@@ -30,6 +32,29 @@ def _secret() -> str:
 
     try:
         return load_secret()
+    except ClusterConfigError as e:
+        fail(str(e))
+
+
+def _node_key() -> str:
+    from forkyard.cluster.config import ClusterConfigError, cluster_secret_given, load_node_key
+
+    try:
+        key = load_node_key()
+    except ClusterConfigError as e:
+        fail(str(e))
+    if cluster_secret_given():
+        print("warning: this node is given the cluster secret (FORKYARD_CLUSTER_SECRET(_FILE)); a node needs only "
+              "its own key (FORKYARD_NODE_KEY_FILE): remove it from the node's settings", flush=True)
+    return key
+
+
+def _redis(url: str | None) -> str:
+    """The Redis URL: ``--redis`` or the setting (with FORKYARD_REDIS_PASSWORD_FILE's password)."""
+    from forkyard.cluster.config import ClusterConfigError, redis_url
+
+    try:
+        return redis_url(url=url)
     except ClusterConfigError as e:
         fail(str(e))
 
@@ -74,7 +99,7 @@ def node(
             max_sbx = default_max_sandboxes()
         except ValueError:
             fail("FORKYARD_NODE_MAX_SANDBOXES must be a whole number")
-        cluster = {"scheduler": sched, "secret": _secret(),
+        cluster = {"scheduler": sched, "secret": _node_key(),
                    "node_id": node_id or env.node_id or socket.gethostname(),
                    "advertise_url": advertise_url or env.advertise_url,
                    "max_sandboxes": max_sbx}
@@ -153,15 +178,15 @@ def scheduler(
     import uvicorn
 
     from forkyard.obs.logs import UVICORN_LOG_CONFIG
-    from forkyard.cluster.config import redis_url
+    from forkyard.cluster.config import redacted_url
     from forkyard.cluster.scheduler import create_scheduler_app
     from forkyard.cluster.store import ClusterStore
 
     setup_logging(log_level, "scheduler")
     os.umask(0o077)  # anything it writes is private (forkyard.fsperms)
     secret = _secret()
-    url = redis or redis_url()
-    print(f"forkyard scheduler on http://{host}:{port}, state in {_redacted(url)}", flush=True)
+    url = _redis(redis)
+    print(f"forkyard scheduler on http://{host}:{port}, state in {redacted_url(url)}", flush=True)
     # No access log: every node heartbeats every second.
     try:
         sched_app = create_scheduler_app(ClusterStore(url), secret)
@@ -187,7 +212,6 @@ def gateway(
 
     from forkyard.api.auth import load_or_create_key
     from forkyard.obs.logs import UVICORN_LOG_CONFIG
-    from forkyard.cluster.config import redis_url
     from forkyard.cluster.gateway import Gateway
     from forkyard.cluster.store import ClusterStore
     from forkyard.config import Settings
@@ -201,7 +225,7 @@ def gateway(
     key = load_or_create_key(settings.api_key_file)
     # Sandbox answers carry the gateway's domain, so the SDKs' get_host() comes here.
     domain = settings.domain or f"localhost:{port}"
-    gw = Gateway(ClusterStore(redis or redis_url()), _scheduler(scheduler), secret, key,
+    gw = Gateway(ClusterStore(_redis(redis)), _scheduler(scheduler), secret, key,
                  max_body_bytes=settings.max_upload_mb << 20, domain=domain)
     url = f"http://{host}:{port}"
     print(f"forkyard gateway {url}, scheduler {_scheduler(scheduler)}", flush=True)
@@ -218,17 +242,6 @@ def gateway(
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), timeout_keep_alive=75,
                 timeout_graceful_shutdown=2, access_log=False, log_config=UVICORN_LOG_CONFIG,
                 **uvicorn_limits(zero_copy=True))
-
-
-def _redacted(url: str) -> str:
-    """``url`` without a password (``redis://:secret@host`` → ``redis://:***@host``)."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-        return urlunsplit(parts._replace(netloc=netloc))
-    return url
 
 
 def _need_shared_repo(env: ClusterSettings) -> None:
@@ -292,3 +305,33 @@ def _call(scheduler: str | None, method: str, path: str, missing_ok: bool = Fals
             msg = r.text
         fail(f"scheduler answered {r.status_code}: {msg}")
     return r.json()
+
+
+@cluster_app.command("node-key")
+def node_key(node_id: str = typer.Argument(..., help="The node's FORKYARD_NODE_ID."),
+             url: str = typer.Option(..., "--url", help="The node's FORKYARD_ADVERTISE_URL (where gateways reach it)."),
+             out: Path = typer.Option(..., "--out", help="File to write the key to (mode 0600, replaced "
+                                                         "atomically); `-` writes it to stdout, e.g. into ssh.")):
+    """Mint NODE_ID's own key, bound to URL, from the cluster secret (run it where the
+    secret is: a scheduler or gateway host). The node gets only this key
+    (FORKYARD_NODE_KEY_FILE): it cannot act as another node or at another URL."""
+    from forkyard.cluster.nodekeys import node_key as derive
+    from forkyard.cluster.nodekeys import normal_url
+    if not node_id or len(node_id) > 253 or any(c in node_id for c in "/?#%") or not node_id.isprintable() \
+            or node_id != node_id.strip():
+        fail(f"node id {node_id!r}: at most 253 printable characters without '/', '?', '#', '%' or spaces")
+    if not url.startswith(("http://", "https://")):
+        fail(f"--url {url!r} must start with http:// or https://")
+    key = derive(_secret(), node_id, normal_url(url))
+    if str(out) == "-":
+        print(key)
+        return
+    tmp = out.with_name(f".{out.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    print(f"wrote node {node_id}'s key for {normal_url(url)} to {out} (0600); on that node set "
+          f"FORKYARD_NODE_ID={node_id} FORKYARD_ADVERTISE_URL={normal_url(url)} FORKYARD_NODE_KEY_FILE=PATH", flush=True)

@@ -51,6 +51,7 @@ for _commands in (
 app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(admin.template_app, name="template")
 app.add_typer(cluster.node_app, name="node")
+app.add_typer(cluster.cluster_app, name="cluster")
 
 
 def main() -> None:  # pragma: no cover - console entry

@@ -18,7 +18,7 @@
   ``connect``/``resume`` is never served here: the sandbox is paused first and the call
   answered 409 with :data:`~.config.DRAINING_HEADER`, so the gateway resumes it on
   another node;
-* **internal routes** under ``/cluster`` (cluster secret only): ``adopt`` a paused
+* **internal routes** under ``/cluster`` (this node's own key only, :mod:`.nodekeys`): ``adopt`` a paused
   sandbox from a dead or draining node, fork with an exported image, start fork
   children from another node's image, delete an exported fork image.
 """
@@ -42,6 +42,7 @@ from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
 from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
+from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
 from forkyard.config import ClusterSettings, ControlPlaneSettings
@@ -114,7 +115,9 @@ class NodeAgent:
     Args:
         proxy_app: the node app from ``create_app`` (its FastAPI instance at ``.fastapi``).
         node_id: this node's name; url: where gateways reach it.
-        scheduler_url: the scheduler's base URL; secret: the cluster secret.
+        scheduler_url: the scheduler's base URL; secret: this node's own key
+            (:mod:`.nodekeys`, bound to ``node_id`` and ``url``): sent to the scheduler, and
+            the only credential the node's internal routes accept.
         max_sandboxes: sandboxes this node runs at once (reported for placement, and
             enforced by the node's admission beside ``FORKYARD_MAX_SANDBOXES``).
     """
@@ -122,7 +125,7 @@ class NodeAgent:
     def __init__(self, proxy_app, node_id: str, url: str, scheduler_url: str, secret: str, max_sandboxes: int):
         self.app = proxy_app.fastapi
         self.orch = self.app.state.orchestrator
-        self.node_id, self.url, self.max_sandboxes = node_id, url, max_sandboxes
+        self.node_id, self.url, self.max_sandboxes = node_id, normal_url(url), max_sandboxes
         # The node enforces the count it reports: a placement computed on a stale report
         # is refused here (503, and the caller retries elsewhere) rather than overfilling.
         cap = self.orch.capacity
@@ -133,7 +136,8 @@ class NodeAgent:
         self.drain_done = False
         self.boot = secrets.token_hex(6)
         self.settings = ClusterSettings()
-        self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S)
+        self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S,
+                                     headers={NODE_URL_HEADER: self.url})
         #: Whether the last scheduler call succeeded (None before the first).
         self.linked: bool | None = None
         #: When a scheduler call last succeeded (monotonic s).
@@ -430,7 +434,7 @@ class NodeAgent:
 
     # ---- the node app -------------------------------------------------------------------
     def wrap(self, app):
-        """ASGI middleware for the node app: ``/cluster/*`` needs the cluster secret
+        """ASGI middleware for the node app: ``/cluster/*`` needs this node's key
         (checked from headers, before the body); a mutating REST call (POST/PUT/DELETE,
         not sandbox traffic) answers only after its changes are published — waiting at
         most :data:`PUBLISH_WAIT_S`; after that they follow in the background."""
@@ -448,7 +452,7 @@ class NodeAgent:
             if scope["path"].startswith("/cluster/"):
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
                 if not cluster_secret_ok(headers, agent.secret):
-                    return await JSONResponse({"code": 401, "message": "cluster secret required"},
+                    return await JSONResponse({"code": 401, "message": "this node's key required (x-forkyard-cluster-secret)"},
                                               status_code=401)(scope, receive, send)
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)

@@ -3,12 +3,19 @@ CLI options override).
 
 =================================  ==========================================================
 ``FORKYARD_REDIS_URL``             cluster state (scheduler, gateway); default
-                                   ``redis://127.0.0.1:6379/0``
+                                   ``redis://127.0.0.1:6379/0``; a password in it
+                                   (``redis://:PASS@host``) is never printed
+``FORKYARD_REDIS_PASSWORD_FILE``   or a 0600 file holding the Redis password (or the
+                                   ``requirepass PASS`` line of a Redis config)
 ``FORKYARD_SCHEDULER_URL``         where nodes and gateways reach the scheduler; default
                                    ``http://127.0.0.1:9090``; several replicas comma-separated
                                    (tried in turn: :class:`~.schedclient.SchedulerClient`)
-``FORKYARD_CLUSTER_SECRET``        the secret node ↔ scheduler ↔ gateway calls carry (not the
-``FORKYARD_CLUSTER_SECRET_FILE``   users' API key); or a file holding it, mode 0600
+``FORKYARD_CLUSTER_SECRET``        the control plane's master secret (scheduler, gateway, the
+``FORKYARD_CLUSTER_SECRET_FILE``   operator's ``forkyard node ls|drain``; not the users' API
+                                   key); or a file holding it, mode 0600. Never on a node
+``FORKYARD_NODE_KEY``              a node's own key, bound to its id and URL
+``FORKYARD_NODE_KEY_FILE``         (``forkyard cluster node-key``, :mod:`.nodekeys`); or a
+                                   0600 file holding it
 ``FORKYARD_NODE_ID``               this node's name (default: the host name)
 ``FORKYARD_ADVERTISE_URL``         where the gateway reaches this node (default
                                    ``http://HOST:PORT`` of the node's listener)
@@ -24,6 +31,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from forkyard.api.auth import CLUSTER_SECRET_HEADER as SECRET_HEADER  # noqa: F401 — re-exported
 
@@ -34,6 +42,7 @@ PLACEMENT_HEADER = "x-forkyard-placement"
 #: resumes on another node (the gateway moves it and tries again there).
 DRAINING_HEADER = "x-forkyard-draining"
 from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
+from forkyard.cluster.nodekeys import NODE_KEY_PREFIX
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:9090"
@@ -66,16 +75,91 @@ def load_secret(env: dict[str, str] | None = None) -> str:
     if not value:
         raise ClusterConfigError("a cluster needs a shared secret: set FORKYARD_CLUSTER_SECRET_FILE to a 0600 file "
                                  "(e.g. `openssl rand -hex 32 > /etc/forkyard/cluster_secret`) or "
-                                 "FORKYARD_CLUSTER_SECRET, the same on every node, scheduler and gateway")
+                                 "FORKYARD_CLUSTER_SECRET, the same on every scheduler and gateway (nodes get "
+                                 "their own keys: forkyard cluster node-key)")
     if len(value) < 16:
         raise ClusterConfigError("the cluster secret must be at least 16 characters")
     return value
 
 
-def redis_url(env: dict[str, str] | None = None) -> str:
-    """``FORKYARD_REDIS_URL`` or the default."""
+def load_node_key(env: dict[str, str] | None = None) -> str:
+    """This node's key from ``FORKYARD_NODE_KEY`` or the 0600 file named by
+    ``FORKYARD_NODE_KEY_FILE``.
+
+    Raises:
+        ClusterConfigError: neither is set (the message says how to mint one), the file is
+            unreadable or readable by group/others, or the value is not a node key
+            (e.g. the cluster's master secret, which a node must not hold).
+    """
     env = os.environ if env is None else env
-    return env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
+    value = env.get("FORKYARD_NODE_KEY", "").strip()
+    path = env.get("FORKYARD_NODE_KEY_FILE", "").strip()
+    if not value and path:
+        p = Path(path)
+        try:
+            mode = p.stat().st_mode
+            value = p.read_text().strip()
+        except OSError as e:
+            raise ClusterConfigError(f"cannot read FORKYARD_NODE_KEY_FILE {path}: {e}") from e
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    if not value:
+        raise ClusterConfigError("a cluster node needs its own key: on a host holding the cluster secret run "
+                                 "`forkyard cluster node-key NODE_ID --url ADVERTISE_URL --out node.key`, copy the file "
+                                 "to this node (mode 0600) and set FORKYARD_NODE_KEY_FILE to it. Nodes no longer take "
+                                 "FORKYARD_CLUSTER_SECRET: it stays on the scheduler and gateway hosts")
+    if not value.startswith(NODE_KEY_PREFIX) or len(value) != len(NODE_KEY_PREFIX) + 64:
+        raise ClusterConfigError("FORKYARD_NODE_KEY(_FILE) does not hold a node key (fynk_…): a node holds only "
+                                 "its own key (`forkyard cluster node-key`), never the cluster secret")
+    return value
+
+
+def cluster_secret_given(env: dict[str, str] | None = None) -> bool:
+    """Whether ``FORKYARD_CLUSTER_SECRET`` or ``FORKYARD_CLUSTER_SECRET_FILE`` is set (a
+    node warns: it must not hold it)."""
+    env = os.environ if env is None else env
+    return bool(env.get("FORKYARD_CLUSTER_SECRET") or env.get("FORKYARD_CLUSTER_SECRET_FILE"))
+
+
+def redis_url(env: dict[str, str] | None = None, url: str | None = None) -> str:
+    """``url`` (``--redis``), else ``FORKYARD_REDIS_URL``, else the default, with the password read from the 0600 file
+    named by ``FORKYARD_REDIS_PASSWORD_FILE`` put in it when that is set (the URL's own
+    password, ``redis://:PASS@host``, otherwise). Show it only through :func:`redacted_url`.
+
+    Raises:
+        ClusterConfigError: the password file is unreadable, empty, or readable by
+            group or others.
+    """
+    env = os.environ if env is None else env
+    url = url or env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
+    path = env.get("FORKYARD_REDIS_PASSWORD_FILE", "").strip()
+    if not path:
+        return url
+    try:
+        mode = Path(path).stat().st_mode
+        password = Path(path).read_text().strip()
+    except OSError as e:
+        raise ClusterConfigError(f"cannot read FORKYARD_REDIS_PASSWORD_FILE {path}: {e}") from e
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    conf = [ln.split(None, 1) for ln in password.splitlines() if ln.startswith("requirepass ")]
+    if conf:  # a Redis config holding it (`requirepass PASS`, as deploy/ writes redis-secret.conf)
+        password = conf[0][1].strip()
+    if not password:
+        raise ClusterConfigError(f"FORKYARD_REDIS_PASSWORD_FILE {path} is empty")
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{host}"))
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (``redis://:secret@host`` → ``redis://:***@host``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}"))
 
 
 def scheduler_url(env: dict[str, str] | None = None) -> str:

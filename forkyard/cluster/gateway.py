@@ -17,7 +17,11 @@ number of gateways can run behind a load balancer. What goes where:
 * everything else (templates, snapshots, repository metrics) → one node (the lowest id
   that is up), since templates and snapshots live in the shared repository.
 
-Calls to nodes carry the cluster secret instead of the user's API key. Sandbox answers
+Calls to nodes carry that node's own key (:mod:`.nodekeys`: derived from the cluster
+secret, bound to the node's id and URL) instead of the user's API key — never the
+secret itself — and go only to nodes whose Redis record carries a valid binding tag
+(:meth:`~.store.ClusterStore.nodes`), so a record planted in Redis or a node posing as
+another receives no traffic and no credential. Sandbox answers
 carry the gateway's own ``domain`` (``FORKYARD_DOMAIN``, else ``localhost:PORT``), so the
 SDKs' ``get_host()`` comes back here.
 
@@ -48,6 +52,7 @@ from forkyard.api import schemas
 from forkyard.api.routes_sandboxes import parse_metadata, filter_records, list_filters
 from forkyard.cluster.listing import decode_cursor, encode_cursor, record_of
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
+from forkyard.cluster.nodekeys import NodeKeys
 from forkyard.cluster.routing import Fail as _Fail
 from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
@@ -112,7 +117,7 @@ class Gateway(Ownership):
     Args:
         store: cluster state (Redis).
         scheduler_url: the scheduler's base URL (several replicas: comma-separated);
-            secret: the cluster secret.
+            secret: the cluster's master secret (scheduler calls; node keys derive from it).
         api_key: the users' API key (``X-API-Key``), the same on every node.
         max_body_bytes: largest body forwarded to a sandbox or node (uploads), bytes.
         domain: the ``domain`` sandbox answers carry (``host[:port]``; None: the
@@ -121,7 +126,8 @@ class Gateway(Ownership):
 
     def __init__(self, store: ClusterStore, scheduler_url: str, secret: str, api_key: str,
                  max_body_bytes: int = 4 << 30, domain: str | None = None):
-        self.store, self.secret, self.api_key = store, secret, api_key
+        self.store, self.api_key = store, api_key
+        self.keys = store.keys = NodeKeys(secret)  # node records count only with their binding tag
         self.max_body_bytes = max_body_bytes
         self.domain = domain
         self.sched = SchedulerClient(scheduler_url, secret, timeout_s=30.0)
@@ -202,7 +208,7 @@ class Gateway(Ownership):
 
     async def _node_call(self, node: NodeInfo, method: str, path: str, body=None,
                          placement: str | None = None) -> httpx.Response:
-        headers = {SECRET_HEADER: self.secret, **logs.outgoing()}
+        headers = {SECRET_HEADER: self.node_key(node), **logs.outgoing()}
         if placement:
             headers[PLACEMENT_HEADER] = placement
         try:
@@ -248,7 +254,7 @@ class Gateway(Ownership):
         got = headers.get("x-api-key", "")
         if not got or not hmac.compare_digest(got.encode(), self.api_key.encode()):
             raise _Fail(401, "Invalid API key, set X-API-Key header")
-        if path == "/cluster" or path.startswith("/cluster/"):  # node-to-gateway calls only (the secret)
+        if path == "/cluster" or path.startswith("/cluster/"):  # gateway-to-node calls only (a node key)
             raise _Fail(404, f"{path} is not part of the API")
         if method == "GET" and path in ("/sandboxes", "/v2/sandboxes", "/metrics/node", "/metrics/cluster"):
             return await self.api(scope, receive, send)
@@ -313,17 +319,22 @@ class Gateway(Ownership):
         client's ``Host`` goes along, so URLs the node builds from it (the template
         build's signed upload URL) point back at the gateway."""
         await relay_http(self._client(node), scope, _replay(body) if body is not None else receive, send,
-                         node.url, self._node_headers(scope, placement, secret), self.max_body_bytes,
+                         node.url, self._node_headers(node, scope, placement, secret), self.max_body_bytes,
                          f"node {node.node_id}")
 
-    def _node_headers(self, scope, placement: str | None, secret: bool = True) -> list[tuple[bytes, bytes]]:
-        """The client's headers for a node: the API key and our own headers dropped, its
-        ``Host`` kept, the cluster secret (when ``secret``) and the scheduler's
+    def node_key(self, node: NodeInfo) -> str:
+        """``node``'s own key for its URL (what the gateway's calls to it carry)."""
+        return self.keys.key(node.node_id, node.url)
+
+    def _node_headers(self, node: NodeInfo, scope, placement: str | None,
+                      secret: bool = True) -> list[tuple[bytes, bytes]]:
+        """The client's headers for ``node``: the API key and our own headers dropped, its
+        ``Host`` kept, the node's key (when ``secret``) and the scheduler's
         ``placement`` id added."""
         headers = [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in _NODE_SKIP]
         headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"host"][:1]
         if secret:
-            headers.append((SECRET_HEADER.encode(), self.secret.encode()))
+            headers.append((SECRET_HEADER.encode(), self.node_key(node).encode()))
         if placement:
             headers.append((PLACEMENT_HEADER.encode(), placement.encode()))
         return headers
@@ -437,7 +448,7 @@ class Gateway(Ownership):
         _Fail(502) when the node cannot be reached (``connect_error``: httpx.ConnectError
         itself when the connection could not be opened, so nothing reached the node).
         ``draining``: the node is draining (:data:`~.config.DRAINING_HEADER` sent along)."""
-        headers = self._node_headers(scope, placement)
+        headers = self._node_headers(node, scope, placement)
         if draining:
             headers.append((DRAINING_HEADER.encode(), b"1"))
         try:

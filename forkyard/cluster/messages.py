@@ -48,7 +48,7 @@ def node_report(rows: list, **host) -> NodeReport:
 def held_digest(ids) -> str:
     """Digest of a set of sandbox ids: XOR of the first 64 bits of each id's SHA-1, as
     16 hex chars — the same the scheduler's scripts keep for a node's bindings
-    (:data:`forkyard.cluster.store.LUA_DIGEST`), changed incrementally there."""
+    (:data:`forkyard.cluster.scripts.LUA_DIGEST`), changed incrementally there."""
     a = b = 0
     for sid in ids:
         h = hashlib.sha1(sid.encode()).hexdigest()

@@ -99,11 +99,11 @@ class Unanswered(Exception):
     """No node said it holds the sandbox, but some did not answer at all."""
 
 
-async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id: str, secret: str,
+async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id: str, key,
                     timeout_s: float = ASK_TIMEOUT_S) -> tuple[NodeInfo, dict] | None:
     """Ask every node in ``nodes`` at once whether it holds ``sandbox_id``
-    (``GET /sandboxes/{id}`` with the cluster secret). Returns ``(node, its answer's
-    JSON)`` of the first that does, or None when every node said it does not.
+    (``GET /sandboxes/{id}`` with that node's own key, ``key(node) -> str``). Returns
+    ``(node, its answer's JSON)`` of the first that does, or None when every node said it does not.
 
     Raises:
         Unanswered: none said so but some did not answer within ``timeout_s`` (the
@@ -114,7 +114,7 @@ async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id
 
     async def one(node: NodeInfo):
         try:
-            r = await client.get(f"{node.url}/sandboxes/{sandbox_id}", headers={SECRET_HEADER: secret},
+            r = await client.get(f"{node.url}/sandboxes/{sandbox_id}", headers={SECRET_HEADER: key(node)},
                                  timeout=httpx.Timeout(timeout_s, connect=min(1.0, timeout_s)))
         except httpx.HTTPError:
             return False
@@ -143,7 +143,7 @@ async def ask_nodes(client: httpx.AsyncClient, nodes: list[NodeInfo], sandbox_id
 
 class Ownership:
     """Which node serves a sandbox, for the gateway (:class:`~.gateway.Gateway` mixes it
-    in and provides ``store``, ``book``, ``secret``, ``_ask`` (an httpx client),
+    in and provides ``store``, ``book``, ``node_key()``, ``_ask`` (an httpx client),
     ``_owners``, ``nodes()``, ``_schedule()`` and ``_node_call()``)."""
 
     async def owner(self, sandbox_id: str, move: bool = True, fresh: bool = False) -> NodeInfo:
@@ -258,7 +258,7 @@ class Ownership:
             nodes = self.book.nodes
         try:
             got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id,
-                                  self.secret)
+                                  self.node_key)
         except Unanswered:
             if strict:
                 raise

@@ -18,14 +18,17 @@ class SchedulerClient:
 
     Args:
         urls: a comma-separated string or a list of base URLs.
-        secret: the cluster secret (sent on every call).
+        secret: the credential sent on every call: the cluster secret (gateway, CLI) or
+            a node's own key (:mod:`.nodekeys`).
+        headers: more headers for every call (a node's :data:`~.nodekeys.NODE_URL_HEADER`).
         timeout_s: default timeout of a call (s); connecting gets at most a second of it.
     """
 
-    def __init__(self, urls: str | list[str], secret: str, timeout_s: float = 5.0):
+    def __init__(self, urls: str | list[str], secret: str, timeout_s: float = 5.0,
+                 headers: dict[str, str] | None = None):
         self.urls = scheduler_urls(urls) if isinstance(urls, str) else list(urls)
         self._i = 0
-        self._http = httpx.AsyncClient(headers={SECRET_HEADER: secret}, trust_env=False,
+        self._http = httpx.AsyncClient(headers={**(headers or {}), SECRET_HEADER: secret}, trust_env=False,
                                        timeout=httpx.Timeout(timeout_s, connect=min(1.0, timeout_s)))
 
     @property

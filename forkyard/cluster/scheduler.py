@@ -8,7 +8,9 @@ shows their sandboxes (a placement made while a report was in flight is never lo
 Nodes are declared down only on evidence about them (:mod:`.liveness`): never because
 Redis or the scheduler itself was away.
 
-HTTP API (JSON; every route but ``/health`` needs the cluster secret header):
+HTTP API (JSON; every route but ``/health`` needs the cluster secret header, except a
+node's own heartbeat, publish and restarting calls, which need that node's key and the URL
+it is bound to instead, :mod:`.nodekeys`):
 
 * ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend]}``
   (without ``held``: nothing changed on the node since its last full heartbeat; ``resend``:
@@ -24,17 +26,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Annotated
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 import httpx
 
-from forkyard.cluster.config import secret_ok
+from forkyard.cluster.config import SECRET_HEADER, secret_ok
+from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys, normal_url
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.rooms import CANDIDATES
@@ -49,6 +53,8 @@ log = logging.getLogger("forkyard.scheduler")
 #: Largest request body the scheduler reads (bytes): a heartbeat of a node holding many
 #: thousands of sandboxes fits.
 MAX_BODY = 8 << 20
+#: A node's own calls, authenticated with its key (:mod:`.nodekeys`): node id, call.
+_NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|publish|restarting)$")
 
 
 class Heartbeat(BaseModel):
@@ -100,11 +106,23 @@ def _err(status: int, message: str) -> JSONResponse:
 class _Guard:
     """ASGI middleware: a path the gateway and nodes would refuse is refused here too
     (:func:`forkyard.relay.paths.path_problem`, 400: one rule on every hop, issue 25), the
-    cluster secret is checked from the headers before any body is read (``/health``
-    excepted), and bodies over :data:`MAX_BODY` are refused."""
+    credential is checked from the headers before any body is read (``/health``
+    excepted: the cluster secret; a node's own calls: that node's key for the URL it sends,
+    :mod:`.nodekeys`), and bodies over :data:`MAX_BODY` are refused. Refused node calls
+    are logged once a minute per node id."""
 
     def __init__(self, app, secret: str):
-        self.app, self.secret = app, secret
+        self.app, self.secret, self.keys = app, secret, NodeKeys(secret)
+        self._logged: dict[str, float] = {}
+
+    def _log_refused(self, node_id: str, call: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._logged.get(node_id, -60.0) < 60:
+            return
+        if len(self._logged) > 1000:  # ids come from the caller: keep the table bounded
+            self._logged.clear()
+        self._logged[node_id] = now
+        log.warning("refused %s for node %s: %s", call, node_id[:100], why)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and (problem := path_problem(scope)):
@@ -112,7 +130,15 @@ class _Guard:
         if scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if not secret_ok(headers, self.secret):
+        if m := _NODE_ROUTE.match(scope["path"]):  # a node's own calls: its key, never the master
+            if bad := self.keys.check(m.group(1), headers.get(NODE_URL_HEADER), headers.get(SECRET_HEADER)):
+                self._log_refused(m.group(1), m.group(2), bad[1])
+                return await _err(*bad)(scope, receive, send)
+        elif not secret_ok(headers, self.secret):
+            got = headers.get(SECRET_HEADER, "")
+            if got.startswith(NODE_KEY_PREFIX):
+                return await _err(403, "a node key is accepted only on that node's heartbeat, publish and "
+                                       "restarting calls")(scope, receive, send)
             return await _err(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")(scope, receive, send)
         length = headers.get("content-length", "0")
         if not length.isdigit() or int(length) > MAX_BODY:
@@ -258,10 +284,11 @@ async def _reachable(client: httpx.AsyncClient, url: str) -> bool:
 
 
 def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: float = 1.0):
-    """The scheduler's ASGI app over ``store``; ``secret`` guards every route but
-    ``/health``. A background sweep every ``sweep_interval_s`` (:func:`sweep_once`)
+    """The scheduler's ASGI app over ``store``; ``secret`` (the master) guards every
+    route but ``/health`` and the nodes' own calls (their keys, :mod:`.nodekeys`). A background sweep every ``sweep_interval_s`` (:func:`sweep_once`)
     declares nodes down only on evidence about them and moves the paused sandboxes of
     nodes down longer than :data:`ORPHAN_MOVE_S`."""
+    store.keys = NodeKeys(secret)  # node records in Redis count only with their binding tag
     probe = httpx.AsyncClient(trust_env=False)
 
     async def sweep():
@@ -302,11 +329,13 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
 
     @app.post("/v1/nodes/{node_id}/heartbeat")
-    async def heartbeat(node_id: str, body: Heartbeat):
+    async def heartbeat(node_id: str, body: Heartbeat, request: Request):
+        if normal_url(body.url) != normal_url(request.headers.get(NODE_URL_HEADER, "")):
+            raise HTTPException(403, f"heartbeat url {body.url!r} is not the one node {node_id}'s key is bound to")
         # acks in the same script as the report that shows their sandboxes
         digests: dict[str, str] = {}
-        status = await store.heartbeat(node_id, body.url, NodeReport.from_dict(body.report), own_status=body.status,
-                                       acked=body.placements, digests=digests)
+        status = await store.heartbeat(node_id, normal_url(body.url), NodeReport.from_dict(body.report),
+                                       own_status=body.status, acked=body.placements, digests=digests)
         if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
             same = body.digest is not None and body.digest == digests[node_id]
             return {"status": status, "foreign": [], "missing": [], "adopt": [], **({} if same else {"resend": True})}

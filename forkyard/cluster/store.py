@@ -5,7 +5,8 @@ gateways acting at once never see half a change):
 
 =============================  ==========================================================
 ``fy:nodes``                   set of node ids
-``fy:node:<id>``               hash: ``url``, ``status`` (up/draining: the operator's),
+``fy:node:<id>``               hash: ``url``, ``tag`` (HMAC binding id and url,
+                               :mod:`.nodekeys`), ``status`` (up/draining: the operator's),
                                ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
                                :class:`~.types.NodeReport`), ``down_at`` while declared
                                down (:mod:`.liveness`; cleared by its next heartbeat),
@@ -52,8 +53,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from forkyard.cluster.listing import INDEX_EXISTING, LUA_INDEX, candidate_indexes, choose_index, read_page
-from forkyard.cluster.rooms import CANDIDATES, LUA_INDEX_REPORT, LUA_ROOM, RELEASE, RESERVE
+from forkyard.cluster.config import redacted_url
+from forkyard.cluster import scripts
+from forkyard.cluster.listing import INDEX_EXISTING, candidate_indexes, choose_index, read_page
+from forkyard.cluster.nodekeys import NodeKeys
+from forkyard.cluster.rooms import CANDIDATES, RELEASE, RESERVE
 from forkyard.config import ControlPlaneSettings
 from forkyard.cluster.types import (HEARTBEAT_TIMEOUT_S, NODE_DOWN, NODE_DRAINING, NODE_UP, Binding, NodeInfo,
                                     NodeReport)
@@ -70,139 +74,6 @@ DEATH_MAX_CHARS = 300
 #: A placement no heartbeat acknowledged stops counting after this long (s): the
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
-
-# The digest of each node's binding set (``fy:nodedig:<node>``: XOR of the first 64 bits
-# of SHA-1 of every id, 16 hex chars), flipped by every script that adds an id to or
-# removes one from ``fy:nodesbx:<node>``; a heartbeat whose node holds the same digest
-# needs no reconciling (:func:`forkyard.cluster.messages.held_digest` computes the node's).
-LUA_DIGEST = """
-local function fy_dig_flip(node, id)
-  local h = redis.sha1hex(id)
-  local key = 'fy:nodedig:' .. node
-  local cur = redis.call('GET', key) or '0000000000000000'
-  local a = bit.bxor(tonumber(string.sub(cur, 1, 8), 16), tonumber(string.sub(h, 1, 8), 16))
-  local b = bit.bxor(tonumber(string.sub(cur, 9, 16), 16), tonumber(string.sub(h, 9, 16), 16))
-  redis.call('SET', key, bit.tohex(a, 8) .. bit.tohex(b, 8))
-end
-"""
-# KEYS: nodesbx   ARGV: node   Recomputes a node's digest from its set (after a full
-# reconcile: heals a digest written before digests existed).
-_REDIGEST = LUA_DIGEST + """
-redis.call('DEL', 'fy:nodedig:' .. ARGV[1])
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do fy_dig_flip(ARGV[1], id) end
-return redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'
-"""
-
-# KEYS: sbx, gone, nodesbx, sandboxes   ARGV: node, state, record, now, id, committed
-_UPSERT = LUA_INDEX + LUA_DIGEST + """
-if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
-local cur = redis.call('HGET', KEYS[1], 'node')
-if cur and cur ~= ARGV[1] then return 0 end
-redis.call('HSET', KEYS[1], 'node', ARGV[1], 'state', ARGV[2], 'record', ARGV[3], 'updated', ARGV[4],
-           'committed', ARGV[6])
-fy_index(KEYS[1], ARGV[5], ARGV[2], ARGV[3])
-redis.call('HDEL', KEYS[1], 'moved')
-if redis.call('SADD', KEYS[3], ARGV[5]) == 1 then fy_dig_flip(ARGV[1], ARGV[5]) end
-redis.call('SADD', KEYS[4], ARGV[5])
-return 1
-"""
-# KEYS: sbx, nodesbx, sandboxes   ARGV: node, id
-_DELETE = LUA_INDEX + LUA_DIGEST + """
-local cur = redis.call('HGET', KEYS[1], 'node')
-if cur ~= ARGV[1] then return 0 end
-fy_unindex(KEYS[1], ARGV[2])
-redis.call('DEL', KEYS[1])
-if redis.call('SREM', KEYS[2], ARGV[2]) == 1 then fy_dig_flip(ARGV[1], ARGV[2]) end
-redis.call('SREM', KEYS[3], ARGV[2])
-return 1
-"""
-# KEYS: sbx, from nodesbx, to nodesbx   ARGV: from, to, id, now
-_REBIND = LUA_DIGEST + """
-local cur = redis.call('HMGET', KEYS[1], 'node', 'state', 'committed')
-if cur[1] ~= ARGV[1] or cur[2] ~= 'paused' or cur[3] == '0' then return 0 end
-redis.call('HSET', KEYS[1], 'node', ARGV[2], 'updated', ARGV[4], 'moved', '1')
-if redis.call('SREM', KEYS[2], ARGV[3]) == 1 then fy_dig_flip(ARGV[1], ARGV[3]) end
-if redis.call('SADD', KEYS[3], ARGV[3]) == 1 then fy_dig_flip(ARGV[2], ARGV[3]) end
-return 1
-"""
-_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) / 1000000"
-
-# KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
-#                           heartbeat timeout, placement TTL, then the placement ids it acknowledges
-# Records a heartbeat (the node is heard: no longer declared down). The status is the
-# operator's (drain/undrain); a node registering anew (or after Redis lost its data)
-# brings its own view. The acknowledged placements stop counting and the node's room is
-# indexed again (:mod:`.rooms`), in the same script: its report shows their sandboxes.
-# Returns {status, 1 if it was declared down}.
-_HEARTBEAT = LUA_ROOM + LUA_INDEX_REPORT + """
-local rnow = fy_time()
-local now = rnow
-if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
-redis.call('SADD', KEYS[1], ARGV[1])
-local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
-redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
-           'last_seen', string.format('%.6f', now))
-redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
-redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
-fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
-if #ARGV > 8 then
-  local ids = {unpack(ARGV, 9)}
-  redis.call('ZREM', 'fy:placing:' .. ARGV[1], unpack(ids))
-  redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
-end
-fy_room(ARGV[1], rnow, tonumber(ARGV[7]), tonumber(ARGV[8]))
-return {redis.call('HGET', KEYS[2], 'status'), was_down,
-        redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'}
-"""
-
-# KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, healthy_since, timeout, tombstone ttl,
-#                                             death keep (s), why
-# Declares the node down if it is still silent past the timeout, counted from the later
-# of its last heartbeat and healthy_since (Redis time: see forkyard.cluster.liveness), and
-# not within a restart grace it announced, and
-# replaces the bindings of its sandboxes that are not paused by tombstones (their node
-# stops them when it is back), each with the cause for the gateway's 404. Destroys
-# nothing. Returns {'heard'} (nothing changed) or {'down', id, ...} (the tombstoned ids).
-_MARK_DOWN = _NOW + LUA_INDEX + LUA_DIGEST + """
-local last = tonumber(redis.call('HGET', KEYS[1], 'last_seen') or '0')
-local since = math.max(last, tonumber(ARGV[2]))
-if now - since <= tonumber(ARGV[3]) then return {'heard'} end
-if now < tonumber(redis.call('HGET', KEYS[1], 'grace_until') or '0') then return {'heard'} end
-if redis.call('HEXISTS', KEYS[1], 'down_at') == 0 then
-  redis.call('HSET', KEYS[1], 'down_at', string.format('%.6f', now))
-end
-redis.call('ZREM', ARGV[1] .. 'place', string.sub(KEYS[1], string.len(ARGV[1]) + 6))
-local gone = {'down'}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[2])) do
-  local key = ARGV[1] .. 'sbx:' .. id
-  local state = redis.call('HGET', key, 'state')
-  if state ~= 'paused' then
-    fy_unindex(key, id)
-    redis.call('DEL', key)
-    if redis.call('SREM', KEYS[2], id) == 1 then fy_dig_flip(string.sub(KEYS[1], string.len(ARGV[1]) + 6), id) end
-    redis.call('SREM', KEYS[3], id)
-    redis.call('SET', ARGV[1] .. 'gone:' .. id, '1', 'EX', ARGV[4])
-    redis.call('SET', ARGV[1] .. 'dead:' .. id, ARGV[6], 'EX', ARGV[5])
-    table.insert(gone, id)
-  end
-end
-return gone
-"""
-
-
-# KEYS: placing zset, placingn hash   ARGV: cutoff
-# Drops placements older than the cutoff; returns the sandbox count of the rest.
-_PENDING = """
-local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if #old > 0 then
-  redis.call('ZREM', KEYS[1], unpack(old))
-  redis.call('HDEL', KEYS[2], unpack(old))
-end
-local n = 0
-for _, v in ipairs(redis.call('HVALS', KEYS[2])) do n = n + tonumber(v) end
-return n
-"""
-
 
 class ClusterStoreUnavailable(Exception):
     """Redis did not answer (down, unreachable, or refused the command)."""
@@ -229,7 +100,9 @@ class ClusterStore:
     """Async access to the cluster state in Redis at ``url`` (``redis://host:port/db``).
 
     Args:
-        url: Redis URL (``FORKYARD_REDIS_URL``).
+        url: Redis URL (``FORKYARD_REDIS_URL``; a password in it is never shown).
+        keys: the control plane's :class:`~.nodekeys.NodeKeys`: node records carry and
+            need their binding tag (None: unchecked, for tools and tests of the store).
         timeout_s: socket connect/read timeout (s) for every command.
         max_connections: connections opened at most (default
             ``FORKYARD_REDIS_MAX_CONNECTIONS``, :class:`~forkyard.config.ControlPlaneSettings`);
@@ -238,8 +111,8 @@ class ClusterStore:
     """
 
     def __init__(self, url: str, timeout_s: float = 2.0, max_connections: int | None = None,
-                 pool_wait_s: float | None = None):
-        self.url = url
+                 pool_wait_s: float | None = None, keys: NodeKeys | None = None):
+        self.url = redacted_url(url)  # for messages: never the password
         cfg = ControlPlaneSettings()
         # A bounded pool that makes callers wait (redis-py's default pool raises "Too many
         # connections" past 100). Retry on a dropped connection (a restarted Redis closes
@@ -251,17 +124,38 @@ class ClusterStore:
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
             retry_on_error=[RedisConnectionError, RedisTimeoutError])
         self._r = aioredis.Redis.from_pool(pool)
-        self._upsert = self._r.register_script(_UPSERT)
-        self._delete = self._r.register_script(_DELETE)
-        self._rebind = self._r.register_script(_REBIND)
-        self._mark_down = self._r.register_script(_MARK_DOWN)
-        self._heartbeat = self._r.register_script(_HEARTBEAT)
-        self._pending = self._r.register_script(_PENDING)
+        self._upsert = self._r.register_script(scripts.UPSERT)
+        self._delete = self._r.register_script(scripts.DELETE)
+        self._rebind = self._r.register_script(scripts.REBIND)
+        self._mark_down = self._r.register_script(scripts.MARK_DOWN)
+        self._heartbeat = self._r.register_script(scripts.HEARTBEAT)
+        self._pending = self._r.register_script(scripts.PENDING)
         self._reserve = self._r.register_script(RESERVE)
         self._index_existing = self._r.register_script(INDEX_EXISTING)
-        self._redigest = self._r.register_script(_REDIGEST)
+        self._redigest = self._r.register_script(scripts.REDIGEST)
         self._indexed = False
         self._release = self._r.register_script(RELEASE)
+        #: set by the scheduler and gateway (the master): node records are then written
+        #: with their binding tag and read only when it checks (:mod:`.nodekeys`)
+        self.keys: NodeKeys | None = keys
+        self._untrusted_logged: dict[str, float] = {}
+
+    def _untrusted(self, node_id: str, url: str) -> None:
+        """A node record whose binding tag does not check (written by someone without
+        the master): ignored; logged once a minute per node."""
+        if time.monotonic() - self._untrusted_logged.get(node_id, -60.0) >= 60:
+            self._untrusted_logged[node_id] = time.monotonic()
+            log.warning("ignoring node record %s -> %s in Redis: its binding tag does not check (not written by "
+                        "a scheduler for a heartbeat signed with that node's key)", node_id, url[:200])
+
+    def _info(self, node_id: str, row: dict, now: float) -> NodeInfo | None:
+        """:func:`_node_info`, and None for a record whose binding tag does not check
+        when this store holds the :attr:`keys` (:meth:`_untrusted`)."""
+        n = _node_info(node_id, row, now)
+        if n is not None and self.keys is not None and not self.keys.tag_ok(node_id, n.url, _s(row.get(b"tag"))):
+            self._untrusted(node_id, n.url)
+            return None
+        return n
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -295,12 +189,13 @@ class ClusterStore:
         ``acked`` stop counting (the report shows their sandboxes) and the node's room is
         indexed again (:mod:`.rooms`), all in one script. Returns the status; when
         ``digests`` (a dict) is given, ``digests[node_id]`` is set to the digest of the
-        node's binding set (:data:`LUA_DIGEST`)."""
+        node's binding set (:data:`.scripts.LUA_DIGEST`)."""
         status, was_down, digest = await self._call(self._heartbeat(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
-                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S), *acked]))
+                  "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S),
+                  self.keys.tag(node_id, url) if self.keys else "", *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
         if digests is not None:
@@ -323,7 +218,7 @@ class ClusterStore:
             rows = await self._call(p.execute())
         sec, usec = rows[0]
         now = int(sec) + int(usec) / 1e6
-        return [n for n in (_node_info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
+        return [n for n in (self._info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
 
     async def node(self, node_id: str) -> NodeInfo | None:
         """One node or None (two reads, whatever the fleet's size)."""
@@ -331,7 +226,7 @@ class ClusterStore:
             p.time()
             p.hgetall(f"{P}node:{node_id}")
             (sec, usec), row = await self._call(p.execute())
-        return _node_info(node_id, row, int(sec) + int(usec) / 1e6)
+        return self._info(node_id, row, int(sec) + int(usec) / 1e6)
 
     async def candidates(self, k: int = CANDIDATES, snapshot_id: str | None = None, also: list[str] = ()
                          ) -> tuple[list[NodeInfo], dict[str, int], float, int]:
@@ -357,7 +252,7 @@ class ClusterStore:
         now = int(sec) + int(usec) / 1e6
         nodes, placing = [], {}
         for nid, row in zip(ids, rows):
-            if (n := _node_info(nid, row, now)) is not None:
+            if (n := self._info(nid, row, now)) is not None:
                 nodes.append(n)
                 placing[nid] = int(_s(row.get(b"placing") or b"0"))
         return nodes, placing, now, total
