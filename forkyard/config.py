@@ -216,6 +216,10 @@ class Settings:
             any node's image GC (``FORKYARD_FORK_IMAGE_TTL_S``, 3600): the gateway
             deletes each once the fork's children run, so an older one was left by a
             gateway that died mid-fork.
+        max_volumes: E2B volumes a node keeps at most (``FORKYARD_MAX_VOLUMES``, 64;
+            more: 400).
+        volume_size_mb: the size of each volume (``FORKYARD_VOLUME_SIZE_MB``, 1024 MiB;
+            E2B sizes volumes per team and the SDK asks for none).
         fork_parallelism: restores a fork runs at once (``FORKYARD_FORK_PARALLELISM``,
             16). Measured on 2 cores, fork ×16: 4 → ~1.91 s, 8 → ~1.77–1.99 s, 16 →
             ~1.80 s (bench/bench_lifecycle.py).
@@ -264,6 +268,10 @@ class Settings:
         default_factory=lambda: int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600))))
     fork_image_ttl_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600")))
     fork_parallelism: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16")))
+    #: E2B volumes (:mod:`forkyard.volumes`): how many a node keeps and each one's size
+    #: (MiB; an ext4 image, so writes beyond it fail with ENOSPC, inside sandboxes too).
+    max_volumes: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_VOLUMES", "64")))
+    volume_size_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_VOLUME_SIZE_MB", "1024")))
     #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
     #: keeps one in :attr:`api_key_file`).
     api_key: str | None = field(default_factory=lambda: api_key_from_env(), repr=False)
@@ -272,6 +280,11 @@ class Settings:
     def public_domain(self) -> str:
         """The ``domain`` sandbox answers carry: ``FORKYARD_DOMAIN``, else ``localhost:PORT``."""
         return self.domain or f"localhost:{self.port}"
+
+    @property
+    def volumes_dir(self) -> Path:
+        """E2B volumes (:mod:`forkyard.volumes`), 0700."""
+        return self.data_dir / "volumes"
 
     @property
     def db_path(self) -> Path:

@@ -51,6 +51,11 @@ def new_snapshot_id() -> str:
     return "".join(secrets.choice(_ALPHABET) for _ in range(20))
 
 
+def new_volume_id() -> str:
+    """A new 20-character lower-case alphanumeric E2B volume id (also a :data:`NAME`)."""
+    return "".join(secrets.choice(_ALPHABET) for _ in range(20))
+
+
 def micros(ts: float) -> int:
     """UNIX time ``ts`` (seconds) in whole microseconds, exactly as :func:`rfc3339` shows
     it (Python rounds to the nearest microsecond, so the text can lie up to 0.5 µs

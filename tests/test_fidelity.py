@@ -259,7 +259,6 @@ REFUSED = [
     ("network", {"bogus": 1}, "bogus"),
     ("mcp", {"github": {}}, "mcp"),
     ("iam", {"tokens": {"t": {"audience": "a", "tokenType": "oidc"}}}, "iam"),
-    ("volumeMounts", [{"name": "v", "path": "/mnt"}], "volumeMounts"),
     ("noSuchField", 1, "noSuchField"),
     ("timeout", "soon", "timeout"),
 ]

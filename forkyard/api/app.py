@@ -18,6 +18,8 @@ from forkyard.api.routes_lifecycle import router as lifecycle_router
 from forkyard.api.routes_misc import router as misc_router
 from forkyard.api.routes_sandboxes import router as sandboxes_router
 from forkyard.api.routes_templates import router as templates_router
+from forkyard.api.routes_volume_content import router as volume_content_router
+from forkyard.api.routes_volumes import router as volumes_router
 from forkyard.config import Settings
 from forkyard.repository.errors import RepositoryError
 from forkyard.orchestrator.errors import OrchestratorError
@@ -116,6 +118,8 @@ def create_app(settings: Settings, orch: Orchestrator):
     api.include_router(sandboxes_router)
     api.include_router(templates_router)  # before lifecycle: its DELETE /templates/{id} handles snapshots too
     api.include_router(lifecycle_router)
+    api.include_router(volumes_router)
+    api.include_router(volume_content_router)
     # Auth from headers and body caps before FastAPI reads any body (issue 11, item 5).
     guarded = RestGuard(api, api.state.api_key, settings.max_upload_mb << 20)
     proxy = SandboxProxy(guarded, orch.target, max_body_bytes=settings.max_upload_mb << 20, wake=orch.wake,

@@ -55,10 +55,12 @@ BODY_IDLE_TIMEOUT_S = 30.0
 JSON_BODY_MAX = 1 << 20
 BUILD_BODY_MAX = 8 << 20
 _BUILD_RE = re.compile(r"^/(v2|v3)/templates(/|$)")
-_UPLOAD_RE = re.compile(r"^/(templates/import|template-files/[^/]+)$")
+_UPLOAD_RE = re.compile(r"^/(templates/import|template-files/[^/]+|volumecontent/[^/]+/file)$")
 #: Paths that need no API key: liveness, signed upload URLs (checked by their route),
-#: the OpenAPI docs.
-_PUBLIC_RE = re.compile(r"^/(health|template-files/[^/]+|docs|docs/oauth2-redirect|redoc|openapi\.json)$")
+#: the OpenAPI docs, the volume content API (the volume's token, checked by its route
+#: before any body byte is read: :mod:`forkyard.api.routes_volume_content`).
+_PUBLIC_RE = re.compile(r"^/(health|template-files/[^/]+|docs|docs/oauth2-redirect|redoc|openapi\.json"
+                        r"|volumecontent/[^/]+/(path|dir|file))$")
 
 
 def guarded_http_protocol(header_timeout_s: float = HEADER_TIMEOUT_S, max_head_bytes: int = MAX_HEAD_BYTES,

@@ -87,6 +87,7 @@ async def _create(request: Request, body: schemas.NewSandbox) -> JSONResponse:
         public_traffic=not (net is not None and net.allow_public_traffic is False),
         mask_host=net.mask_request_host if net is not None else None,
         auto_pause_memory=body.auto_pause_memory,
+        volume_mounts=[(m.name, m.path) for m in body.volume_mounts or []],
     )
     timing.add("total", (time.perf_counter() - t0) * 1000)
     return JSONResponse(schemas.sandbox_created(rec, request.app.state.settings.public_domain), status_code=201,

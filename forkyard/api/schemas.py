@@ -48,6 +48,14 @@ class NetworkConfig(BaseModel):
     rules: dict | None = None
 
 
+class VolumeMount(BaseModel):
+    """One E2B ``SandboxVolumeMount``: volume ``name`` at guest ``path``."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    path: str = Field(min_length=1, max_length=1024)
+
+
 class NewSandbox(_Strict):
     """``POST /sandboxes`` and ``POST /v2/sandboxes`` body (E2B ``NewSandbox`` /
     ``NewSandboxV2``, e2b 2.63). ``timeout`` in seconds. Every field E2B defines is
@@ -69,7 +77,7 @@ class NewSandbox(_Strict):
     env_vars: dict[str, str] | None = Field(default=None, alias="envVars")
     mcp: dict | None = None
     iam: dict | None = None
-    volume_mounts: list[dict] | None = Field(default=None, alias="volumeMounts", max_length=64)
+    volume_mounts: list[VolumeMount] | None = Field(default=None, alias="volumeMounts", max_length=16)
 
     @field_validator("metadata")
     @classmethod
@@ -160,8 +168,6 @@ def unsupported_create_fields(body: NewSandbox) -> list[str]:
         out.append("mcp (an MCP gateway in the sandbox) is not supported")
     if body.iam and body.iam.get("tokens"):
         out.append("iam.tokens (workload identity) is not supported")
-    if body.volume_mounts:
-        out.append("volumeMounts (E2B volumes) are not supported")
     return out
 
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import secrets
 import time
+from pathlib import Path
 
 import httpx
 
@@ -21,6 +22,7 @@ from forkyard.obs import metrics
 from forkyard.orchestrator import images, timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, CreateFailed, NotFound
+from forkyard.volumes.store import check_mount_path
 from forkyard.orchestrator.expiry import check_timeout
 from forkyard.orchestrator.hot import available_memory_pct
 from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
@@ -112,6 +114,7 @@ class Creator:
         mask_host: str | None = None,
         auto_pause_memory: bool | None = None,
         disk_mb: int | None = None,
+        volume_mounts: list[tuple[str, str]] | None = None,
     ) -> SandboxRecord:
         """Create and start a sandbox from a template or a snapshot (id or name) and
         wait for envd.
@@ -133,6 +136,8 @@ class Creator:
                 build's own ``diskSizeMB``); at least the snapshot's, within the node's
                 bounds (:func:`forkyard.orchestrator.images.check_disk_mb`). Default: the
                 snapshot's, else the template's, else ``FORKYARD_DISK_MB``.
+            volume_mounts: E2B ``volumeMounts`` as ``(volume name, guest path)`` pairs
+                (:func:`forkyard.volumes.store.check_mount_path`); never from the pool.
 
         Raises:
             NotFound: unknown template/snapshot.
@@ -177,13 +182,17 @@ class Creator:
             auto_pause_memory=auto_pause_memory,
         )
         rec.default_user, rec.default_workdir = images.guest_defaults(snap)
+        if volume_mounts:
+            base = tmpl if tmpl is not None else images.resolve(self.settings, rec.template_id)
+            rec.volume_mounts = await asyncio.to_thread(self._resolve_volumes, volume_mounts,
+                                                        base.rootfs if base is not None else None)
         old_token = snap.envd_access_token if snap else None
         if secure or old_token:
             rec.envd_access_token = secrets.token_urlsafe(24)
         store = self.table.store
         self.capacity.check(store.all(), rec.vcpus, rec.memory_mb)  # no await until put: atomic
         pooled = None
-        if snap is None and self._poolable(tmpl, vcpus, memory_mb, disk_mb):
+        if snap is None and not rec.volume_mounts and self._poolable(tmpl, vcpus, memory_mb, disk_mb):
             pooled = self.pool.take(tmpl.template_id, images.template_stamp(self.settings, tmpl.template_id))
             if pooled is not None:
                 rec.id, rec.slot = pooled.sandbox_id, pooled.slot.index
@@ -214,6 +223,31 @@ class Creator:
         for name, ms in phases.items():  # (observed in Prometheus by the start)
             timing.add(name, ms)
         return rec
+
+    #: E2B volumes (:class:`forkyard.volumes.store.Volumes`), set by the orchestrator.
+    volumes = None
+
+    def _resolve_volumes(self, mounts: list[tuple[str, str]], rootfs: Path | None) -> list[dict]:
+        """``[{"id", "name", "path"}]`` of ``mounts`` into a sandbox of template
+        ``rootfs`` (:func:`forkyard.volumes.store.check_mount_path`).
+
+        Raises:
+            BadRequest: an unknown volume, a bad or repeated path.
+        """
+        out, paths = [], set()
+        for name, path in mounts:
+            path = check_mount_path(path, rootfs)
+            if path in paths:
+                raise BadRequest(f"volumeMounts: path {path!r} is given twice")
+            paths.add(path)
+            try:
+                vol = self.volumes.by_name(name) if isinstance(name, str) else None
+            except NotFound:
+                vol = None
+            if vol is None:
+                raise BadRequest(f"volumeMounts: volume {name!r} not found")
+            out.append({"id": vol.id, "name": vol.name, "path": path})
+        return out
 
     # ---- the warm pool ------------------------------------------------------------
     def _poolable(self, tmpl, vcpus: int | None, memory_mb: int | None, disk_mb: int | None = None) -> bool:

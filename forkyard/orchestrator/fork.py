@@ -20,7 +20,7 @@ from forkyard.config import Settings
 from forkyard.ids import new_sandbox_id
 from forkyard.obs import metrics
 from forkyard.orchestrator import timing
-from forkyard.orchestrator.errors import BadRequest, NotFound
+from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound
 from forkyard.orchestrator.expiry import check_timeout
 from forkyard.orchestrator.holds import hold
 from forkyard.orchestrator.images import PARENT_KEY, SNAPSHOT_KEY, guest_defaults
@@ -84,7 +84,7 @@ class Forker:
         try:
             await hold("fork.staged", sandbox_id)
             return await self._spawn_children(image, count, timeout_s, src.auto_pause, staging / "image",
-                                              egress=src.egress)
+                                              egress=src.egress, volume_mounts=src.volume_mounts)
         finally:
             self.snapshots.discard(staging)
 
@@ -104,6 +104,9 @@ class Forker:
             raise BadRequest(f"count must be between 0 and {MAX_FORKS}")
         timeout_s = check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         src = self.table.get(sandbox_id)
+        if src.volume_mounts:
+            raise Conflict(f"sandbox {sandbox_id} mounts volumes, which live on this node only: its fork "
+                           "children cannot start on other nodes")
         self.admit(src.vcpus, src.memory_mb, count)
         src, image, staging = await self._fork_stage(sandbox_id)
         image = await self.stager.commit(staging, image)
@@ -150,10 +153,12 @@ class Forker:
         return src, meta_for(src, "fork", sid), staging
 
     async def _spawn_children(self, image: SnapshotMeta, count: int, timeout_s: int, auto_pause: bool,
-                              image_dir: Path | None, egress: dict | None = None) -> list[SandboxRecord | Exception]:
+                              image_dir: Path | None, egress: dict | None = None,
+                              volume_mounts: list[dict] | None = None) -> list[SandboxRecord | Exception]:
         """Restore ``count`` children of ``image`` in parallel (``settings.fork_parallelism``)
         from ``image_dir`` (staged) or, when None, from the repository / node cache;
-        each gets ``egress`` (the source's policy on a local fork).
+        each gets ``egress`` (the source's policy on a local fork) and ``volume_mounts``
+        (the source's: the same volumes, shared with it, as on E2B; the restore needs them).
         Records ``children`` and the slowest child's ``slot``/``runtime``/``envd`` (ms)."""
         now = time.time()
         kids = []
@@ -166,7 +171,7 @@ class Forker:
                 env_vars=dict(image.env_vars), image_id=None, timeout_s=timeout_s,
                 disk_mb=image.disk_mb or self.settings.default_disk_mb,
                 envd_access_token=secrets.token_urlsafe(24) if image.envd_access_token else None,
-                egress=dict(egress or {}),
+                egress=dict(egress or {}), volume_mounts=[dict(m) for m in volume_mounts or []],
             )
             kid.default_user, kid.default_workdir = guest_defaults(image)
             self.table.store.put(kid)

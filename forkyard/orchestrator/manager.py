@@ -62,6 +62,7 @@ from forkyard.orchestrator.tombstones import Tombstones
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver
+from forkyard.volumes.store import Volumes
 
 log = logging.getLogger("forkyard.orchestrator")
 
@@ -123,6 +124,9 @@ class Orchestrator:
         self._expiry = Expiry(settings, table, driver, self.pool, pauser, teardown, gc)
         self._reconciler = Reconciler(settings, table, driver, network, snapshots, stager, teardown, slots, gc, http)
         self._handover = Handover(settings, table, snapshots, teardown)
+        #: E2B volumes (:mod:`forkyard.volumes`); starts bind-mount them.
+        self.volumes = Volumes(settings.db_path, settings.volumes_dir, settings.max_volumes, settings.volume_size_mb)
+        starter.volumes = creator.volumes = self.volumes
         self._ttl_task: asyncio.Task | None = None
         self._firewall_task: asyncio.Task | None = None
 
@@ -132,6 +136,7 @@ class Orchestrator:
         (:meth:`Reconciler.reconcile`), start the TTL loop, spare slots, the runtime's
         spares and the warm pool."""
         await asyncio.to_thread(self.network.setup_host)
+        await asyncio.to_thread(self.volumes.mount_all)  # before reconcile resumes anything
         await self._reconciler.reconcile()
         self._ttl_task = asyncio.create_task(self._expiry.loop(), name="ttl")
         self._firewall_task = asyncio.create_task(self._firewall_loop(), name="firewall")
@@ -163,6 +168,8 @@ class Orchestrator:
         await self._gc.wait(60)
         await self._slots.stop()  # finishes the slot it is building, then removes the spares
         await self.driver.shutdown()
+        used = {m["id"] for r in self.store.all() if r.state != "paused" for m in r.volume_mounts}
+        await asyncio.to_thread(self.volumes.unmount_idle, used)
         if self._firewall_task:
             self._firewall_task.cancel()
         if self._ttl_task:
@@ -344,14 +351,15 @@ class Orchestrator:
                      env_vars: dict[str, str] | None = None, auto_pause: bool | None = None, secure: bool = False,
                      vcpus: int | None = None, memory_mb: int | None = None, auto_resume: bool = False,
                      egress: EgressPolicy | None = None, public_traffic: bool = True, mask_host: str | None = None,
-                     auto_pause_memory: bool | None = None, disk_mb: int | None = None) -> SandboxRecord:
+                     auto_pause_memory: bool | None = None, disk_mb: int | None = None,
+                     volume_mounts: list[tuple[str, str]] | None = None) -> SandboxRecord:
         """Create and start a sandbox from a template or snapshot; the options and
         errors: :meth:`Creator.create`."""
         return await self._creator.create(
             template_id, timeout_s=timeout_s, metadata=metadata, env_vars=env_vars, auto_pause=auto_pause,
             secure=secure, vcpus=vcpus, memory_mb=memory_mb, auto_resume=auto_resume, egress=egress,
             public_traffic=public_traffic, mask_host=mask_host, auto_pause_memory=auto_pause_memory,
-            disk_mb=disk_mb)
+            disk_mb=disk_mb, volume_mounts=volume_mounts)
 
     async def kill(self, sandbox_id: str, only_if=None) -> None:
         """Kill a running or paused sandbox (:meth:`Teardown.kill`; raises NotFound)."""

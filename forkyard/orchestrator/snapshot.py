@@ -55,6 +55,9 @@ class Snapshotter:
         table = self.table
         async with table.locks[sandbox_id]:
             rec = table.running(sandbox_id)
+            if rec.volume_mounts:
+                raise Conflict(f"sandbox {sandbox_id} mounts volumes: snapshots of such sandboxes are not "
+                               "supported yet (a sandbox made from one would restore without them)")
             rec.state = "snapshotting"
             table.store.put(rec)
             try:

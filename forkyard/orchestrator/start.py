@@ -23,7 +23,7 @@ from forkyard.network.base import Network
 from forkyard.network.egress import EgressPolicy
 from forkyard.obs import metrics
 from forkyard.orchestrator import images
-from forkyard.orchestrator.errors import Conflict, CreateFailed, NotFound
+from forkyard.orchestrator.errors import Conflict, CreateFailed, NotFound, OrchestratorError
 from forkyard.orchestrator.spare_slots import SlotAllocator
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
@@ -62,6 +62,23 @@ class Starter:
     slots: SlotAllocator
     teardown: Teardown
     http: httpx.AsyncClient
+
+    #: E2B volumes (:class:`forkyard.volumes.store.Volumes`), set by the orchestrator.
+    volumes = None
+
+    def _volume_dirs(self, rec: SandboxRecord) -> list[tuple[Path, str]]:
+        """``(host directory, guest path)`` of each of ``rec``'s volumes, mounted.
+
+        Raises:
+            CreateFailed: a volume is gone or cannot be mounted.
+        """
+        out = []
+        for m in rec.volume_mounts:
+            try:
+                out.append((self.volumes.ensure_mounted(self.volumes.get(m["id"])), m["path"]))
+            except OrchestratorError as e:
+                raise CreateFailed(f"volume {m['name']!r} of sandbox {rec.id}: {e}") from e
+        return out
 
     def fresh_workdir(self, sandbox_id: str) -> Path:
         """An empty runtime work directory for ``sandbox_id`` (a stale one is removed).
@@ -112,6 +129,7 @@ class Starter:
                 sandbox_id=rec.id, rootfs=tmpl.rootfs, network=slot.attachment,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname=HOSTNAME, workdir=workdir,
                 disk_mb=rec.disk_mb,
+                volumes=await asyncio.to_thread(self._volume_dirs, rec),
             )
             # A filesystem-only image is a cold boot of the template with the saved
             # writable layer laid over it (new boot id; processes do not survive); a

@@ -43,7 +43,7 @@ _ADDED = {"image_id": "TEXT", "timeout_s": "INTEGER NOT NULL DEFAULT 300", "paus
           "auto_resume": "INTEGER NOT NULL DEFAULT 0", "egress": "TEXT", "traffic_token": "TEXT",
           "mask_host": "TEXT", "disk_mb": "INTEGER NOT NULL DEFAULT 0",
           "auto_pause_memory": "INTEGER", "default_user": "TEXT", "default_workdir": "TEXT",
-          "auto_pause_default": "INTEGER NOT NULL DEFAULT 0"}
+          "auto_pause_default": "INTEGER NOT NULL DEFAULT 0", "volume_mounts": "TEXT"}
 
 
 @dataclass
@@ -95,6 +95,9 @@ class SandboxRecord:
     #: ``auto_pause`` came from the node's default, not from the creator (see
     #: :attr:`~forkyard.config.Settings.short_timeout_kill_s`).
     auto_pause_default: bool = False
+    #: E2B ``volumeMounts``: ``[{"id": volume id, "name": its name, "path": guest path}]``
+    #: (:mod:`forkyard.volumes`), bind-mounted at every start, resume and restore.
+    volume_mounts: list[dict] = field(default_factory=list)
 
 
 class Store:
@@ -144,6 +147,7 @@ class Store:
         d["egress"] = json.loads(d["egress"]) if d.get("egress") else {}
         d["metadata"] = json.loads(d["metadata"])
         d["env_vars"] = json.loads(d["env_vars"])
+        d["volume_mounts"] = json.loads(d["volume_mounts"]) if d.get("volume_mounts") else []
         return SandboxRecord(**d)
 
     def put(self, rec: SandboxRecord) -> None:
@@ -156,6 +160,7 @@ class Store:
         d["egress"] = json.dumps(rec.egress) if rec.egress else None
         d["metadata"] = json.dumps(rec.metadata)
         d["env_vars"] = json.dumps(rec.env_vars)
+        d["volume_mounts"] = json.dumps(rec.volume_mounts) if rec.volume_mounts else None
         cols = ", ".join(d)
         marks = ", ".join(f":{k}" for k in d)
         with self._lock:

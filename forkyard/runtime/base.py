@@ -117,6 +117,9 @@ class SandboxSpec:
     #: size of the sandbox's writable layer in MiB (writes beyond: ENOSPC inside);
     #: 0 = unbounded (the host filesystem's free space).
     disk_mb: int = 0
+    #: E2B volumes: ``(host directory, guest path)`` pairs bind-mounted read-write (the
+    #: same at a restore as at the checkpoint: runsc compares the spec's mounts).
+    volumes: list[tuple[Path, str]] = field(default_factory=list)
 
 
 @dataclass

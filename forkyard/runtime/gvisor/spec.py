@@ -234,6 +234,12 @@ def build_spec(
                        "options": ["nosuid", "nodev", "mode=1777", size]})
     elif tmp == TMP_ROOTFS:
         annotations[TMP_ANNOTATION] = TMP_ROOTFS
+    for host_dir, guest in spec.volumes:
+        # Served by the gofer like the rootfs: the sentry resolves every path (and every
+        # link the sandbox makes) in the sandbox's own VFS, so nothing inside reaches
+        # above ``host_dir``. nosuid/nodev as the host mount itself.
+        mounts.append({"destination": guest, "type": "bind", "source": str(host_dir),
+                       "options": ["rbind", "rw", "nosuid", "nodev"]})
     if envd_binary is not None:
         mounts.append(
             {"destination": ENVD_GUEST_PATH, "type": "bind", "source": str(envd_binary), "options": ["rbind", "ro"]}
