@@ -268,7 +268,7 @@ class Settings:
         default_factory=lambda: int(os.environ.get("FORKYARD_PAUSED_RETENTION_S", str(30 * 24 * 3600))))
     fork_image_ttl_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_FORK_IMAGE_TTL_S", "3600")))
     fork_parallelism: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_FORK_PARALLELISM", "16")))
-    #: E2B volumes (:mod:`forkyard.volumes`): how many a node keeps and each one's size
+    #: E2B volumes (:mod:`forkyard.orchestrator.volumes`): how many a node keeps and each one's size
     #: (MiB; an ext4 image, so writes beyond it fail with ENOSPC, inside sandboxes too).
     max_volumes: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_VOLUMES", "64")))
     volume_size_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_VOLUME_SIZE_MB", "1024")))
@@ -283,7 +283,7 @@ class Settings:
 
     @property
     def volumes_dir(self) -> Path:
-        """E2B volumes (:mod:`forkyard.volumes`), 0700."""
+        """E2B volumes (:mod:`forkyard.orchestrator.volumes`), 0700."""
         return self.data_dir / "volumes"
 
     @property

@@ -102,3 +102,13 @@ def test_settings_are_read_in_config_py():
                 reads[rel] += 1
     reads.pop("config.py", None)
     assert dict(reads) == ENV_READS_TO_MOVE
+
+
+def test_every_package_is_a_regular_package():
+    """A folder of modules without ``__init__.py`` is a namespace package, which the
+    import-linter contracts above do not see (a new ``forkyard/volumes/`` escaped the
+    layers that way): every folder with Python files has one."""
+    root = Path(__file__).resolve().parent.parent / "forkyard"
+    missing = [str(d.relative_to(root)) for d in [root, *root.rglob("*")]
+               if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
+    assert missing == []

@@ -12,7 +12,7 @@ the API key is not accepted here (as on E2B: the token is the volume's own).
 
 404: unknown path; 400: bad path or depth; 401: wrong token; 507: the volume is full.
 Bodies are bounded by ``FORKYARD_MAX_UPLOAD_MB`` (:mod:`forkyard.api.limits`) and by the
-volume's size. File operations: :mod:`forkyard.volumes.content`.
+volume's size. File operations: :mod:`forkyard.orchestrator.volumes.content`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from forkyard.volumes.content import CHUNK, VolumeFiles
+from forkyard.orchestrator.volumes.content import CHUNK, VolumeFiles
 
 
 async def _files(request: Request, volume_id: str) -> VolumeFiles:

@@ -1,5 +1,5 @@
 """E2B volume routes as the official SDK's ``Volume`` calls them (e2b 2.63
-``e2b/api/client/api/volumes``; storage: :mod:`forkyard.volumes.store`).
+``e2b/api/client/api/volumes``; storage: :mod:`forkyard.orchestrator.volumes.store`).
 
 * ``POST /volumes`` ``{name}`` → 201 ``{volumeID, name, token}`` (400 bad name or the
   node's limit, 409 name taken);

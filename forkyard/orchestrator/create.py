@@ -22,7 +22,7 @@ from forkyard.obs import metrics
 from forkyard.orchestrator import images, timing
 from forkyard.orchestrator.admission import Capacity
 from forkyard.orchestrator.errors import BadRequest, CreateFailed, NotFound
-from forkyard.volumes.store import check_mount_path
+from forkyard.orchestrator.volumes.store import check_mount_path
 from forkyard.orchestrator.expiry import check_timeout
 from forkyard.orchestrator.hot import available_memory_pct
 from forkyard.orchestrator.pool import NotPoolable, Pooled, WarmPool
@@ -137,7 +137,7 @@ class Creator:
                 bounds (:func:`forkyard.orchestrator.images.check_disk_mb`). Default: the
                 snapshot's, else the template's, else ``FORKYARD_DISK_MB``.
             volume_mounts: E2B ``volumeMounts`` as ``(volume name, guest path)`` pairs
-                (:func:`forkyard.volumes.store.check_mount_path`); never from the pool.
+                (:func:`forkyard.orchestrator.volumes.store.check_mount_path`); never from the pool.
 
         Raises:
             NotFound: unknown template/snapshot.
@@ -224,12 +224,12 @@ class Creator:
             timing.add(name, ms)
         return rec
 
-    #: E2B volumes (:class:`forkyard.volumes.store.Volumes`), set by the orchestrator.
+    #: E2B volumes (:class:`forkyard.orchestrator.volumes.store.Volumes`), set by the orchestrator.
     volumes = None
 
     def _resolve_volumes(self, mounts: list[tuple[str, str]], rootfs: Path | None) -> list[dict]:
         """``[{"id", "name", "path"}]`` of ``mounts`` into a sandbox of template
-        ``rootfs`` (:func:`forkyard.volumes.store.check_mount_path`).
+        ``rootfs`` (:func:`forkyard.orchestrator.volumes.store.check_mount_path`).
 
         Raises:
             BadRequest: an unknown volume, a bad or repeated path.

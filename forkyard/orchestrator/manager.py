@@ -62,7 +62,7 @@ from forkyard.orchestrator.tombstones import Tombstones
 from forkyard.orchestrator.usage import CpuMeter
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver
-from forkyard.volumes.store import Volumes
+from forkyard.orchestrator.volumes.store import Volumes
 
 log = logging.getLogger("forkyard.orchestrator")
 
@@ -124,7 +124,7 @@ class Orchestrator:
         self._expiry = Expiry(settings, table, driver, self.pool, pauser, teardown, gc)
         self._reconciler = Reconciler(settings, table, driver, network, snapshots, stager, teardown, slots, gc, http)
         self._handover = Handover(settings, table, snapshots, teardown)
-        #: E2B volumes (:mod:`forkyard.volumes`); starts bind-mount them.
+        #: E2B volumes (:mod:`forkyard.orchestrator.volumes`); starts bind-mount them.
         self.volumes = Volumes(settings.db_path, settings.volumes_dir, settings.max_volumes, settings.volume_size_mb)
         starter.volumes = creator.volumes = self.volumes
         self._ttl_task: asyncio.Task | None = None

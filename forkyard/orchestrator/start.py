@@ -63,7 +63,7 @@ class Starter:
     teardown: Teardown
     http: httpx.AsyncClient
 
-    #: E2B volumes (:class:`forkyard.volumes.store.Volumes`), set by the orchestrator.
+    #: E2B volumes (:class:`forkyard.orchestrator.volumes.store.Volumes`), set by the orchestrator.
     volumes = None
 
     def _volume_dirs(self, rec: SandboxRecord) -> list[tuple[Path, str]]:

@@ -96,7 +96,7 @@ class SandboxRecord:
     #: :attr:`~forkyard.config.Settings.short_timeout_kill_s`).
     auto_pause_default: bool = False
     #: E2B ``volumeMounts``: ``[{"id": volume id, "name": its name, "path": guest path}]``
-    #: (:mod:`forkyard.volumes`), bind-mounted at every start, resume and restore.
+    #: (:mod:`forkyard.orchestrator.volumes`), bind-mounted at every start, resume and restore.
     volume_mounts: list[dict] = field(default_factory=list)
 
 

@@ -6,7 +6,7 @@ layers are checked against their sha256 digests as they are read.
 Layers are applied in order into ``<templates_dir>/<name>/.rootfs.partial`` with OCI
 whiteout semantics (``.wh.NAME`` deletes ``NAME`` of lower layers, ``.wh..wh..opq``
 empties its directory of lower-layer entries). Every create, write, chown, chmod and
-delete happens inside the rootfs whatever the image holds (:mod:`~forkyard.templates.beneath`:
+delete happens inside the rootfs whatever the image holds (:mod:`~forkyard.beneath`:
 ``openat2`` with ``RESOLVE_IN_ROOT``; the last component of a path is never followed);
 a member that leads outside the image (``..``) is refused; device nodes are skipped.
 Layers are read as streams within the limits of :mod:`~forkyard.templates.unpack`
@@ -43,7 +43,8 @@ from forkyard.guest.files import host_nameservers, hosts_file
 from forkyard.ids import is_name
 from forkyard.orchestrator import images
 from forkyard.templates import base as base_tmpl
-from forkyard.templates import beneath, unpack
+from forkyard import beneath
+from forkyard.templates import unpack
 
 Progress = Callable[[str], None]
 WHITEOUT = ".wh."
@@ -196,7 +197,7 @@ def _apply_layer(root: beneath.Root, fileobj: IO[bytes], meter: unpack.Meter) ->
     """Apply one layer (tar, plain or gzip, read as a stream) to ``root`` with OCI
     whiteouts: ``.wh.NAME`` removes ``NAME``, ``.wh..wh..opq`` empties its directory of
     what lower layers put there (Docker's ``UnpackLayer`` order: in archive order).
-    Paths resolve inside the rootfs (:mod:`forkyard.templates.beneath`); owners and
+    Paths resolve inside the rootfs (:mod:`forkyard.beneath`); owners and
     modes are set on opened files, never through a link; device nodes are skipped.
 
     Raises:

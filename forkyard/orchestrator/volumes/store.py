@@ -34,7 +34,7 @@ from pathlib import Path
 from forkyard.ids import is_name, new_volume_id
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound, OrchestratorError
 
-log = logging.getLogger("forkyard.volumes")
+log = logging.getLogger("forkyard.orchestrator.volumes")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS volumes (

@@ -1,7 +1,7 @@
 """The E2B volume content API's file operations, confined to one volume's root.
 
 Every path is resolved by the kernel beneath the volume's data directory
-(:class:`forkyard.templates.beneath.Root`: ``openat2`` with ``RESOLVE_IN_ROOT``, no magic
+(:class:`forkyard.beneath.Root`: ``openat2`` with ``RESOLVE_IN_ROOT``, no magic
 links, no crossing into another mount): ``..`` stops at the root and a link a sandbox
 made (``ln -s / x``, ``ln -s ../../.. y``) resolves as if the volume were ``/``, never
 to the host. The last component is never followed when it is stat'ed, changed or
@@ -23,8 +23,8 @@ from pathlib import Path
 
 from forkyard.ids import rfc3339
 from forkyard.orchestrator.errors import BadRequest, NotFound, OrchestratorError
-from forkyard.templates.beneath import EscapeError, Root
-from forkyard.volumes.store import OWNER_UID
+from forkyard.beneath import EscapeError, Root
+from forkyard.orchestrator.volumes.store import OWNER_UID
 
 #: ``depth`` of a listing at most, and entries one listing returns at most.
 MAX_DEPTH = 16
