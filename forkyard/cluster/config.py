@@ -52,6 +52,35 @@ class ClusterConfigError(Exception):
     """A cluster setting is missing or unsafe; the message says which and what to do."""
 
 
+def _value_or_private_file(env, name: str) -> str:
+    """``env[name]``, else the content of the file ``env[name + "_FILE"]`` names, which
+    must be private (no group/other bits); "" when neither is set.
+
+    Raises:
+        ClusterConfigError: the file is unreadable or readable by other users.
+    """
+    value = env.get(name, "").strip()
+    path = env.get(f"{name}_FILE", "").strip()
+    return value or (_read_private(f"{name}_FILE", path) if path else "")
+
+
+def _read_private(setting: str, path: str) -> str:
+    """The stripped content of ``path`` (named by ``setting``), a file no group or other
+    user may read.
+
+    Raises:
+        ClusterConfigError: unreadable, or readable by other users (with the chmod to run).
+    """
+    try:
+        mode = Path(path).stat().st_mode
+        value = Path(path).read_text().strip()
+    except OSError as e:
+        raise ClusterConfigError(f"cannot read {setting} {path}: {e}") from e
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    return value
+
+
 def load_secret(env: dict[str, str] | None = None) -> str:
     """The cluster secret from ``FORKYARD_CLUSTER_SECRET`` or the file named by
     ``FORKYARD_CLUSTER_SECRET_FILE``.
@@ -60,18 +89,7 @@ def load_secret(env: dict[str, str] | None = None) -> str:
         ClusterConfigError: neither is set, the file is missing/empty, readable by group
             or others, or the secret is shorter than 16 characters.
     """
-    env = os.environ if env is None else env
-    value = env.get("FORKYARD_CLUSTER_SECRET", "").strip()
-    path = env.get("FORKYARD_CLUSTER_SECRET_FILE", "").strip()
-    if not value and path:
-        p = Path(path)
-        try:
-            mode = p.stat().st_mode
-            value = p.read_text().strip()
-        except OSError as e:
-            raise ClusterConfigError(f"cannot read FORKYARD_CLUSTER_SECRET_FILE {path}: {e}") from e
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    value = _value_or_private_file(os.environ if env is None else env, "FORKYARD_CLUSTER_SECRET")
     if not value:
         raise ClusterConfigError("a cluster needs a shared secret: set FORKYARD_CLUSTER_SECRET_FILE to a 0600 file "
                                  "(e.g. `openssl rand -hex 32 > /etc/forkyard/cluster_secret`) or "
@@ -91,18 +109,7 @@ def load_node_key(env: dict[str, str] | None = None) -> str:
             unreadable or readable by group/others, or the value is not a node key
             (e.g. the cluster's master secret, which a node must not hold).
     """
-    env = os.environ if env is None else env
-    value = env.get("FORKYARD_NODE_KEY", "").strip()
-    path = env.get("FORKYARD_NODE_KEY_FILE", "").strip()
-    if not value and path:
-        p = Path(path)
-        try:
-            mode = p.stat().st_mode
-            value = p.read_text().strip()
-        except OSError as e:
-            raise ClusterConfigError(f"cannot read FORKYARD_NODE_KEY_FILE {path}: {e}") from e
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    value = _value_or_private_file(os.environ if env is None else env, "FORKYARD_NODE_KEY")
     if not value:
         raise ClusterConfigError("a cluster node needs its own key: on a host holding the cluster secret run "
                                  "`forkyard cluster node-key NODE_ID --url ADVERTISE_URL --out node.key`, copy the file "
@@ -135,13 +142,7 @@ def redis_url(env: dict[str, str] | None = None, url: str | None = None) -> str:
     path = env.get("FORKYARD_REDIS_PASSWORD_FILE", "").strip()
     if not path:
         return url
-    try:
-        mode = Path(path).stat().st_mode
-        password = Path(path).read_text().strip()
-    except OSError as e:
-        raise ClusterConfigError(f"cannot read FORKYARD_REDIS_PASSWORD_FILE {path}: {e}") from e
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ClusterConfigError(f"{path} is readable by other users; run: chmod 600 {path}")
+    password = _read_private("FORKYARD_REDIS_PASSWORD_FILE", path)
     conf = [ln.split(None, 1) for ln in password.splitlines() if ln.startswith("requirepass ")]
     if conf:  # a Redis config holding it (`requirepass PASS`, as deploy/ writes redis-secret.conf)
         password = conf[0][1].strip()
