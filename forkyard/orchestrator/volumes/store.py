@@ -25,12 +25,12 @@ import os
 import secrets
 import shutil
 import sqlite3
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkyard.hostfs import is_mounted, run_checked, unmount
 from forkyard.ids import is_name, new_volume_id
 from forkyard.orchestrator.errors import BadRequest, Conflict, NotFound, OrchestratorError
 
@@ -69,15 +69,7 @@ class VolumeRecord:
 
 
 def _run(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise VolumeFailed(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.strip()}")
-
-
-def _mounted(path: Path) -> bool:
-    target = str(path)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == target for line in f)
+    run_checked(argv, VolumeFailed)
 
 
 class Volumes:
@@ -201,14 +193,13 @@ class Volumes:
 
     @staticmethod
     def _mount(vdir: Path) -> None:
-        if not _mounted(vdir / "data"):
+        if not is_mounted(vdir / "data"):
             _run(["mount", "-o", "loop,nosuid,nodev", str(vdir / IMAGE_NAME), str(vdir / "data")])
 
     @staticmethod
     def _unmount(vdir: Path) -> None:
-        if _mounted(vdir / "data"):
-            if subprocess.run(["umount", str(vdir / "data")], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(vdir / "data")], capture_output=True)
+        if is_mounted(vdir / "data"):
+            unmount(vdir / "data")
 
     def _remove(self, vdir: Path) -> None:
         self._unmount(vdir)

@@ -32,10 +32,11 @@ import ctypes
 import logging
 import os
 import shutil
-import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from forkyard.hostfs import is_mounted, run_checked, unmount
 
 log = logging.getLogger("forkyard.runtime.disk")
 
@@ -47,16 +48,7 @@ class DiskError(Exception):
 
 
 def _run(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise DiskError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.strip()}")
-
-
-def is_mounted(path: Path) -> bool:
-    """Whether ``path`` is a mount point in this mount namespace."""
-    target = str(path)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == target for line in f)
+    run_checked(argv, DiskError)
 
 
 _MS_MOVE = 8192  # <linux/mount.h>
@@ -139,8 +131,7 @@ def detach(workdir: Path, overlay_dir: Path) -> None:
     user) and delete the disk image. Never raises."""
     try:
         if is_mounted(overlay_dir):
-            if subprocess.run(["umount", str(overlay_dir)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(overlay_dir)], capture_output=True)
+            unmount(overlay_dir)
     except OSError as e:
         log.warning("unmounting %s failed: %s", overlay_dir, e)
     try:
@@ -287,8 +278,8 @@ class SpareDisks:
     @staticmethod
     def _umount(path: Path) -> None:
         try:
-            if is_mounted(path) and subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
-                subprocess.run(["umount", "-l", str(path)], capture_output=True)
+            if is_mounted(path):
+                unmount(path)
         except OSError as e:
             log.warning("unmounting %s failed: %s", path, e)
 
