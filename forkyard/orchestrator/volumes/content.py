@@ -19,6 +19,7 @@ import errno
 import os
 import stat
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from forkyard.ids import rfc3339
@@ -89,6 +90,21 @@ class VolumeFiles:
             return r.parent(path, create)
         except EscapeError:
             raise BadRequest(f"{path!r} is the volume's root") from None
+
+    @contextmanager
+    def _at(self, path: str):
+        """For a with-block: ``(directory fd, leaf name)`` of the normalised ``path``
+        inside the volume (the fd closed after); an ``OSError`` in the block becomes the
+        API's error (:func:`_errors`)."""
+        try:
+            with Root(self.root) as r:
+                dfd, name = self._leaf(r, path)
+                try:
+                    yield dfd, name
+                finally:
+                    os.close(dfd)
+        except OSError as e:
+            raise _errors(e, path) from None
 
     def stat(self, path: str) -> dict:
         """The entry at ``path`` (``/``: the root)."""
@@ -212,38 +228,24 @@ class VolumeFiles:
     def update(self, path: str, uid: int | None, gid: int | None, mode: int | None) -> dict:
         """Change the owner and/or mode of ``path`` (a link itself: owner only)."""
         path = _norm(path)
-        try:
-            with Root(self.root) as r:
-                dfd, name = self._leaf(r, path)
+        with self._at(path) as (dfd, name):
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            if uid is not None or gid is not None:
+                os.chown(name, -1 if uid is None else uid, -1 if gid is None else gid, dir_fd=dfd,
+                         follow_symlinks=False)
+            if mode is not None and not stat.S_ISLNK(st.st_mode):
+                fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
                 try:
-                    st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                    if uid is not None or gid is not None:
-                        os.chown(name, -1 if uid is None else uid, -1 if gid is None else gid, dir_fd=dfd,
-                                 follow_symlinks=False)
-                    if mode is not None and not stat.S_ISLNK(st.st_mode):
-                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-                        try:
-                            os.fchmod(fd, stat.S_IMODE(mode))
-                        finally:
-                            os.close(fd)
-                    return self._stat_at(dfd, name, path)
+                    os.fchmod(fd, stat.S_IMODE(mode))
                 finally:
-                    os.close(dfd)
-        except OSError as e:
-            raise _errors(e, path) from None
+                    os.close(fd)
+            return self._stat_at(dfd, name, path)
 
     def remove(self, path: str) -> None:
         """Remove ``path`` (a directory with all it holds; a link, not its target)."""
         path = _norm(path)
-        try:
-            with Root(self.root) as r:
-                dfd, name = self._leaf(r, path)
-                try:
-                    if Root.lstat(dfd, name) is None:
-                        raise FileNotFoundError(errno.ENOENT, "not found", path)
-                    Root.remove(dfd, name)
-                finally:
-                    os.close(dfd)
-        except OSError as e:
-            raise _errors(e, path) from None
+        with self._at(path) as (dfd, name):
+            if Root.lstat(dfd, name) is None:
+                raise FileNotFoundError(errno.ENOENT, "not found", path)
+            Root.remove(dfd, name)
 
