@@ -125,6 +125,7 @@ async def main(a) -> int:
           f"{a.clients} clients; load before: {os.getloadavg()[0]:.1f}", flush=True)
     try:
         cp.start()
+        await fleet.serve_health()  # a late heartbeat on a loaded host must not take a node out
         await fleet.register()
         fleet.run()
         raw = await raw_redis_ms(cp.redis_url, fleet.nodes[0].node_id)

@@ -8,9 +8,13 @@ through the node agent's own builders (:mod:`forkyard.cluster.messages`: the hea
 body and its report, published records) and client (:class:`~forkyard.cluster.schedclient.SchedulerClient`),
 so a change of the protocol breaks the simulation rather than silently its numbers. It
 runs no sandbox: :meth:`SimNode.start` is what a node does when a placed create reaches
-it (rows appear, the placement is acknowledged in the next heartbeat). Its URL answers
-nothing (the scheduler asks a node's ``/health`` only before declaring it down, and these
-nodes never fall silent).
+it (rows appear, the placement is acknowledged in the next heartbeat). The scheduler asks
+a node's ``/health`` only before declaring a silent one down: with
+:meth:`Fleet.serve_health` every simulated node answers it (one uvicorn listener in this
+process, ``http://127.0.0.1:PORT/<node id>``), so on a loaded host a late heartbeat
+does not take a node out of the run, as it would not a real node that is alive;
+without it the URLs answer nothing (a closed port), for tests that want nodes declared
+down.
 """
 
 from __future__ import annotations
@@ -122,9 +126,10 @@ class SimNode:
         secret: the cluster secret (the node's key is minted from it).
     """
 
-    def __init__(self, node_id: str, max_sandboxes: int, scheduler_urls: list[str], secret: str, vcpus: int = 16):
+    def __init__(self, node_id: str, max_sandboxes: int, scheduler_urls: list[str], secret: str, vcpus: int = 16,
+                 base_url: str = "http://127.0.0.1:9"):
         self.node_id, self.max_sandboxes, self.vcpus = node_id, max_sandboxes, vcpus
-        self.url = f"http://127.0.0.1:9/{node_id}"  # never called (see the module docstring)
+        self.url = f"{base_url}/{node_id}"  # only /health is ever called (see the module docstring)
         self.rows: dict[str, SandboxRecord] = {}
         self.dirty: set[str] = set()
         self.acked: set[str] = set()
@@ -195,10 +200,38 @@ class Fleet:
     trying the scheduler replicas in the other order (a load balancer's spread)."""
 
     def __init__(self, n: int, max_sandboxes: int, scheduler_urls: list[str], secret: str):
+        self.health_port = free_port()
+        base_url = f"http://127.0.0.1:{self.health_port}"
         self.nodes = [SimNode(f"sim{i:04d}", max_sandboxes, scheduler_urls if i % 2 == 0 else scheduler_urls[::-1],
-                              secret) for i in range(n)]
+                              secret, base_url=base_url) for i in range(n)]
         self.by_id = {n.node_id: n for n in self.nodes}
         self._tasks: list[asyncio.Task] = []
+        self._health = None
+
+    async def serve_health(self) -> None:
+        """Answer ``GET /<node id>/health`` (200) for every node of this fleet on
+        :attr:`health_port` until :meth:`stop`; other paths 404."""
+        import uvicorn
+
+        ids = {n.node_id for n in self.nodes}
+
+        async def app(scope, receive, send):
+            if scope["type"] != "http":
+                return
+            parts = scope["path"].strip("/").split("/")
+            ok = len(parts) == 2 and parts[0] in ids and parts[1] == "health"
+            await send({"type": "http.response.start", "status": 200 if ok else 404,
+                        "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"status":"ok"}' if ok else b"{}"})
+
+        self._health = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.health_port,
+                                                     log_level="warning", lifespan="off"))
+        task = asyncio.create_task(self._health.serve())
+        self._tasks.append(task)
+        while not self._health.started:
+            if task.done():
+                task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
 
     async def register(self) -> None:
         """Every node's first heartbeat (a few at a time)."""
@@ -248,7 +281,10 @@ class Fleet:
         self._tasks = [asyncio.create_task(loop(n)) for n in self.nodes]
 
     async def stop(self) -> None:
-        """Stop the loops and close the clients."""
+        """Stop the loops and the health listener, and close the clients."""
+        if self._health is not None:
+            self._health.should_exit = True
+            await asyncio.sleep(0.2)  # uvicorn's main loop looks every 0.1 s
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

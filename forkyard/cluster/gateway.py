@@ -41,16 +41,13 @@ import json
 import logging
 import re
 import time
-from dataclasses import fields
 
 import httpx
-from fastapi import FastAPI, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from forkyard.api import schemas
-from forkyard.api.routes_sandboxes import parse_metadata, filter_records, list_filters
-from forkyard.cluster.listing import decode_cursor, encode_cursor, record_of
+from forkyard.cluster.gateway_rest import rest_app
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER, SECRET_HEADER
 from forkyard.cluster.nodekeys import NodeKeys
 from forkyard.cluster.routing import Fail as _Fail
@@ -58,10 +55,8 @@ from forkyard.cluster.routing import Ownership, RouteBook
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
-from forkyard.ids import SANDBOX_ID, micros
+from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
-from forkyard.orchestrator.errors import OrchestratorError
-from forkyard.orchestrator.store import SandboxRecord
 from forkyard.relay import fastpath, paths
 from forkyard.relay.errors import send_error
 from forkyard.relay.fastpath import relay_bodyless
@@ -85,16 +80,11 @@ WAKE_ATTEMPTS = 3
 MAX_JSON_BODY = 1 << 20
 #: How long resolved node lists / sandbox owners are reused for sandbox traffic (s).
 NODES_TTL_S = 0.5
-_RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 #: Placements tried for one create whose nodes refuse it for capacity (503) or fail it
 #: (500, 502, 507: e.g. a full disk there).
 CREATE_ATTEMPTS = 3
 _REPLACE = {500, 502, 503, 507}
 _NODE_SKIP = HOP | {"x-api-key", SECRET_HEADER, PLACEMENT_HEADER, DRAINING_HEADER}  # the last three: only ours
-
-
-def _record(d: dict) -> SandboxRecord:
-    return SandboxRecord(**{k: v for k, v in d.items() if k in _RECORD_FIELDS})
 
 
 def _replay(body: bytes):
@@ -138,7 +128,7 @@ class Gateway(Ownership):
         #: last known bindings and nodes, for routing while Redis is away (.routing)
         self.book = RouteBook()
         self._ask = httpx.AsyncClient(trust_env=False)
-        self.api = self._rest_app()
+        self.api = rest_app(self)
 
     # ---- plumbing ---------------------------------------------------------------------
     def _client(self, node: NodeInfo) -> httpx.AsyncClient:
@@ -516,99 +506,3 @@ class Gateway(Ownership):
         results = json.loads(self._with_domain(json.dumps(results).encode()))
         await JSONResponse(results, status_code=201, headers=headers)(scope, receive, send)
 
-    # ---- REST served by the gateway itself ------------------------------------------------
-    async def _page(self, metadata: str | None, states: set[str], template: str | None, after: int | None,
-                    before: int | None, desc: bool, next_token: str | None, limit: int
-                    ) -> tuple[list[dict], str | None]:
-        """One page of the sandboxes a client can see, cluster-wide, from the list
-        indexes (:mod:`.listing`: reads only the page): bindings whose node is not
-        declared down, and paused ones whatever their node; filters and order as a
-        node's list (:func:`~forkyard.api.routes_sandboxes.filter_records`). Returns the
-        listed items (with ``nodeID``) and the next page's token (None: last page).
-        ``after``/``before``: :func:`~forkyard.api.routes_sandboxes.list_filters`' bounds (µs).
-
-        Raises:
-            ClusterStoreUnavailable: listing needs Redis (503).
-            BadRequest: a token the gateway did not issue (400).
-        """
-        nodes = await self.nodes(stale_ok=False)
-        want = parse_metadata(metadata)
-
-        def accept(row: dict) -> bool:
-            n = nodes.get(row.get("node", ""))
-            if row.get("state") != "paused" and (n is None or n.declared_down):
-                return False
-            rec = _record(record_of(row))
-            at = micros(rec.started_at)
-            return bool(filter_records([rec], metadata, states, template)) and \
-                (after is None or at >= after) and (before is None or at <= before)
-
-        cursor = decode_cursor(next_token) if next_token else None
-        # the index's bounds (s) hold every match (1 µs wider); accept() compares exactly
-        lo = None if after is None else after / 1e6 - 1e-6
-        hi = None if before is None else before / 1e6 + 1e-6
-        got, more = await self.store.page(states, want, template, lo, hi, desc, cursor, limit, accept)
-        items = []
-        for _, sid, row in got:
-            item = schemas.sandbox_listed(_record(record_of(row)))
-            item["nodeID"] = row.get("node")  # which node holds it (forkyard ls shows it; SDKs ignore it)
-            items.append(item)
-        return items, encode_cursor(got[-1][0], got[-1][1]) if more and got else None
-
-    def _rest_app(self) -> FastAPI:
-        gw = self
-
-        async def lifespan(app):
-            yield
-            await gw.aclose()
-
-        from contextlib import asynccontextmanager
-
-        app = FastAPI(title="forkyard gateway", lifespan=asynccontextmanager(lifespan))
-
-        @app.exception_handler(OrchestratorError)
-        async def _orch_error(request, exc: OrchestratorError):
-            return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
-
-        @app.exception_handler(ClusterStoreUnavailable)
-        async def _unavailable(request, exc):
-            return JSONResponse(schemas.error(503, f"{exc}; retry when it is back"), status_code=503)
-
-        @app.get("/health")
-        async def health():
-            ok = await gw.store.ping()
-            return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
-
-        @app.get("/sandboxes")
-        async def list_v1(metadata: str | None = None):
-            list_filters(metadata, None, None, None)
-            out, token = [], None
-            while True:  # E2B's v1 list has no pages: every running match, read a page at a time
-                items, token = await gw._page(metadata, {"running"}, None, None, None, True, token, 1000)
-                out += items
-                if token is None:
-                    return out
-
-        @app.get("/v2/sandboxes")
-        async def list_v2(
-            response: Response, metadata: str | None = None, state: list[str] | None = Query(default=None),
-            template: str | None = None,
-            order: str | None = Query(default=None, pattern="^(asc|desc)$"),
-            next_token: str | None = Query(default=None, alias="nextToken"),
-            limit: int = Query(default=100, ge=1, le=100),
-            started_after: str | None = Query(default=None, alias="startedAfter"),
-            started_before: str | None = Query(default=None, alias="startedBefore"),
-        ):
-            states, after, before = list_filters(metadata, state, started_after, started_before)
-            items, token = await gw._page(metadata, states, template, after, before, order != "asc", next_token, limit)
-            if token:
-                response.headers["x-next-token"] = token
-            return items
-
-        @app.get("/metrics/node")
-        @app.get("/metrics/cluster")
-        async def cluster_metrics():
-            nodes = await gw.nodes(fresh=True, stale_ok=False)
-            return {"sandboxes": await gw.store.counts(), "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
-
-        return app

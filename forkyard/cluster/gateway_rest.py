@@ -1,0 +1,140 @@
+"""The gateway's own REST routes: what it answers from Redis instead of forwarding to a
+node (:class:`~.gateway.Gateway` mounts :func:`rest_app` as its ``api``): health, the
+cluster-wide sandbox list one page at a time, and the cluster's counts."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from dataclasses import fields
+from typing import Protocol
+
+from fastapi import FastAPI, Query, Response
+from fastapi.responses import JSONResponse
+
+from forkyard.api import schemas
+from forkyard.api.routes_sandboxes import filter_records, list_filters, parse_metadata
+from forkyard.cluster.listing import decode_cursor, encode_cursor, record_of
+from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.cluster.types import NodeInfo
+from forkyard.ids import micros
+from forkyard.orchestrator.errors import OrchestratorError
+from forkyard.orchestrator.store import SandboxRecord
+
+_RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
+
+
+def _record(d: dict) -> SandboxRecord:
+    return SandboxRecord(**{k: v for k, v in d.items() if k in _RECORD_FIELDS})
+
+
+class GatewayView(Protocol):
+    """What these routes use of the gateway (:class:`~.gateway.Gateway` has it)."""
+
+    store: ClusterStore
+
+    async def nodes(self, fresh: bool = False, stale_ok: bool = True) -> dict[str, NodeInfo]:
+        """The nodes with a valid record by id (reused ≤ 0.5 s unless ``fresh``; while Redis
+        cannot be read, the last list read if ``stale_ok``, else ClusterStoreUnavailable)."""
+
+    async def aclose(self) -> None:
+        """Close the gateway's clients."""
+
+
+async def page(gw: GatewayView, metadata: str | None, states: set[str], template: str | None, after: int | None,
+                before: int | None, desc: bool, next_token: str | None, limit: int
+                ) -> tuple[list[dict], str | None]:
+    """One page of the sandboxes a client can see, cluster-wide, from the list
+    indexes (:mod:`.listing`: reads only the page): bindings whose node is not
+    declared down, and paused ones whatever their node; filters and order as a
+    node's list (:func:`~forkyard.api.routes_sandboxes.filter_records`). Returns the
+    listed items (with ``nodeID``) and the next page's token (None: last page).
+    ``after``/``before``: :func:`~forkyard.api.routes_sandboxes.list_filters`' bounds (µs).
+
+    Raises:
+        ClusterStoreUnavailable: listing needs Redis (503).
+        BadRequest: a token the gateway did not issue (400).
+    """
+    nodes = await gw.nodes(stale_ok=False)
+    want = parse_metadata(metadata)
+
+    def accept(row: dict) -> bool:
+        n = nodes.get(row.get("node", ""))
+        if row.get("state") != "paused" and (n is None or n.declared_down):
+            return False
+        rec = _record(record_of(row))
+        at = micros(rec.started_at)
+        return bool(filter_records([rec], metadata, states, template)) and \
+            (after is None or at >= after) and (before is None or at <= before)
+
+    cursor = decode_cursor(next_token) if next_token else None
+    # the index's bounds (s) hold every match (1 µs wider); accept() compares exactly
+    lo = None if after is None else after / 1e6 - 1e-6
+    hi = None if before is None else before / 1e6 + 1e-6
+    got, more = await gw.store.page(states, want, template, lo, hi, desc, cursor, limit, accept)
+    items = []
+    for _, sid, row in got:
+        item = schemas.sandbox_listed(_record(record_of(row)))
+        item["nodeID"] = row.get("node")  # which node holds it (forkyard ls shows it; SDKs ignore it)
+        items.append(item)
+    return items, encode_cursor(got[-1][0], got[-1][1]) if more and got else None
+
+
+def rest_app(gw: GatewayView) -> FastAPI:
+    """The routes the gateway answers on its own (``Gateway.api``): ``/health``, the
+    cluster-wide sandbox lists (E2B's ``GET /sandboxes`` and ``GET /v2/sandboxes``, from
+    the list indexes: :func:`page`) and ``/metrics/node`` = ``/metrics/cluster`` (counts
+    and every node). Errors: an :class:`OrchestratorError` answers its status, Redis
+    away 503."""
+
+    async def lifespan(app):
+        yield
+        await gw.aclose()
+
+    app = FastAPI(title="forkyard gateway", lifespan=asynccontextmanager(lifespan))
+
+    @app.exception_handler(OrchestratorError)
+    async def _orch_error(request, exc: OrchestratorError):
+        return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
+
+    @app.exception_handler(ClusterStoreUnavailable)
+    async def _unavailable(request, exc):
+        return JSONResponse(schemas.error(503, f"{exc}; retry when it is back"), status_code=503)
+
+    @app.get("/health")
+    async def health():
+        ok = await gw.store.ping()
+        return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
+
+    @app.get("/sandboxes")
+    async def list_v1(metadata: str | None = None):
+        list_filters(metadata, None, None, None)
+        out, token = [], None
+        while True:  # E2B's v1 list has no pages: every running match, read a page at a time
+            items, token = await page(gw, metadata, {"running"}, None, None, None, True, token, 1000)
+            out += items
+            if token is None:
+                return out
+
+    @app.get("/v2/sandboxes")
+    async def list_v2(
+        response: Response, metadata: str | None = None, state: list[str] | None = Query(default=None),
+        template: str | None = None,
+        order: str | None = Query(default=None, pattern="^(asc|desc)$"),
+        next_token: str | None = Query(default=None, alias="nextToken"),
+        limit: int = Query(default=100, ge=1, le=100),
+        started_after: str | None = Query(default=None, alias="startedAfter"),
+        started_before: str | None = Query(default=None, alias="startedBefore"),
+    ):
+        states, after, before = list_filters(metadata, state, started_after, started_before)
+        items, token = await page(gw, metadata, states, template, after, before, order != "asc", next_token, limit)
+        if token:
+            response.headers["x-next-token"] = token
+        return items
+
+    @app.get("/metrics/node")
+    @app.get("/metrics/cluster")
+    async def cluster_metrics():
+        nodes = await gw.nodes(fresh=True, stale_ok=False)
+        return {"sandboxes": await gw.store.counts(), "nodes": [n.to_dict() for _, n in sorted(nodes.items())]}
+
+    return app
