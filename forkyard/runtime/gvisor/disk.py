@@ -70,7 +70,7 @@ def _move_mount(source: Path, target: Path) -> None:
 def image_mb(size_mb: int) -> int:
     """Size (MiB) of the ext4 image holding a disk of ``size_mb`` MiB: a little more,
     for ext4's own metadata, so that the sentry's bound on the overlay (exactly
-    ``size_mb``, what ``df /`` shows inside; see the driver's ``_overlay_flag``) is
+    ``size_mb``, what ``df /`` shows inside; see :func:`.runsc.overlay_flag`) is
     reached first and a full disk is a clean ENOSPC at the size the sandbox sees.
     Measured with :func:`_make`'s options: ext4 offers 96,264 KiB of a 96 MiB image
     and 4,177,452 KiB of 4 GiB (2.0 % and 0.4 % short); the margin is 1/64 + 4 MiB."""

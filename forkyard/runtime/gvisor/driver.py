@@ -54,8 +54,8 @@ from forkyard.runtime.gvisor.cgroups import cgroup_memory_in_use, cgroup_oom, cg
 from forkyard.runtime.gvisor.process import (checkpointing, container_files_exist, kill_sandbox_process, pid_alive,
                                              rearm_envd, spawn_detached, state_file)
 from forkyard.runtime.gvisor.reaper import ensure_reaper
-from forkyard.runtime.gvisor.runsc import (POINTER, SHARE_PAGES_FLAG, SHARE_SAVED_FLAG, Runsc, missing,
-                                          probe_features, summarize)
+from forkyard.runtime.gvisor.runsc import (POINTER, SHARE_SAVED_FLAG, Runsc, missing, overlay_dir, probe_features,
+                                          sandbox_flags, summarize)
 
 log = logging.getLogger(__name__)
 
@@ -142,39 +142,6 @@ class GVisorDriver(RuntimeDriver):
         self._spare_keeper: disk.SpareKeeper | None = None
         self._starts = 0  # run/restore in flight: spares are made only while none is
         self._last_start = 0.0  # time.monotonic() when the last one ended
-
-    # ---- command plumbing -------------------------------------------------------------
-    def _overlay_flag(self, spec: SandboxSpec) -> str:
-        """``--overlay2`` for ``spec``: where the writable layer lives (the one place
-        that chooses its medium, :attr:`overlay`) and how large it is.
-
-        ``size=`` (the sandbox's disk, ``disk_mb`` MiB; none when 0) bounds the
-        overlay's upper tmpfs inside the sentry, and the root overlay reports its upper
-        layer in ``statfs`` (gVisor ``overlay.statFS``, as Linux's ``ovl_statfs``): so
-        ``df /`` inside shows the disk's size and what was written to it, instead of
-        an unbounded 8.0E. The host-side disk (:mod:`.disk`) stays the hard bound.
-        """
-        if self.overlay == "dir":
-            medium = f"root:dir={self._overlay_dir(spec.workdir)}"
-        else:
-            medium = "root:memory"
-        return f"--overlay2={medium},size={spec.disk_mb}m" if spec.disk_mb else f"--overlay2={medium}"
-
-    def _sandbox_flags(self, spec: SandboxSpec) -> list[str]:
-        # --net-disconnect-ok: without it a checkpoint fails as soon as any TCP
-        # connection (even one in TIME_WAIT) exists ("endpoint cannot be saved in
-        # connected state"); with it such connections are reset on save.
-        return [
-            "--network=sandbox",
-            "--net-disconnect-ok",
-            "--cpu-num-from-quota",
-            self._overlay_flag(spec),
-            *([SHARE_PAGES_FLAG] if self.shares_restored_pages else []),
-        ]
-
-    @staticmethod
-    def _overlay_dir(workdir: Path) -> Path:
-        return workdir / "overlay"
 
     # ---- spare disks --------------------------------------------------------------------
     async def prepare(self, default_disk_mb: int) -> None:
@@ -326,7 +293,7 @@ class GVisorDriver(RuntimeDriver):
         phases = {} if phases is None else phases
         t0 = time.perf_counter()
         if self.overlay == "dir":
-            overlay = self._overlay_dir(spec.workdir)
+            overlay = overlay_dir(spec.workdir)
             overlay.mkdir(parents=True, exist_ok=True)
             if spec.disk_mb:
                 try:
@@ -344,7 +311,7 @@ class GVisorDriver(RuntimeDriver):
         ocispec.write_bundle(spec, ocispec.process_argv(self.init_argv, self.sudo_broker), envd, tmp=tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
-        argv = self.runsc.start_argv(self._sandbox_flags(spec), args, upper_tar=upper_tar,
+        argv = self.runsc.start_argv(sandbox_flags(spec, self.overlay, self.shares_restored_pages), args, upper_tar=upper_tar,
                                      annotated=rootfs_tar is not None)
         ok = False
         t1 = time.perf_counter()
@@ -390,15 +357,15 @@ class GVisorDriver(RuntimeDriver):
         if error is None:
             remove_cgroups(sandbox_id)
         if workdir is not None:
-            disk.detach(workdir, self._overlay_dir(workdir))
-            for path in (ocispec.bundle_dir(workdir), self._overlay_dir(workdir)):
+            disk.detach(workdir, overlay_dir(workdir))
+            for path in (ocispec.bundle_dir(workdir), overlay_dir(workdir)):
                 shutil.rmtree(path, ignore_errors=True)
         return error
 
     def disk_usage(self, workdir: Path) -> tuple[int, int] | None:
         """``(used, total)`` bytes of the sandbox's disk (its writable layer), None when
         it has no disk of its own."""
-        return disk.usage(self._overlay_dir(workdir))
+        return disk.usage(overlay_dir(workdir))
 
     async def destroy(self, sandbox_id: str, workdir: Path | None = None) -> None:
         """Kill and delete the sandbox (``runsc delete --force``) and remove its bundle

@@ -136,7 +136,6 @@ def ensure_reaper() -> bool:
 # to an older daemon that would ignore it.
 
 import json as _json
-import selectors as _selectors
 import socket as _socket
 import subprocess as _subprocess
 import sys as _sys

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forkyard.config import GVisorSettings, Settings
-from forkyard.runtime.base import RuntimeError_
+from forkyard.runtime.base import RuntimeError_, SandboxSpec
 from forkyard.runtime.gvisor import spec as ocispec
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,42 @@ def runsc_supports(runsc: str, flag: str) -> bool:
         return subprocess.run([runsc, flag, "--version"], capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
+
+
+def overlay_dir(workdir: Path) -> Path:
+    """Where a sandbox's writable layer lives on the host (``<workdir>/overlay``)."""
+    return workdir / "overlay"
+
+
+def overlay_flag(spec: SandboxSpec, overlay: str) -> str:
+    """``--overlay2`` for ``spec``: where the writable layer lives (``overlay``: ``dir``,
+    a host directory on the sandbox's disk, or ``memory``; the one place that chooses
+    its medium) and how large it is.
+
+    ``size=`` (the sandbox's disk, ``disk_mb`` MiB; none when 0) bounds the overlay's
+    upper tmpfs inside the sentry, and the root overlay reports its upper layer in
+    ``statfs`` (gVisor ``overlay.statFS``, as Linux's ``ovl_statfs``): so ``df /``
+    inside shows the disk's size and what was written to it, instead of an unbounded
+    8.0E. The host-side disk (:mod:`.disk`) stays the hard bound.
+    """
+    medium = f"root:dir={overlay_dir(spec.workdir)}" if overlay == "dir" else "root:memory"
+    return f"--overlay2={medium},size={spec.disk_mb}m" if spec.disk_mb else f"--overlay2={medium}"
+
+
+def sandbox_flags(spec: SandboxSpec, overlay: str, share_pages: bool) -> list[str]:
+    """runsc's per-sandbox flags for a ``run``/``restore`` of ``spec`` (before the
+    command): network, CPU count, the overlay (:func:`overlay_flag`) and
+    :data:`SHARE_PAGES_FLAG` when restores share the image's pages."""
+    # --net-disconnect-ok: without it a checkpoint fails as soon as any TCP
+    # connection (even one in TIME_WAIT) exists ("endpoint cannot be saved in
+    # connected state"); with it such connections are reset on save.
+    return [
+        "--network=sandbox",
+        "--net-disconnect-ok",
+        "--cpu-num-from-quota",
+        overlay_flag(spec, overlay),
+        *([SHARE_PAGES_FLAG] if share_pages else []),
+    ]
 
 
 @dataclass(frozen=True)
