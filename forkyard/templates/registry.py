@@ -243,7 +243,7 @@ class Puller:
                                "--dest-shared-blob-dir", str(self.blobs)],
                               ref.transport(digest), ref, creds, PULL_TIMEOUT_S, extra=[f"oci:{layout}:image"])
                     build_oci.import_image(self.settings, layout, name, progress, blobs_dir=self.blobs,
-                                           origin=f"pulled from {ref.transport(digest)}")
+                                           origin=f"pulled from {ref.transport(digest)}", provision_user=True)
                 finally:
                     shutil.rmtree(layout, ignore_errors=True)
                 return name
