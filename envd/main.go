@@ -36,8 +36,8 @@ func main() {
 	// A multi-call binary: images get /usr/bin/sudo and the sudo broker as
 	// links to envd (gVisor ignores set-user-ID bits; see internal/sudo).
 	switch filepath.Base(os.Args[0]) {
-	case "sudo":
-		os.Exit(sudo.Client(os.Args[1:]))
+	case "sudo", "sudoedit":
+		os.Exit(sudo.Client(filepath.Base(os.Args[0]), os.Args[1:]))
 	case "sudo-broker":
 		if err := sudo.Broker(); err != nil {
 			fmt.Fprintf(os.Stderr, "sudo-broker: %v\n", err)

@@ -298,6 +298,11 @@ def test_sudo_and_start_command_in_a_pulled_image(server, registries):
             assert _run(sbx, "sudo -E bash -c 'echo $SECRET'", envs={"SECRET": "x"}) == (0, "x\n")
             rc, out = _run(sbx, "sudo --chroot=/ id")
             assert rc == 1 and "not supported" in out, out
+            assert _run(sbx, "sudo id -u", user="root") == (0, "0\n")  # root: envd's sudo runs it directly
+            # only members of group sudo: another account is refused
+            assert _run(sbx, "sudo bash -c 'echo bob:x:1001:1001::/tmp:/bin/bash >> /etc/passwd'")[0] == 0
+            rc, out = _run(sbx, "sudo id -u", user="bob")
+            assert rc == 1 and "not allowed to use sudo" in out, out
             # the start command's process (sleep, started through sudo) is in the snapshot
             assert sbx.files.read("/tmp/started") == "0\n"
             rc, out = _run(sbx, "for f in /proc/[0-9]*/cmdline; do read -r -d '' a < $f; [ \"$a\" = sleep ] && echo found; done; true")

@@ -59,14 +59,13 @@ class StepRunner:
         self._http = http
 
     async def _sh(self, host: str, rec: BuildRecord, step: str, cmd: str, ctx: _Ctx, user: str | None = None,
-                  cwd: str | None = None, quiet: bool = False, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, list[str]]:
+                  cwd: str | None = None, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, list[str]]:
         tail: list[str] = []
 
         def sink(stream: str, line: str) -> None:
             tail.append(line)
             del tail[:-20]
-            if not quiet:
-                rec.log(line, "info" if stream == "stdout" else "warn", step)
+            rec.log(line, "info" if stream == "stdout" else "warn", step)
 
         try:
             rc = await envd.run(self._http, host, cmd, user=user or ctx.user, envs=ctx.envs,

@@ -81,8 +81,9 @@ func envList(m map[string]string) []string {
 	return out
 }
 
-// Client is envd run as "sudo": it returns the exit status to exit with.
-func Client(args []string) int {
+// Client is envd run as "sudo" or "sudoedit" (name): it returns the exit
+// status to exit with.
+func Client(name string, args []string) int {
 	if os.Geteuid() != 0 && !exists(Socket) && exists(BrokerPath) {
 		// The broker starts with the sandbox: a sudo in its first moments waits
 		// for the socket (at most 5 s).
@@ -94,10 +95,10 @@ func Client(args []string) int {
 	if err != nil {
 		cwd = "/"
 	}
-	req := request{Name: "sudo", Argv: args, Cwd: cwd, Env: envMap(os.Environ())}
+	req := request{Name: name, Argv: args, Cwd: cwd, Env: envMap(os.Environ())}
 	if os.Geteuid() == 0 {
 		if exists(Real) {
-			err := syscall.Exec(Real, append([]string{"sudo"}, args...), os.Environ())
+			err := syscall.Exec(Real, append([]string{name}, args...), os.Environ())
 			fmt.Fprintf(os.Stderr, "sudo: %v\n", err)
 			return 1
 		}
@@ -108,7 +109,7 @@ func Client(args []string) int {
 	}
 	if !exists(Socket) {
 		if exists(Real) { // let the real sudo explain why it cannot
-			_ = syscall.Exec(Real, append([]string{"sudo"}, args...), os.Environ())
+			_ = syscall.Exec(Real, append([]string{name}, args...), os.Environ())
 		}
 		fmt.Fprintf(os.Stderr, "sudo: no sudo broker is running in this sandbox (%s)\n", Socket)
 		return 1
@@ -336,8 +337,15 @@ func handle(conn *net.UnixConn) {
 func execute(req request, caller uint32, stdio [3]*os.File, sigs <-chan os.Signal) int {
 	var cmd *exec.Cmd
 	if exists(Real) {
-		cmd = &exec.Cmd{Path: Real, Args: append([]string{"sudo"}, req.Argv...), Env: envList(req.Env)}
+		name := "sudo"
+		if req.Name == "sudoedit" { // the real sudo's edit mode is chosen by its argv[0]
+			name = req.Name
+		}
+		cmd = &exec.Cmd{Path: Real, Args: append([]string{name}, req.Argv...), Env: envList(req.Env)}
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	} else if req.Name == "sudoedit" {
+		fmt.Fprintln(stdio[2], "sudoedit: not supported here (this image has no sudo package)")
+		return 1
 	} else {
 		p, err := Plan(identity.DB{}, req.Argv, req.Env, caller)
 		if err != nil {
