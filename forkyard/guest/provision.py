@@ -17,7 +17,8 @@ bind-mounts into every sandbox at ``/usr/local/bin/envd``, as a multi-call progr
 * group ``sudo`` exists (its members, and root, may use the broker).
 * ``user`` (E2B's default user), when the image has it or ``create_user`` asks for it:
   uid 1000 (or the next free one) with group ``user``, home ``/home/user``, shell bash
-  when the image has it, no password (as E2B's template build: ``passwd -d``), member of
+  when the image has it, no password (as E2B's template build: ``passwd -d``), the
+  files of ``/etc/skel`` in its home (as ``useradd -m``), member of
   ``sudo``, and ``user ALL=(ALL:ALL) NOPASSWD: ALL`` appended to ``/etc/sudoers`` when
   the image has sudo (E2B appends the same line).
 
@@ -117,6 +118,31 @@ def _sudo_binary(root: beneath.Root) -> tuple[bool, list[str]]:
     return have_real, done
 
 
+def _skel(root: beneath.Root, uid: int, gid: int) -> None:
+    """Copy the regular files at the top of ``/etc/skel`` (``.bashrc``, ``.profile``…)
+    into the new user's home, as ``useradd -m`` does; what is there already stays."""
+    try:
+        skel = root.dir_fd("etc/skel")
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    home = root.dir_fd(f"home/{USER_NAME}")
+    try:
+        for name in beneath.Root.children(skel, "."):
+            st = beneath.Root.lstat(skel, name)
+            if st is None or not stat.S_ISREG(st.st_mode) or st.st_size > 1 << 20:
+                continue
+            if beneath.Root.lstat(home, name) is not None:
+                continue
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=skel)
+            with os.fdopen(fd, "rb") as f:
+                data = f.read(1 << 20)
+            beneath.Root.write_file(home, name, data, stat.S_IMODE(st.st_mode) & 0o777)
+            os.chown(name, uid, gid, dir_fd=home, follow_symlinks=False)
+    finally:
+        os.close(skel)
+        os.close(home)
+
+
 def prepare(root: beneath.Root, create_user: bool) -> list[str]:
     """Give the image at ``root`` working ``sudo`` and, with ``create_user`` (E2B template
     builds from an image), E2B's default user ``user`` (see the module docstring). An
@@ -168,6 +194,7 @@ def prepare(root: beneath.Root, create_user: bool) -> list[str]:
             os.fchown(fd, uid, gid)
         finally:
             os.close(fd)
+        _skel(root, uid, gid)
         user = [USER_NAME, "x", str(uid), str(gid)]
         done.append(f"created user {USER_NAME} (uid {uid}, gid {gid}, home /home/{USER_NAME}, {shell})")
     if user is not None:
