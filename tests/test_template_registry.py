@@ -307,6 +307,11 @@ def test_sudo_and_start_command_in_a_pulled_image(server, registries):
             assert sbx.files.read("/tmp/started") == "0\n"
             rc, out = _run(sbx, "for f in /proc/[0-9]*/cmdline; do read -r -d '' a < $f; [ \"$a\" = sleep ] && echo found; done; true")
             assert "found" in out, out
+            # a cold boot (filesystem-only pause): the broker starts again, over the socket the
+            # saved files still hold, and sudo right after the resume waits for it
+            sbx.pause(mode="filesystem")
+            same = Sandbox.connect(sbx.sandbox_id)
+            assert _run(same, "sudo id -u") == (0, "0\n")
         finally:
             sbx.kill()
     finally:

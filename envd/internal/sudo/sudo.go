@@ -115,6 +115,12 @@ func Client(name string, args []string) int {
 		return 1
 	}
 	conn, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: Socket, Net: "unix"})
+	// A socket left by an earlier boot (a filesystem-only image keeps /run) refuses
+	// until the new broker renames its own over it: retry for the same 5 s.
+	for deadline := time.Now().Add(5 * time.Second); errors.Is(err, syscall.ECONNREFUSED) && time.Now().Before(deadline); {
+		time.Sleep(20 * time.Millisecond)
+		conn, err = net.DialUnix("unix", nil, &net.UnixAddr{Name: Socket, Net: "unix"})
+	}
 	if err != nil {
 		if errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
 			fmt.Fprintln(os.Stderr, "sudo: you are not allowed to use sudo (not in group sudo)")
