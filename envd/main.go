@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"os/signal"
+	"path/filepath"
 	"syscall"
 	"time"
 
@@ -21,6 +22,7 @@ import (
 	"forkyard/envd/internal/reaper"
 	"forkyard/envd/internal/server"
 	"forkyard/envd/internal/state"
+	"forkyard/envd/internal/sudo"
 )
 
 const (
@@ -31,6 +33,18 @@ const (
 )
 
 func main() {
+	// A multi-call binary: images get /usr/bin/sudo and the sudo broker as
+	// links to envd (gVisor ignores set-user-ID bits; see internal/sudo).
+	switch filepath.Base(os.Args[0]) {
+	case "sudo", "sudoedit":
+		os.Exit(sudo.Client(filepath.Base(os.Args[0]), os.Args[1:]))
+	case "sudo-broker":
+		if err := sudo.Broker(); err != nil {
+			fmt.Fprintf(os.Stderr, "sudo-broker: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	var (
 		port        = flag.Int("port", defaultPort, "TCP port to serve on")
 		listen      = flag.String("listen", "0.0.0.0", "address to listen on")

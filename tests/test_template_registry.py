@@ -22,7 +22,8 @@ import pytest
 from conftest import free_port
 from e2b import Sandbox, Template
 from e2b.exceptions import BuildException
-from test_templates import _build_sandboxes, _delete, _name, _oci_layout, _tiny_layers
+from e2b.sandbox.commands.command_handle import CommandExitException
+from test_templates import _build_sandboxes, _delete, _layer, _libs, _name, _oci_layout, _tiny_layers
 
 pytestmark = pytest.mark.skipif(not shutil.which("skopeo") or not shutil.which("docker-registry"),
                                 reason="needs skopeo and docker-registry (deploy/test.sh installs them)")
@@ -244,3 +245,102 @@ def test_pull_errors_are_clear(server, registries):
             assert r.status_code == 400 and message in r.json()["message"], r.text
         _delete(server, tid)
     assert _build_sandboxes(server) == []
+
+
+def _tools_layer() -> bytes:
+    """``id`` and ``sleep`` with their libraries (from the host) — no sudo, no python,
+    no ``user`` account: the image a user pulls is not ``base``."""
+    entries: list = []
+    for binary in ("/usr/bin/id", "/usr/bin/sleep"):
+        entries.append((f"bin/{Path(binary).name}", Path(binary).read_bytes(), 0o755))
+        entries += [(lib.lstrip("/"), Path(lib).resolve().read_bytes(), 0o755) for lib in _libs(binary)]
+    return _layer(entries)
+
+
+def _run(sbx, cmd: str, **kw):
+    """``(exit code, stdout + stderr)`` of ``cmd`` in ``sbx`` (no exception on a failure)."""
+    try:
+        r = sbx.commands.run(cmd, **kw)
+    except CommandExitException as e:
+        return e.exit_code, e.stdout + e.stderr
+    return r.exit_code, r.stdout + r.stderr
+
+
+def test_sudo_and_start_command_in_a_pulled_image(server, registries):
+    """An image with no sudo and no ``user``: the build gives it E2B's ``user`` and a
+    working ``sudo`` (gVisor ignores setuid), the start command runs as ``user`` and uses
+    sudo, and its output is in the build log."""
+    open_reg, _, root = registries
+    open_reg.push(_image(root, _tiny_layers() + [_tools_layer()], "nosudo"), "nosudo:v1")
+    name = _name("sudo")
+    try:
+        logs = []
+        Template.build(Template().from_image(f"{open_reg.host}/nosudo:v1")
+                       .set_start_cmd("echo start-as-$(id -u); sudo bash -c 'id -u > /tmp/started; exec sleep 600'",
+                                      "read -r u < /tmp/started && [ $u = 0 ]"),
+                       name, on_build_logs=logs.append)
+        messages = [e.message for e in logs]
+        assert any("created user user (uid 1000" in m for m in messages), messages
+        assert "[start] [stdout]: start-as-1000" in messages, messages
+        sbx = Sandbox.create(name, timeout=60)
+        try:
+            assert _run(sbx, "id -u") == (0, "1000\n")
+            assert _run(sbx, "sudo id -u") == (0, "0\n")
+            assert _run(sbx, "sudo -u user id -un") == (0, "user\n")
+            # root's work: a file in /etc that user cannot write
+            rc, out = _run(sbx, "echo no > /etc/by-user")
+            assert rc != 0 and "Permission denied" in out, out
+            assert _run(sbx, "sudo bash -c 'echo yes > /etc/by-sudo'") == (0, "")
+            assert sbx.files.read("/etc/by-sudo") == "yes\n"
+            assert sbx.files.get_info("/etc/by-sudo").owner == "root"
+            # the environment is reset as sudo's env_reset does, SUDO_USER says who asked
+            assert _run(sbx, "sudo bash -c 'echo $HOME $USER $SUDO_USER'", envs={"SECRET": "x"}) == (0, "/root root user\n")
+            assert _run(sbx, "sudo -E bash -c 'echo $SECRET'", envs={"SECRET": "x"}) == (0, "x\n")
+            rc, out = _run(sbx, "sudo --chroot=/ id")
+            assert rc == 1 and "not supported" in out, out
+            assert _run(sbx, "sudo id -u", user="root") == (0, "0\n")  # root: envd's sudo runs it directly
+            # only members of group sudo: another account is refused
+            assert _run(sbx, "sudo bash -c 'echo bob:x:1001:1001::/tmp:/bin/bash >> /etc/passwd'")[0] == 0
+            rc, out = _run(sbx, "sudo id -u", user="bob")
+            assert rc == 1 and "not allowed to use sudo" in out, out
+            # the start command's process (sleep, started through sudo) is in the snapshot
+            assert sbx.files.read("/tmp/started") == "0\n"
+            rc, out = _run(sbx, "for f in /proc/[0-9]*/cmdline; do read -r -d '' a < $f; [ \"$a\" = sleep ] && echo found; done; true")
+            assert "found" in out, out
+            # a cold boot (filesystem-only pause): the broker starts again, over the socket the
+            # saved files still hold, and sudo right after the resume waits for it
+            sbx.pause(mode="filesystem")
+            same = Sandbox.connect(sbx.sandbox_id)
+            assert _run(same, "sudo id -u") == (0, "0\n")
+        finally:
+            sbx.kill()
+    finally:
+        _delete(server, name)
+
+
+def test_failing_start_command_fails_fast_with_its_output(server, registries):
+    open_reg, _, root = registries
+    open_reg.push(_image(root, _tiny_layers() + [_tools_layer()], "nosudo2"), "nosudo:v2")
+    name = _name("startfail")
+    logs = []
+    started = time.monotonic()
+    try:
+        with pytest.raises(BuildException, match="exited with code 3 before the template was ready: about to fail"):
+            Template.build(Template().from_image(f"{open_reg.host}/nosudo:v2")
+                           .set_start_cmd("echo hello from start; echo about to fail >&2; exit 3", "[ -f /never ]"),
+                           name, on_build_logs=logs.append)
+        took = time.monotonic() - started
+        messages = [e.message for e in logs]
+        assert "[start] [stdout]: hello from start" in messages, messages
+        assert "[start] [stderr]: about to fail" in messages, messages
+        assert took < 60, took  # not the ready command's 300 s
+        assert _build_sandboxes(server) == []
+        # the same through the build-status API
+        with server.api() as c:
+            builds = [json.loads(p.read_text()) for p in (server.data_dir / "template-builds").glob("*.json")]
+            rec = next(b for b in builds if b["template_id"] == name)
+            st = c.get(f"/templates/{name}/builds/{rec['build_id']}/status", params={"limit": 100}).json()
+        assert st["status"] == "error" and "exited with code 3" in st["reason"]["message"], st
+        assert any(e["message"] == "[start] [stdout]: hello from start" for e in st["logEntries"]), st
+    finally:
+        _delete(server, name)

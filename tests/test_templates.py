@@ -306,6 +306,40 @@ def test_import_docker_save_and_oci(server):
     assert saved not in listed and oci not in listed and built not in listed
 
 
+FAKE_SUDO = b"""#!/bin/bash
+echo "real sudo as $EUID: $*"
+"""
+
+
+def test_imported_image_sudo_runs_the_images_own_sudo(server):
+    """An imported image with its own (setuid) sudo and a ``user``: sudo from ``user``
+    reaches the image's sudo as root through envd's broker, sudoers gets E2B's line and
+    dpkg a diversion, so a package upgrade keeps the link."""
+    own = _layer([("etc/passwd", b"root:x:0:0:root:/root:/bin/bash\nuser:x:1000:1000::/home/user:/bin/bash\n", 0o644),
+                  ("etc/sudoers", b"Defaults env_reset\n", 0o440), ("home", None, 0o755), ("home/user", None, 0o755),
+                  ("usr", None, 0o755), ("usr/bin", None, 0o755), ("usr/bin/sudo", FAKE_SUDO, 0o4755),
+                  ("var", None, 0o755), ("var/lib", None, 0o755), ("var/lib/dpkg", None, 0o755),
+                  ("var/lib/dpkg/diversions", b"", 0o644)])
+    name = _name("ownsudo")
+    try:
+        with server.api() as c:
+            r = c.post("/templates/import", params={"name": name}, content=_oci_layout(_tiny_layers() + [own]))
+            assert r.status_code == 201, r.text
+        root = server.templates_dir / name / "rootfs"
+        assert (root / "etc/sudoers").read_text().splitlines()[-1] == "user ALL=(ALL:ALL) NOPASSWD: ALL"
+        assert (root / "var/lib/dpkg/diversions").read_text() == "/usr/bin/sudo\n/usr/bin/sudo.distrib\n:\n"
+        assert "sudo:x:27:user" in (root / "etc/group").read_text().splitlines()
+        sbx = Sandbox.create(name, timeout=60)
+        try:
+            assert sbx.commands.run("echo $EUID").stdout == "1000\n"  # the image's user is the default one
+            assert sbx.commands.run("sudo -n apt-get install x").stdout == "real sudo as 0: -n apt-get install x\n"
+            assert sbx.commands.run("sudo true", user="root").stdout == "real sudo as 0: true\n"
+        finally:
+            sbx.kill()
+    finally:
+        _delete(server, name)
+
+
 # ---------------------------------------------------------------- bad input
 def test_bad_input(server, tmp_path):
     with server.api() as c:

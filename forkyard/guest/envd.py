@@ -245,7 +245,7 @@ async def run(
     envs: dict[str, str] | None = None,
     cwd: str | None = None,
     on_line: LineSink | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = 600.0,
     background: bool = False,
     port: int = ENVD_PORT,
 ) -> int:
@@ -255,7 +255,8 @@ async def run(
 
     Output lines go to ``on_line(stream, line)``. With ``background`` the call returns
     0 as soon as envd reports the process started (the process keeps running: envd
-    does not kill commands whose client disconnects).
+    does not kill commands whose client disconnects). ``timeout_s`` None: no limit
+    (the command is not killed; cancelling the call leaves it running).
 
     Returns:
         The exit code (-1 when the process ended without one, e.g. killed by a signal).
@@ -273,7 +274,7 @@ async def run(
         "Connect-Protocol-Version": "1",
         **_auth(user),
     }
-    if not background:
+    if not background and timeout_s is not None:
         headers["Connect-Timeout-Ms"] = str(int(timeout_s * 1000))
     out, err = _Lines("stdout", on_line), _Lines("stderr", on_line)
 
@@ -325,7 +326,7 @@ async def run(
             raise EnvdError("envd closed the process stream without an end event")
 
     try:
-        return await asyncio.wait_for(go(), timeout=None if background else timeout_s + 10)
+        return await asyncio.wait_for(go(), timeout=None if background or timeout_s is None else timeout_s + 10)
     except TimeoutError as e:
         raise TimeoutError(f"command did not finish in {timeout_s:.0f} s") from e
     except httpx.HTTPError as e:

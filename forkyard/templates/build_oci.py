@@ -18,8 +18,10 @@ missing: mount points for envd (``/usr/local/bin/envd``), ``/etc/hosts``,
 ``/etc/hostname``; ``/etc/passwd`` and ``/etc/group`` with root; ``/tmp``;
 ``/etc/resolv.conf`` from the host.
 
-envd (injected by the runtime) runs commands as root when the image has no ``user``
-account; the SDK's ``commands.run`` needs ``/bin/bash`` in the image.
+Every image gets working ``sudo`` (gVisor ignores setuid: :mod:`forkyard.guest.provision`
+links it to envd's broker); images pulled for template builds also get E2B's default
+user ``user``. envd (injected by the runtime) runs commands as root when the image has
+no ``user`` account; the SDK's ``commands.run`` needs ``/bin/bash`` in the image.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import IO
 
 from forkyard.config import Settings
+from forkyard.guest import provision
 from forkyard.guest.files import host_nameservers, hosts_file
 from forkyard.ids import is_name
 from forkyard.orchestrator import images
@@ -393,7 +396,8 @@ def _resolves(root: beneath.Root, rel: str) -> bool:
 
 
 def import_image(settings: Settings, source: Path, name: str, progress: Progress = lambda line: None,
-                 disk_mb: int = 0, blobs_dir: Path | None = None, origin: str | None = None) -> images.Template:
+                 disk_mb: int = 0, blobs_dir: Path | None = None, origin: str | None = None,
+                 provision_user: bool = False) -> images.Template:
     """Import the image at ``source`` as rootfs template ``name``.
 
     Args:
@@ -410,6 +414,9 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
             (``<blobs_dir>/sha256/<hex>``, skopeo's ``--dest-shared-blob-dir``).
         origin: first line of the completion marker (default ``imported from SOURCE``;
             :mod:`~forkyard.templates.registry` writes ``pulled from REF``).
+        provision_user: create E2B's default user ``user`` when the image lacks it
+            (pulls for E2B template builds); either way the image gets working ``sudo``
+            (:func:`forkyard.guest.provision.prepare`).
 
     Returns:
         The new template (usable at once as ``templateID``).
@@ -453,6 +460,8 @@ def import_image(settings: Settings, source: Path, name: str, progress: Progress
                     raise ImageImportError(f"layer {layer}: {e}") from e
             try:
                 _runtime_files(root)
+                for line in provision.prepare(root, create_user=provision_user):
+                    progress(line)
             except (OSError, beneath.EscapeError) as e:  # e.g. /etc a link that resolves to nothing in the image
                 raise ImageImportError(f"cannot add the runtime's files: {e} (a link in the image that does not "
                                        "resolve inside it?)") from e

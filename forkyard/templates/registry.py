@@ -243,7 +243,7 @@ class Puller:
                                "--dest-shared-blob-dir", str(self.blobs)],
                               ref.transport(digest), ref, creds, PULL_TIMEOUT_S, extra=[f"oci:{layout}:image"])
                     build_oci.import_image(self.settings, layout, name, progress, blobs_dir=self.blobs,
-                                           origin=f"pulled from {ref.transport(digest)}")
+                                           origin=f"pulled from {ref.transport(digest)}", provision_user=True)
                 finally:
                     shutil.rmtree(layout, ignore_errors=True)
                 return name
@@ -343,11 +343,12 @@ def explain(stderr: str, ref: ImageRef, creds: Credentials | None) -> str:
                     f"given to from_image(..., username=, password=) ({detail})")
         return (f"registry {reg} requires authentication for {ref.repository} (or it does not exist): pass "
                 f"from_image(..., username=, password=) ({detail})")
-    if "manifest unknown" in low or "not found" in low or "name unknown" in low or "404" in low:
-        return f"image {ref} not found in registry {reg}: check the name, tag or digest ({detail})"
     if "digest" in low and ("mismatch" in low or "did not match" in low or "does not match" in low):
         return (f"a blob of {ref} does not match its digest: the registry served corrupt data; nothing was kept, "
                 f"retry or fix the registry ({detail})")
+    # "404" as a word: the digests skopeo prints are hex, and one in 15 or so holds "404"
+    if "manifest unknown" in low or "not found" in low or "name unknown" in low or re.search(r"\b404\b", low):
+        return f"image {ref} not found in registry {reg}: check the name, tag or digest ({detail})"
     if any(s in low for s in ("connection refused", "no such host", "i/o timeout", "network is unreachable",
                               "dial tcp", "no route to host", "tls handshake timeout", "connection reset")):
         return (f"cannot reach registry {reg}: check its address and that this node can connect to it "

@@ -28,7 +28,11 @@ from forkyard.templates.spec import BuildRecord, StepFailed
 from forkyard.templates.uploads import Uploads, plain_tar
 
 RUN_TIMEOUT_S = 1800
+#: How long the ready command may take to succeed (s), how often it is run (s, E2B's 2 s)
+#: and what it is after a start command without one (E2B's default: wait 20 s).
 READY_TIMEOUT_S = 300
+READY_POLL_S = 2.0
+DEFAULT_READY_CMD = "sleep 20"
 
 
 @dataclass
@@ -55,14 +59,13 @@ class StepRunner:
         self._http = http
 
     async def _sh(self, host: str, rec: BuildRecord, step: str, cmd: str, ctx: _Ctx, user: str | None = None,
-                  cwd: str | None = None, quiet: bool = False, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, list[str]]:
+                  cwd: str | None = None, timeout_s: float = RUN_TIMEOUT_S) -> tuple[int, list[str]]:
         tail: list[str] = []
 
         def sink(stream: str, line: str) -> None:
             tail.append(line)
             del tail[:-20]
-            if not quiet:
-                rec.log(line, "info" if stream == "stdout" else "warn", step)
+            rec.log(line, "info" if stream == "stdout" else "warn", step)
 
         try:
             rc = await envd.run(self._http, host, cmd, user=user or ctx.user, envs=ctx.envs,
@@ -221,21 +224,94 @@ class StepRunner:
         sbx.env_vars = dict(ctx.envs)
         sbx.metadata = {**sbx.metadata, DEFAULT_USER_KEY: ctx.user, DEFAULT_WORKDIR_KEY: ctx.workdir}
         self.orch.store.put(sbx)
+        await self._start_and_ready(rec, host, ctx, start_cmd, ready_cmd)
+
+    async def _start_and_ready(self, rec: BuildRecord, host: str, ctx: _Ctx, start_cmd: str | None,
+                               ready_cmd: str | None) -> None:
+        """E2B's finalize: the start command runs in the background as the template's
+        user (with its env and workdir) while the ready command (default
+        :data:`DEFAULT_READY_CMD` after a start command) is polled every
+        :data:`READY_POLL_S` until it exits 0, for at most :data:`READY_TIMEOUT_S`. Both
+        commands' output goes to the build log (``[start] [stdout]: …``,
+        ``[ready] [stderr]: …``). A start command that exits non-zero before the ready
+        command succeeded fails the build at once; one still running when it succeeds
+        keeps running (it is in the template's snapshot).
+
+        Raises:
+            StepFailed: step ``finalize``, with the command's exit code and last line.
+        """
+        if not start_cmd and not ready_cmd:
+            return
+        start_tail: list[str] = []
+
+        def sink(prefix: str, tail: list[str]):
+            def on_line(stream: str, line: str) -> None:
+                tail.append(line)
+                del tail[:-20]
+                rec.log(f"[{prefix}] [{stream}]: {line}", "info" if stream == "stdout" else "warn", "finalize")
+            return on_line
+
+        start = None
         if start_cmd:
             rec.log(f"Running start command: {start_cmd}", step="finalize")
+            start = asyncio.create_task(envd.run(
+                self._http, host, start_cmd, user=ctx.user, envs=ctx.envs, cwd=ctx.workdir,
+                on_line=sink("start", start_tail), timeout_s=None))
+        ready = ready_cmd or DEFAULT_READY_CMD
+
+        def start_failed() -> StepFailed | None:
+            """The failure of a start command that has ended (None: still running or exit 0)."""
+            if start is None or not start.done():
+                return None
             try:
-                await envd.run(self._http, host, start_cmd, user=ctx.user, envs=ctx.envs, cwd=ctx.workdir,
-                               background=True)
-            except envd.EnvdError as e:
-                raise StepFailed("finalize", f"start command failed to start: {e}") from e
-        if ready_cmd:
-            rec.log(f"Waiting for ready command: {ready_cmd}", step="finalize")
-            deadline = time.monotonic() + READY_TIMEOUT_S
+                rc = start.result()
+            except (envd.EnvdError, OSError) as e:
+                return StepFailed("finalize", f"start command failed to start: {e}")
+            if rc == 0:
+                return None
+            last = f": {start_tail[-1]}" if start_tail else ""
+            return StepFailed("finalize", f"start command {start_cmd!r} exited with code {rc} before the template "
+                                          f"was ready{last}")
+
+        rec.log(f"Waiting for template to be ready: {ready}", step="finalize")
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        try:
             while True:
-                rc, _ = await self._sh(host, rec, "finalize", ready_cmd, ctx, quiet=True, timeout_s=60)
+                ready_tail: list[str] = []
+                probe = asyncio.create_task(envd.run(
+                    self._http, host, ready, user=ctx.user, envs=ctx.envs, cwd=ctx.workdir,
+                    on_line=sink("ready", ready_tail), timeout_s=max(1.0, min(60.0, deadline - time.monotonic()))))
+                waits = {probe} | ({start} if start is not None and not start.done() else set())
+                while not probe.done():
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    if (err := start_failed()) is not None:
+                        probe.cancel()
+                        await asyncio.gather(probe, return_exceptions=True)
+                        raise err
+                    waits = {probe}
+                try:
+                    rc = probe.result()
+                except TimeoutError:
+                    rc = None
+                except envd.EnvdError as e:
+                    raise StepFailed("finalize", f"ready command failed to start: {e}") from e
                 if rc == 0:
                     break
+                rec.log(f"Template is not ready: ready command {'timed out' if rc is None else f'exited with code {rc}'}",
+                        step="finalize")
                 if time.monotonic() > deadline:
-                    raise StepFailed("finalize", f"ready command {ready_cmd!r} did not succeed within {READY_TIMEOUT_S} s")
-                await asyncio.sleep(1.0)
-            rec.log("Ready command succeeded", step="finalize")
+                    last = f"; its last output: {ready_tail[-1]}" if ready_tail else ""
+                    raise StepFailed("finalize", f"ready command {ready!r} did not succeed within {READY_TIMEOUT_S} s{last}")
+                if start is not None and not start.done():
+                    await asyncio.wait({start}, timeout=READY_POLL_S)
+                    if (err := start_failed()) is not None:
+                        raise err
+                else:
+                    await asyncio.sleep(READY_POLL_S)
+            if (err := start_failed()) is not None:
+                raise err
+            rec.log("Template is ready", step="finalize")
+        finally:
+            if start is not None and not start.done():
+                start.cancel()  # only the stream: envd keeps the process running
+                await asyncio.gather(start, return_exceptions=True)
