@@ -140,3 +140,50 @@ local n = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do n = n + tonumber(v) end
 return n
 """
+
+
+# ---- volume leases (forkyard.cluster.volumes) ----------------------------------------
+# A lease is valid while its holder is registered and not declared down: a node's lease
+# goes when its heartbeats stop and it is declared down (MARK_DOWN), never on a timer, so
+# an outage of Redis or of the scheduler (during which no one can take a lease) frees
+# nothing. LUA_HOLDER(prefix, node) says whether a lease of ``node`` still holds.
+LUA_HOLDER = """
+local function fy_holds(prefix, node)
+  local h = prefix .. 'node:' .. node
+  return redis.call('EXISTS', h) == 1 and redis.call('HEXISTS', h, 'down_at') == 0
+end
+"""
+# KEYS: vlease:<id>, node:<requester>   ARGV: prefix, node, volume id, volume name
+# Grants the lease of a volume to a node when no live node holds it (or it holds it
+# already); a node that is not registered or is declared down gets none.
+# Returns {'ok', node} | {'held', holder} | {'refused', ''}.
+VOLUME_ACQUIRE = LUA_HOLDER + """
+if not fy_holds(ARGV[1], ARGV[2]) then return {'refused', ''} end
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[2] and fy_holds(ARGV[1], cur) then return {'held', cur} end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', ARGV[1] .. 'vname:' .. ARGV[4], ARGV[3])
+return {'ok', ARGV[2]}
+"""
+# KEYS: vlease:<id>   ARGV: node   Drops the lease if that node holds it; returns 1 if so.
+VOLUME_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) return 1 end
+return 0
+"""
+# ARGV: prefix, then 'i:<volume id>' or 'n:<volume name>' items. Returns the live holder
+# of each ('' when none holds it).
+VOLUME_HOLDERS = LUA_HOLDER + """
+local out = {}
+for i = 2, #ARGV do
+  local kind, v = string.sub(ARGV[i], 1, 1), string.sub(ARGV[i], 3)
+  local vid = v
+  if kind == 'n' then vid = redis.call('GET', ARGV[1] .. 'vname:' .. v) end
+  local holder = ''
+  if vid then
+    local cur = redis.call('GET', ARGV[1] .. 'vlease:' .. vid)
+    if cur and fy_holds(ARGV[1], cur) then holder = cur end
+  end
+  table.insert(out, holder)
+end
+return out
+"""
