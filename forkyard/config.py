@@ -419,6 +419,13 @@ class ControlPlaneSettings:
             healthy meanwhile (:mod:`forkyard.cluster.liveness`) (s).
         orphan_move_s: ``FORKYARD_ORPHAN_MOVE_S`` (300): a node silent this long has its
             committed paused sandboxes moved to live nodes without waiting for a call (s).
+        volume_takeover_s: ``FORKYARD_VOLUME_TAKEOVER_S`` (300): how long after a node was
+            declared down its volume leases go to other nodes (s;
+            :mod:`forkyard.cluster.volumes`). A node process that died leaves its
+            sandboxes running on its host, still writing to the volumes they mount, until
+            the node is back (it stops them then) or the host is gone: restart or fence a
+            dead node within this time. 0: at once (a host that dies takes its sandboxes
+            with it).
         node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
             admission lets run of the default size): what a node reports as its capacity.
         redis_max_connections: ``FORKYARD_REDIS_MAX_CONNECTIONS`` (64): Redis connections
@@ -432,6 +439,7 @@ class ControlPlaneSettings:
 
     heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
     orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
+    volume_takeover_s: float = field(default_factory=lambda: float(_env("FORKYARD_VOLUME_TAKEOVER_S", "300")))
     node_max_sandboxes: int | None = field(
         default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
     redis_max_connections: int = field(

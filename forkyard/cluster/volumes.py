@@ -15,11 +15,14 @@ mounts one only while it holds the volume's **lease** in Redis (``fy:vlease:<id>
   node, running or paused, mounts the volume and no content call used it for
   ``FORKYARD_VOLUME_IDLE_S`` (at once while the node drains); the agent checks every
   heartbeat (:meth:`~forkyard.orchestrator.volumes.store.Volumes.release_idle`);
-* a lease is valid while its node is registered and not declared down: it ends with the
-  node's heartbeats, when the scheduler declares the node down (silent past the timeout
-  while the control plane was healthy, and not answering its health check), never on a
-  timer — so an outage of Redis or of the scheduler frees no lease (while they are away
-  no lease can be granted either: a start that binds a volume waits, 503).
+* a lease is valid while its node is registered and not declared down, and for
+  ``FORKYARD_VOLUME_TAKEOVER_S`` (300) after the scheduler declared it down (silent past
+  the heartbeat timeout while the control plane was healthy, and not answering its
+  health check): a node process that died leaves its sandboxes running on its host,
+  still writing to the volumes they mount, until the node is back and stops them — so a
+  dead node's leases end like its heartbeats, after that margin. Never on a timer while
+  the node is heard: an outage of Redis or of the scheduler frees no lease (while they
+  are away no lease can be granted either: a start that binds a volume answers 503).
 
 Placement follows the leases (:mod:`.placement`): a create whose ``volumeMounts`` name a
 held volume goes to its holder, two volumes held by different nodes are a 409, and the
