@@ -202,3 +202,36 @@ def test_a_dead_nodes_lease_ends_with_its_heartbeats(vcluster):
     assert vol.read_file("/kept.txt") == "kept"  # node1 took the lease over
     assert holder(c, vol.volume_id) == "node1"
     assert Volume.destroy(vol.volume_id) is True
+
+
+def test_a_restarted_node_gives_back_what_it_held(vcluster):
+    """A node killed while it holds an idle volume finds it mounted at its next start and
+    gives it back once idle; a node restarted while its paused sandbox mounts a volume
+    keeps the lease (the volume unmounted meanwhile) until that sandbox is gone."""
+    c = vcluster
+    vol = Volume.create("crash-" + secrets.token_hex(3))
+    vol.write_file("/kept.txt", "kept")
+    assert holder(c, vol.volume_id) == "node0" and c.watch.now().get(vol.volume_id) == {"node0"}
+    c.nodes[0].stop(sig_kill=True)
+    c.nodes[0].start()
+    wait_for(lambda: holder(c, vol.volume_id) is None and vol.volume_id not in c.watch.now(), 60,
+             "the restarted node to unmount the idle volume and give its lease back")
+    with only_on(c, "node0"):
+        s = Sandbox.create("base", timeout=120, volume_mounts={"/mnt": vol})
+    s.commands.run("echo paused-here > /mnt/p.txt")
+    assert s.pause() is True
+    c.nodes[0].stop()  # a restart: the paused sandbox's volume is unmounted, its lease kept
+    c.nodes[0].start()
+    time.sleep(IDLE_S + 2)
+    assert holder(c, vol.volume_id) == "node0" and vol.volume_id not in c.watch.now()
+    Sandbox.kill(s.sandbox_id)
+    wait_for(lambda: holder(c, vol.volume_id) is None and vol.volume_id not in c.watch.now(), 60,
+             "the volume to be given back once its paused sandbox is gone")
+    with only_on(c, "node1"):
+        t = Sandbox.create("base", timeout=60, volume_mounts={"/mnt": vol})
+    try:
+        assert c.owner(t.sandbox_id) == "node1"
+        assert t.commands.run("cat /mnt/kept.txt; echo; cat /mnt/p.txt").stdout.split() == ["kept", "paused-here"]
+    finally:
+        t.kill()
+    assert Volume.destroy(vol.volume_id) is True

@@ -453,12 +453,14 @@ class Volumes:
     def mount_all(self) -> None:
         """Node start. Without leases: mount every volume not mounted (one that fails is
         logged and left unmounted; its sandboxes then fail to start with a clear
-        error). With leases: nothing is mounted; those still mounted here (sandboxes
-        kept running across a restart) count as leased, and go back once idle."""
+        error). With leases: nothing is mounted, and every volume counts as possibly
+        leased here (this node may hold leases from before its restart: for volumes
+        still mounted by sandboxes that kept running, or of its paused sandboxes), so
+        :meth:`release_idle` gives back those no sandbox here uses (a release of a lease
+        another node holds changes nothing)."""
         for rec in self.all():
             if self.leases is not None:
-                if is_mounted(self.data_dir(rec.id)):
-                    self._leased.add(rec.id)
+                self._leased.add(rec.id)
                 continue
             try:
                 self._mount(rec.id)
