@@ -235,3 +235,26 @@ def test_a_restarted_node_gives_back_what_it_held(vcluster):
     finally:
         t.kill()
     assert Volume.destroy(vol.volume_id) is True
+
+
+def test_a_paused_sandbox_moved_by_a_drain_takes_its_volume_along(vcluster):
+    """Drained, node0 pauses the sandbox; a connect resumes it on node1, which mounts the
+    volume once node0 has given it back (the restore waits for the lease)."""
+    c = vcluster
+    vol = Volume.create("moved-" + secrets.token_hex(3))
+    with only_on(c, "node0"):
+        s = Sandbox.create("base", timeout=300, volume_mounts={"/mnt": vol})
+    s.commands.run("echo before-the-drain > /mnt/d.txt")
+    with c.sched() as api:
+        assert api.post("/v1/nodes/node0/drain").status_code == 200
+    try:
+        wait_for(lambda: s.get_info().state.value == "paused", 120, "the drain to pause the sandbox")
+        s = Sandbox.connect(s.sandbox_id, timeout=300)
+        assert c.owner(s.sandbox_id) == "node1" and holder(c, vol.volume_id) == "node1"
+        assert s.commands.run("cat /mnt/d.txt").stdout.strip() == "before-the-drain"
+        assert c.watch.now().get(vol.volume_id) == {"node1"}
+    finally:
+        with c.sched() as api:
+            api.post("/v1/nodes/node0/undrain")
+        s.kill()
+    assert Volume.destroy(vol.volume_id) is True
