@@ -379,6 +379,8 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/nodes/{node_id}/volumes/{volume_id}/release")
     async def volume_release(node_id: str, volume_id: str):
+        if not is_name(volume_id):
+            raise HTTPException(400, "volume id must be a name (a-z, 0-9, '_', '-')")
         return {"released": await store.volume_release(node_id, volume_id)}
 
     @app.get("/v1/nodes")
