@@ -23,6 +23,8 @@ mounts one only while it holds the volume's **lease** in Redis (``fy:vlease:<id>
   dead node's leases end like its heartbeats, after that margin. Never on a timer while
   the node is heard: an outage of Redis or of the scheduler frees no lease (while they
   are away no lease can be granted either: a start that binds a volume answers 503).
+  Redis must keep its append-only file (docs/deploy.md): one that lost its data has lost
+  the leases, and nodes do not claim theirs again.
 
 Placement follows the leases (:mod:`.placement`): a create whose ``volumeMounts`` name a
 held volume goes to its holder, two volumes held by different nodes are a 409, and the
