@@ -220,6 +220,16 @@ class Settings:
             more: 400).
         volume_size_mb: the size of each volume (``FORKYARD_VOLUME_SIZE_MB``, 1024 MiB;
             E2B sizes volumes per team and the SDK asks for none).
+        volumes_root_override: where the volumes' images and rows live
+            (``FORKYARD_VOLUMES_DIR``; None: ``<data_dir>/volumes``, :attr:`volumes_root`). In a cluster every node names the same
+            shared directory (NFS or another shared mount), so a volume is reachable from
+            every node; each node mounts an image only while it holds the volume's lease
+            (:mod:`forkyard.cluster.volumes`).
+        volume_idle_s: in a cluster, a volume no sandbox of this node mounts (running or
+            paused) and no content-API call used for this long (s) is unmounted and its
+            lease given back, so another node can take it (``FORKYARD_VOLUME_IDLE_S``, 30).
+        volume_lease_wait_s: how long a resume or restore waits for another node to give
+            a volume's lease back before it fails with 409 (``FORKYARD_VOLUME_LEASE_WAIT_S``, 15).
         fork_parallelism: restores a fork runs at once (``FORKYARD_FORK_PARALLELISM``,
             16). Measured on 2 cores, fork ×16: 4 → ~1.91 s, 8 → ~1.77–1.99 s, 16 →
             ~1.80 s (bench/bench_lifecycle.py).
@@ -272,6 +282,12 @@ class Settings:
     #: (MiB; an ext4 image, so writes beyond it fail with ENOSPC, inside sandboxes too).
     max_volumes: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_MAX_VOLUMES", "64")))
     volume_size_mb: int = field(default_factory=lambda: int(os.environ.get("FORKYARD_VOLUME_SIZE_MB", "1024")))
+    volumes_root_override: Path | None = field(
+        default_factory=lambda: Path(os.environ["FORKYARD_VOLUMES_DIR"]) if os.environ.get("FORKYARD_VOLUMES_DIR")
+        else None)
+    volume_idle_s: float = field(default_factory=lambda: float(os.environ.get("FORKYARD_VOLUME_IDLE_S", "30")))
+    volume_lease_wait_s: float = field(
+        default_factory=lambda: float(os.environ.get("FORKYARD_VOLUME_LEASE_WAIT_S", "15")))
     #: ``FORKYARD_API_KEY``: the API key, when given in the environment (else the node
     #: keeps one in :attr:`api_key_file`).
     api_key: str | None = field(default_factory=lambda: api_key_from_env(), repr=False)
@@ -283,8 +299,14 @@ class Settings:
 
     @property
     def volumes_dir(self) -> Path:
-        """E2B volumes (:mod:`forkyard.orchestrator.volumes`), 0700."""
+        """Where this node mounts E2B volumes (``<data_dir>/volumes/<id>/data``), 0700."""
         return self.data_dir / "volumes"
+
+    @property
+    def volumes_root(self) -> Path:
+        """The volumes' images and rows (:attr:`volumes_root_override`, else
+        :attr:`volumes_dir`): shared by every node of a cluster."""
+        return self.volumes_root_override or self.volumes_dir
 
     @property
     def db_path(self) -> Path:
@@ -397,6 +419,13 @@ class ControlPlaneSettings:
             healthy meanwhile (:mod:`forkyard.cluster.liveness`) (s).
         orphan_move_s: ``FORKYARD_ORPHAN_MOVE_S`` (300): a node silent this long has its
             committed paused sandboxes moved to live nodes without waiting for a call (s).
+        volume_takeover_s: ``FORKYARD_VOLUME_TAKEOVER_S`` (300): how long after a node was
+            declared down its volume leases go to other nodes (s;
+            :mod:`forkyard.cluster.volumes`). A node process that died leaves its
+            sandboxes running on its host, still writing to the volumes they mount, until
+            the node is back (it stops them then) or the host is gone: restart or fence a
+            dead node within this time. 0: at once (a host that dies takes its sandboxes
+            with it).
         node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
             admission lets run of the default size): what a node reports as its capacity.
         redis_max_connections: ``FORKYARD_REDIS_MAX_CONNECTIONS`` (64): Redis connections
@@ -410,6 +439,7 @@ class ControlPlaneSettings:
 
     heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
     orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
+    volume_takeover_s: float = field(default_factory=lambda: float(_env("FORKYARD_VOLUME_TAKEOVER_S", "300")))
     node_max_sandboxes: int | None = field(
         default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
     redis_max_connections: int = field(

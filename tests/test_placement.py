@@ -59,3 +59,14 @@ def test_fork_fills_the_source_node_first_then_the_rest():
 
 def test_exclude():
     assert ids(place([node("a"), node("b", running=5)], {}, NOW, exclude={"a"})) == [("b", 1)]
+
+
+def test_only_the_node_holding_the_volumes():
+    # a sandbox mounting a volume node "b" holds goes there, busier or not, or nowhere
+    nodes = [node("a"), node("b", running=8), node("c")]
+    assert ids(place(nodes, {}, NOW, only="b")) == [("b", 1)]
+    assert ids(place(nodes, {}, NOW, count=2, prefer="b", only="b")) == [("b", 2)]
+    with pytest.raises(NoCapacity):
+        place(nodes, {}, NOW, count=3, prefer="b", only="b")  # fork children never spill
+    with pytest.raises(NoCapacity):
+        place([node("a"), node("b", status=NODE_DRAINING)], {}, NOW, only="b")

@@ -91,7 +91,9 @@ def create_app(settings: Settings, orch: Orchestrator):
 
     @api.exception_handler(OrchestratorError)
     async def _orch_error(request: Request, exc: OrchestratorError):
-        return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status)
+        # headers: e.g. the node holding a volume (VolumeHeld), for the cluster's gateway
+        return JSONResponse(schemas.error(exc.status, str(exc)), status_code=exc.status,
+                            headers=getattr(exc, "headers", None))
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):

@@ -37,14 +37,15 @@ def _with_token(rec) -> dict:
 
 @router.post("/volumes", status_code=201)
 async def create_volume(request: Request, body: NewVolume):
-    """Create a volume (its image is made and mounted here)."""
+    """Create a volume (its image and row are made in the volumes directory, shared by
+    every node of a cluster; mounted here on a single node, where it is used in a cluster)."""
     rec = await asyncio.to_thread(request.app.state.orchestrator.volumes.create, body.name)
     return JSONResponse(_with_token(rec), status_code=201)
 
 
 @router.get("/volumes")
 async def list_volumes(request: Request):
-    """Every volume of this node, oldest first."""
+    """Every volume (of the cluster, when the volumes directory is shared), oldest first."""
     recs = await asyncio.to_thread(request.app.state.orchestrator.volumes.all)
     return [{"volumeID": r.id, "name": r.name} for r in recs]
 

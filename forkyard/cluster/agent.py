@@ -45,6 +45,7 @@ from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_re
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
+from forkyard.cluster.volumes import SchedulerLeases
 from forkyard.config import ClusterSettings, ControlPlaneSettings
 from forkyard.ids import SANDBOX_ID, is_name, is_sandbox_id
 from forkyard.orchestrator import timing
@@ -163,6 +164,9 @@ class NodeAgent:
         self.app.state.on_stop.insert(0, self.stop)
         self.app.include_router(self._router())
         self.orch.on_record_change(self._changed)
+        # E2B volumes are mounted here only while this node holds their leases (.volumes)
+        self.orch.volumes.leases = SchedulerLeases(scheduler_url, secret, node_id, self.url)
+        self._volume_task: asyncio.Task | None = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,7 +185,7 @@ class NodeAgent:
         the next start), so the scheduler is told this is a restart: the node is not
         declared down for ``FORKYARD_NODE_RESTART_GRACE_S`` (a crash says nothing and is
         declared after the heartbeat timeout)."""
-        for t in (self._task, self._drain_task, self._commit_task):
+        for t in (self._task, self._drain_task, self._commit_task, self._volume_task):
             if t is not None:
                 t.cancel()
                 try:
@@ -220,6 +224,7 @@ class NodeAgent:
             except Exception as e:  # noqa: BLE001 — retried on the next tick
                 self._link(False, e)
             self._retry_commits()
+            self._release_volumes()
 
     def _link(self, ok: bool, err: Exception | None = None) -> None:
         """Track whether the scheduler answers; say so once per change (and every
@@ -242,6 +247,19 @@ class NodeAgent:
         elif now - self._link_logged >= LINK_LOG_S:
             self._link_logged = now
             log.warning("scheduler still unreachable after %.0f s (%s)", now - self._link_since, err)
+
+    def _release_volumes(self) -> None:
+        """Unmount the volumes no sandbox here mounts (running or paused) and no content
+        call used for ``FORKYARD_VOLUME_IDLE_S`` (at once while draining) and give their
+        leases back (:meth:`~forkyard.orchestrator.volumes.store.Volumes.release_idle`),
+        in the background; one sweep at a time."""
+        vols = self.orch.volumes
+        if not vols.leased() or (self._volume_task and not self._volume_task.done()):
+            return
+        used = {m["id"] for r in self.orch.records() for m in r.volume_mounts}
+        idle = 0.0 if self.status == NODE_DRAINING else self.orch.settings.volume_idle_s
+        self._volume_task = asyncio.create_task(asyncio.to_thread(vols.release_idle, used, idle),
+                                                name="volume-release")
 
     def _retry_commits(self) -> None:
         """Every ``FORKYARD_COMMIT_RETRY_S``, commit again paused images a failed commit

@@ -14,8 +14,13 @@ number of gateways can run behind a load balancer. What goes where:
   node adopts it) and then served there — it resumes from the shared repository;
 * ``POST /sandboxes/{id}/fork`` → the source's node; children that do not fit there are
   started on other nodes from the one checkpoint, exported to the repository;
-* everything else (templates, snapshots, repository metrics) → one node (the lowest id
-  that is up), since templates and snapshots live in the shared repository.
+* ``/volumes/{id}`` and the volume content API (``/volumecontent/{id}/…``, the volume's
+  own token, no API key) → the node that holds the volume's lease, else any node
+  (:mod:`.volumes`); a create whose ``volumeMounts`` name a held volume is placed on its
+  holder;
+* everything else (templates, snapshots, repository metrics, ``/volumes``) → one node
+  (the lowest id that is up), since templates and snapshots live in the shared
+  repository and volumes in the shared volumes directory.
 
 Calls to nodes carry that node's own key (:mod:`.nodekeys`: derived from the cluster
 secret, bound to the node's id and URL) instead of the user's API key — never the
@@ -57,6 +62,7 @@ from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DRAINING, NODE_UP, NodeInfo
 from forkyard.ids import SANDBOX_ID
 from forkyard.obs import logs
+from forkyard.orchestrator.volumes.store import HOLDER_HEADER
 from forkyard.relay import fastpath, paths
 from forkyard.relay.errors import send_error
 from forkyard.relay.fastpath import relay_bodyless
@@ -70,6 +76,9 @@ log = logging.getLogger("forkyard.gateway")
 
 _SCOPED = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})(/.*)?$")
 _FORK = re.compile(rf"^/sandboxes/({SANDBOX_ID})/fork$")
+#: A volume's own routes, and its content API (``Authorization: Bearer <its token>``).
+_VOLUME = re.compile(r"^/volumes/([^/]+)$")
+_VOLUME_CONTENT = re.compile(r"^/volumecontent/([^/]+)/")
 #: The one key-less REST route: a template build's signed COPY upload URL.
 _UPLOAD = re.compile(r"^/template-files/[0-9a-f]{64}$")
 #: Calls that may resume a sandbox (retried on another node when a draining node refuses).
@@ -180,6 +189,16 @@ class Gateway(Ownership):
                     return n
         raise _Fail(503, "no node is up in the cluster; start `forkyard node --scheduler URL` on a host")
 
+    async def _volume_node(self, volume_id: str) -> NodeInfo:
+        """The node that holds ``volume_id``'s lease (:mod:`.volumes`), else (none, or
+        Redis cannot tell) :meth:`any_node`: it takes the lease for the call."""
+        try:
+            (holder,) = await self.store.volume_holders(ids=[volume_id[:64]])
+        except ClusterStoreUnavailable:
+            holder = ""
+        node = (await self.nodes()).get(holder) if holder else None
+        return node if node is not None else await self.any_node()
+
     async def _schedule(self, body: dict) -> dict:
         try:
             # Sent again to another replica also when a connection broke mid-call: a
@@ -240,6 +259,8 @@ class Gateway(Ownership):
             return await self.api(scope, receive, send)
         if method == "PUT" and _UPLOAD.match(path):  # signed URL, checked by the node: no key, no secret
             return await self._forward(await self.any_node(), scope, receive, send, secret=False)
+        if m := _VOLUME_CONTENT.match(path):  # the volume's token, checked by the node: no key, no secret
+            return await self._forward(await self._volume_node(m.group(1)), scope, receive, send, secret=False)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         got = headers.get("x-api-key", "")
         if not got or not hmac.compare_digest(got.encode(), self.api_key.encode()):
@@ -256,6 +277,8 @@ class Gateway(Ownership):
         m = _WAKE.match(path)
         if m and method == "POST":
             return await self._wake(m.group(1), scope, receive, send)
+        if m := _VOLUME.match(path):
+            return await self._forward(await self._volume_node(m.group(1)), scope, receive, send)
         m = _SCOPED.match(path)
         if m:
             node = await self.owner(m.group(1))
@@ -363,12 +386,15 @@ class Gateway(Ownership):
         template = body.get("templateID")
         if not isinstance(template, str) or not template:
             raise _Fail(400, "templateID: Field required")
+        mounts = body.get("volumeMounts")
+        volumes = sorted({m["name"][:64] for m in mounts if isinstance(m, dict) and isinstance(m.get("name"), str)}
+                         )[:16] if isinstance(mounts, list) else []
         refused: list[str] = []
         r, failed = None, None
         for attempt in range(CREATE_ATTEMPTS):
             try:
                 out = (await self._schedule({"kind": "create", "snapshot": template[:128],
-                                             "exclude": refused}))["placements"][0]
+                                             "exclude": refused, "volumes": volumes}))["placements"][0]
             except _Fail as e:
                 if not refused:
                     raise
@@ -383,6 +409,10 @@ class Gateway(Ownership):
                 failed = _Fail(502, f"node {node.node_id} is not reachable: {e!r}")
                 log.info("%s; placing the create again", failed)
                 refused.append(node.node_id)
+                continue
+            if r.status_code == 409 and HOLDER_HEADER in r.headers and attempt < CREATE_ATTEMPTS - 1:
+                # another node took a volume's lease meanwhile: placed again, on it
+                log.info("a volume of a create is held by node %s; placing it again", r.headers[HOLDER_HEADER])
                 continue
             if r.status_code not in _REPLACE or attempt == CREATE_ATTEMPTS - 1:
                 break

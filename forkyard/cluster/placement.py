@@ -18,6 +18,10 @@ fleet), and takes the chosen room atomically there; this function is the pure ch
 
 **Fork**: children go to the source's node while it has room (they restore from the
 staged image there, no repository round trip), the rest one at a time by score.
+
+**Volumes**: a sandbox that mounts a volume another node holds (:mod:`.volumes`), and
+the fork children of a sandbox that mounts volumes, go to that one node (``only``) or
+nowhere: an ext4 volume is mounted on one node at a time.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def eligible(nodes: list[NodeInfo], now: float, exclude: set[str] = frozenset())
 
 def place(nodes: list[NodeInfo], placing: dict[str, int], now: float, count: int = 1, vcpus: int = 2,
           snapshot_id: str | None = None, prefer: str | None = None,
-          exclude: set[str] = frozenset()) -> list[tuple[NodeInfo, int]]:
+          exclude: set[str] = frozenset(), only: str | None = None) -> list[tuple[NodeInfo, int]]:
     """Spread ``count`` sandboxes of ``vcpus`` each over the cluster.
 
     Args:
@@ -70,6 +74,7 @@ def place(nodes: list[NodeInfo], placing: dict[str, int], now: float, count: int
         snapshot_id: image the sandbox restores from (locality bonus).
         prefer: node filled first while it has room (a fork's source node).
         exclude: node ids never chosen.
+        only: the one node that may be chosen (it holds the sandbox's volumes).
 
     Returns:
         ``[(node, n), …]`` with ``n ≥ 1``, the preferred node first, then in order of
@@ -78,7 +83,8 @@ def place(nodes: list[NodeInfo], placing: dict[str, int], now: float, count: int
     Raises:
         NoCapacity: fewer than ``count`` places exist (nothing is placed).
     """
-    cands = [_Candidate(n, placing.get(n.node_id, 0)) for n in eligible(nodes, now, exclude)]
+    cands = [_Candidate(n, placing.get(n.node_id, 0)) for n in eligible(nodes, now, exclude)
+             if only is None or n.node_id == only]
     chosen: dict[str, int] = {}
     order: list[_Candidate] = []
     pref = next((c for c in cands if c.node.node_id == prefer), None)

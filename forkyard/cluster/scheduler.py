@@ -17,6 +17,8 @@ it is bound to instead, :mod:`.nodekeys`):
   the bindings differ from its digest, send the ids)
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
 * ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
+* ``POST /v1/nodes/{id}/volumes/{volumeID}/lease`` ``{name}`` → ``{granted, holder, message}``
+  and ``…/release`` → ``{released}``: the node's volume leases (:mod:`.volumes`)
 * ``GET /v1/nodes`` → node list; ``POST /v1/nodes/{id}/drain`` | ``/undrain``
 * ``POST /v1/placements`` ``{kind: create|fork|resume, …}`` → ``{placements: [{nodeID, url, count, placementID}]}``
 * ``GET /v1/sandboxes/{id}`` → the binding
@@ -45,6 +47,7 @@ from forkyard.cluster.rooms import CANDIDATES
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeInfo, NodeReport
 from forkyard.config import ControlPlaneSettings
+from forkyard.ids import is_name
 from forkyard.obs import metrics
 from forkyard.relay.paths import path_problem
 
@@ -54,7 +57,7 @@ log = logging.getLogger("forkyard.scheduler")
 #: thousands of sandboxes fits.
 MAX_BODY = 8 << 20
 #: A node's own calls, authenticated with its key (:mod:`.nodekeys`): node id, call.
-_NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|publish|restarting)$")
+_NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|publish|restarting|volumes/[^/]+/(?:lease|release))$")
 
 
 class Heartbeat(BaseModel):
@@ -97,6 +100,12 @@ class PlacementRequest(BaseModel):
     #: itself (the node's /health) before moving a paused sandbox off a node that is
     #: not declared down
     unreachable: bool = False
+    #: create: names of the volumes the sandbox mounts (it goes where they are held)
+    volumes: list[Annotated[str, Field(max_length=64)]] = Field(default_factory=list, max_length=16)
+
+
+class LeaseBody(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
 
 
 def _err(status: int, message: str) -> JSONResponse:
@@ -238,11 +247,12 @@ RESERVE_TRIES = 8
 
 
 async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, snapshot_id: str | None = None,
-                           prefer: str | None = None, exclude: set[str] = frozenset()
+                           prefer: str | None = None, exclude: set[str] = frozenset(), only: str | None = None
                            ) -> tuple[list[tuple[NodeInfo, int]], str]:
     """Place ``count`` sandboxes (:func:`~.placement.place` over the best-scored nodes
     of the index, those caching ``snapshot_id`` and ``prefer``: :meth:`ClusterStore.candidates`)
-    and take their room atomically (:meth:`ClusterStore.reserve`); a reservation that
+    and take their room atomically (:meth:`ClusterStore.reserve`), on node ``only`` alone
+    when given (it holds the sandbox's volumes); a reservation that
     lost a race is planned again on what Redis holds then, at most :data:`RESERVE_TRIES`
     times. A constant number of Redis calls per try, whatever the fleet's size.
 
@@ -255,12 +265,12 @@ async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, 
     """
     k = max(CANDIDATES, count + len(exclude))
     for _ in range(RESERVE_TRIES):
-        nodes, placing, now, indexed = await store.candidates(k, snapshot_id, [prefer] if prefer else [])
+        nodes, placing, now, indexed = await store.candidates(k, snapshot_id, [x for x in (prefer, only) if x])
         try:
             plan = place(nodes, placing, now, count=count, vcpus=vcpus, snapshot_id=snapshot_id,
-                         prefer=prefer, exclude=exclude)
+                         prefer=prefer, exclude=exclude, only=only)
         except NoCapacity:
-            if indexed > k:  # more nodes have room than were read: read more
+            if indexed > k and only is None:  # more nodes have room than were read: read more
                 k = min(indexed, 4 * k)
                 continue
             raise
@@ -358,6 +368,21 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         log.info("node %s is restarting: not declared down for %.0f s", node_id, body.grace_s)
         return {"nodeID": node_id, "graceS": body.grace_s}
 
+    @app.post("/v1/nodes/{node_id}/volumes/{volume_id}/lease")
+    async def volume_lease(node_id: str, volume_id: str, body: LeaseBody):
+        if not is_name(volume_id) or not is_name(body.name):
+            raise HTTPException(400, "volume id and name must be names (a-z, 0-9, '_', '-')")
+        granted, holder = await store.volume_acquire(node_id, volume_id, body.name)
+        message = "" if granted or holder else (f"node {node_id} is not registered or is declared down: it "
+                                               "takes no volume lease until its heartbeat is heard")
+        return {"granted": granted, "holder": holder, "message": message}
+
+    @app.post("/v1/nodes/{node_id}/volumes/{volume_id}/release")
+    async def volume_release(node_id: str, volume_id: str):
+        if not is_name(volume_id):
+            raise HTTPException(400, "volume id must be a name (a-z, 0-9, '_', '-')")
+        return {"released": await store.volume_release(node_id, volume_id)}
+
     @app.get("/v1/nodes")
     async def nodes():
         return [n.to_dict() for n in await store.nodes()]
@@ -384,7 +409,18 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.post("/v1/placements")
     async def placements(body: PlacementRequest):
-        prefer, snapshot, exclude = None, body.snapshot, set(body.exclude)
+        prefer, snapshot, exclude, only, why = None, body.snapshot, set(body.exclude), None, ""
+        if body.kind == "create" and body.volumes:
+            names = sorted(set(body.volumes))
+            held = {n: h for n, h in zip(names, await store.volume_holders(names=names)) if h}
+            if len(set(held.values())) > 1:
+                raise HTTPException(409, "volumes " + ", ".join(f"{n!r} (node {h})" for n, h in sorted(held.items()))
+                                    + " are mounted on different nodes; an ext4 volume is mounted on one node at "
+                                    "a time, so one sandbox can mount them together only once all but one node "
+                                    "have released theirs (no sandbox there mounts it)")
+            if held:
+                only = next(iter(held.values()))
+                why = f"volume(s) {', '.join(map(repr, sorted(held)))} are mounted on node {only}"
         if body.kind in ("fork", "resume"):
             if not body.sandbox_id:
                 raise HTTPException(400, f"a {body.kind} placement needs sandboxID")
@@ -393,6 +429,8 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                 raise HTTPException(404, f"sandbox {body.sandbox_id!r} not found")
             if body.kind == "fork":
                 prefer = b.node_id
+                if b.record.get("volume_mounts"):  # its volumes are mounted there only
+                    only, why = b.node_id, f"sandbox {body.sandbox_id} mounts volumes, mounted on node {b.node_id}"
             else:
                 owner = await store.node(b.node_id)
                 stays = owner is not None and owner.status == NODE_UP and owner.alive()
@@ -410,9 +448,13 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                 snapshot, exclude = b.record.get("image_id"), exclude | {b.node_id}
         try:
             plan, pid = await plan_and_reserve(store, count=body.count, vcpus=body.vcpus, snapshot_id=snapshot,
-                                               prefer=prefer, exclude=exclude)
+                                               prefer=prefer, exclude=exclude, only=only)
         except NoCapacity as e:
             metrics.admission_refused("no_capacity")
+            if only:
+                raise HTTPException(503, f"{why}, which has no room for {body.count} more sandbox(es) now (full, "
+                                         "draining or silent); an ext4 volume is mounted on one node at a time: "
+                                         "retry once sandboxes there end") from e
             raise HTTPException(503, str(e)) from e
         if body.kind == "resume":
             target = plan[0][0]

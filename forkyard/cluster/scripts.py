@@ -140,3 +140,58 @@ local n = 0
 for _, v in ipairs(redis.call('HVALS', KEYS[2])) do n = n + tonumber(v) end
 return n
 """
+
+
+# ---- volume leases (forkyard.cluster.volumes) ----------------------------------------
+# A lease holds while its node is registered and not declared down, and for a takeover
+# time after it was declared down (its sandboxes may still run on its host): a lease
+# never ends on a timer while its node is heard, so an outage of Redis or of the
+# scheduler (during which no one can take a lease) frees nothing.
+# fy_holds(prefix, node, now, takeover s) says whether a lease of ``node`` still holds;
+# fy_live(prefix, node) whether ``node`` may take one.
+LUA_HOLDER = """
+local function fy_live(prefix, node)
+  local h = prefix .. 'node:' .. node
+  return redis.call('EXISTS', h) == 1 and redis.call('HEXISTS', h, 'down_at') == 0
+end
+local function fy_holds(prefix, node, now, takeover)
+  local h = prefix .. 'node:' .. node
+  if redis.call('EXISTS', h) == 0 then return false end
+  local down = redis.call('HGET', h, 'down_at')
+  return (not down) or now - tonumber(down) < takeover
+end
+"""
+# KEYS: vlease:<id>, node:<requester>   ARGV: prefix, node, volume id, volume name, takeover s
+# Grants the lease of a volume to a node when no node holds it (or it holds it already);
+# a node that is not registered or is declared down gets none.
+# Returns {'ok', node} | {'held', holder} | {'refused', ''}.
+VOLUME_ACQUIRE = NOW + LUA_HOLDER + """
+if not fy_live(ARGV[1], ARGV[2]) then return {'refused', ''} end
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[2] and fy_holds(ARGV[1], cur, now, tonumber(ARGV[5])) then return {'held', cur} end
+redis.call('SET', KEYS[1], ARGV[2])
+redis.call('SET', ARGV[1] .. 'vname:' .. ARGV[4], ARGV[3])
+return {'ok', ARGV[2]}
+"""
+# KEYS: vlease:<id>   ARGV: node   Drops the lease if that node holds it; returns 1 if so.
+VOLUME_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) return 1 end
+return 0
+"""
+# ARGV: prefix, takeover s, then 'i:<volume id>' or 'n:<volume name>' items. Returns the
+# holder of each ('' when none holds it).
+VOLUME_HOLDERS = NOW + LUA_HOLDER + """
+local out = {}
+for i = 3, #ARGV do
+  local kind, v = string.sub(ARGV[i], 1, 1), string.sub(ARGV[i], 3)
+  local vid = v
+  if kind == 'n' then vid = redis.call('GET', ARGV[1] .. 'vname:' .. v) end
+  local holder = ''
+  if vid then
+    local cur = redis.call('GET', ARGV[1] .. 'vlease:' .. vid)
+    if cur and fy_holds(ARGV[1], cur, now, tonumber(ARGV[2])) then holder = cur end
+  end
+  table.insert(out, holder)
+end
+return out
+"""

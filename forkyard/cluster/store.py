@@ -29,6 +29,11 @@ gateways acting at once never see half a change):
                                placement once the request that carried it has ended, so its
                                rows are in that heartbeat's report) or after
                                :data:`PLACING_TTL_S`
+``fy:vlease:<volume id>``      the node that holds the volume's lease (mounts it,
+                               :mod:`.volumes`); valid while that node is registered and
+                               not declared down, and :data:`VOLUME_TAKEOVER_S` after
+``fy:vname:<volume name>``     the volume id of that name last leased (placement looks
+                               names up)
 =============================  ==========================================================
 
 Durability is Redis's: run it with ``appendonly yes`` (deploy/ does) so a Redis restart
@@ -74,6 +79,8 @@ DEATH_MAX_CHARS = 300
 #: A placement no heartbeat acknowledged stops counting after this long (s): the
 #: request never reached the node (gateway died) or was a move, whose adopt is not acked.
 PLACING_TTL_S = 30.0
+#: How long a node declared down keeps its volume leases (s, ``FORKYARD_VOLUME_TAKEOVER_S``).
+VOLUME_TAKEOVER_S = ControlPlaneSettings().volume_takeover_s
 
 class ClusterStoreUnavailable(Exception):
     """Redis did not answer (down, unreachable, or refused the command)."""
@@ -135,6 +142,9 @@ class ClusterStore:
         self._redigest = self._r.register_script(scripts.REDIGEST)
         self._indexed = False
         self._release = self._r.register_script(RELEASE)
+        self._vacquire = self._r.register_script(scripts.VOLUME_ACQUIRE)
+        self._vrelease = self._r.register_script(scripts.VOLUME_RELEASE)
+        self._vholders = self._r.register_script(scripts.VOLUME_HOLDERS)
         #: set by the scheduler and gateway (the master): node records are then written
         #: with their binding tag and read only when it checks (:mod:`.nodekeys`)
         self.keys: NodeKeys | None = keys
@@ -502,3 +512,27 @@ class ClusterStore:
     async def is_gone(self, sandbox_id: str) -> bool:
         """True when the sandbox was reported gone with its node (tombstone)."""
         return bool(await self._call(self._r.exists(f"{P}gone:{sandbox_id}")))
+
+    # ---- volume leases (:mod:`.volumes`) ---------------------------------------------
+    async def volume_acquire(self, node_id: str, volume_id: str, name: str) -> tuple[bool, str]:
+        """Grant ``node_id`` the lease of ``volume_id`` (named ``name``) unless another
+        node holds it (a node declared down holds its leases for
+        :attr:`~forkyard.config.ControlPlaneSettings.volume_takeover_s` more), atomically.
+        Returns ``(True, node_id)``, ``(False, holder)``, or ``(False, "")`` when
+        ``node_id`` is not registered or is declared down."""
+        status, holder = await self._call(self._vacquire(
+            keys=[f"{P}vlease:{volume_id}", f"{P}node:{node_id}"],
+            args=[P, node_id, volume_id, name, repr(VOLUME_TAKEOVER_S)]))
+        return _s(status) == "ok", _s(holder)
+
+    async def volume_release(self, node_id: str, volume_id: str) -> bool:
+        """Drop ``volume_id``'s lease if ``node_id`` holds it; True if it did."""
+        return bool(await self._call(self._vrelease(keys=[f"{P}vlease:{volume_id}"], args=[node_id])))
+
+    async def volume_holders(self, ids: list[str] = (), names: list[str] = ()) -> list[str]:
+        """The holder of each volume of ``ids``, then of each of ``names`` (``""``: none;
+        as :meth:`volume_acquire` judges it), one atomic read."""
+        items = [f"i:{v}" for v in ids] + [f"n:{v}" for v in names]
+        if not items:
+            return []
+        return [_s(x) for x in await self._call(self._vholders(args=[P, repr(VOLUME_TAKEOVER_S), *items]))]

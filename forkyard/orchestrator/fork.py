@@ -105,8 +105,8 @@ class Forker:
         timeout_s = check_timeout(FORK_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
         src = self.table.get(sandbox_id)
         if src.volume_mounts:
-            raise Conflict(f"sandbox {sandbox_id} mounts volumes, which live on this node only: its fork "
-                           "children cannot start on other nodes")
+            raise Conflict(f"sandbox {sandbox_id} mounts volumes, which are mounted on one node at a time: its "
+                           "fork children run on its node only (the scheduler places them there)")
         self.admit(src.vcpus, src.memory_mb, count)
         src, image, staging = await self._fork_stage(sandbox_id)
         image = await self.stager.commit(staging, image)

@@ -125,7 +125,8 @@ class Orchestrator:
         self._reconciler = Reconciler(settings, table, driver, network, snapshots, stager, teardown, slots, gc, http)
         self._handover = Handover(settings, table, snapshots, teardown)
         #: E2B volumes (:mod:`forkyard.orchestrator.volumes`); starts bind-mount them.
-        self.volumes = Volumes(settings.db_path, settings.volumes_dir, settings.max_volumes, settings.volume_size_mb)
+        self.volumes = Volumes(settings.volumes_root, settings.volumes_dir, settings.max_volumes,
+                               settings.volume_size_mb, legacy_db=settings.db_path)
         starter.volumes = creator.volumes = self.volumes
         self._ttl_task: asyncio.Task | None = None
         self._firewall_task: asyncio.Task | None = None
@@ -168,8 +169,9 @@ class Orchestrator:
         await self._gc.wait(60)
         await self._slots.stop()  # finishes the slot it is building, then removes the spares
         await self.driver.shutdown()
-        used = {m["id"] for r in self.store.all() if r.state != "paused" for m in r.volume_mounts}
-        await asyncio.to_thread(self.volumes.unmount_idle, used)
+        rows = self.store.all()
+        used = {m["id"] for r in rows if r.state != "paused" for m in r.volume_mounts}
+        await asyncio.to_thread(self.volumes.unmount_idle, used, {m["id"] for r in rows for m in r.volume_mounts})
         if self._firewall_task:
             self._firewall_task.cancel()
         if self._ttl_task:

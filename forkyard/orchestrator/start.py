@@ -28,6 +28,7 @@ from forkyard.orchestrator.spare_slots import SlotAllocator
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.orchestrator.teardown import Teardown
+from forkyard.orchestrator.volumes.store import LeaseUnavailable, VolumeHeld
 from forkyard.repository.snapshots import SnapshotMeta, SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, RuntimeMismatch, SandboxSpec
 
@@ -66,16 +67,21 @@ class Starter:
     #: E2B volumes (:class:`forkyard.orchestrator.volumes.store.Volumes`), set by the orchestrator.
     volumes = None
 
-    def _volume_dirs(self, rec: SandboxRecord) -> list[tuple[Path, str]]:
-        """``(host directory, guest path)`` of each of ``rec``'s volumes, mounted.
+    def _volume_dirs(self, rec: SandboxRecord, wait_s: float = 0.0) -> list[tuple[Path, str]]:
+        """``(host directory, guest path)`` of each of ``rec``'s volumes, mounted (in a
+        cluster: once this node holds their leases, waiting up to ``wait_s`` for another
+        node to give one back).
 
         Raises:
             CreateFailed: a volume is gone or cannot be mounted.
+            VolumeHeld: another node mounts one (409); LeaseUnavailable (503).
         """
         out = []
         for m in rec.volume_mounts:
             try:
-                out.append((self.volumes.ensure_mounted(self.volumes.get(m["id"])), m["path"]))
+                out.append((self.volumes.ensure_mounted(self.volumes.get(m["id"]), wait_s), m["path"]))
+            except (VolumeHeld, LeaseUnavailable):
+                raise
             except OrchestratorError as e:
                 raise CreateFailed(f"volume {m['name']!r} of sandbox {rec.id}: {e}") from e
         return out
@@ -129,7 +135,9 @@ class Starter:
                 sandbox_id=rec.id, rootfs=tmpl.rootfs, network=slot.attachment,
                 vcpus=rec.vcpus, memory_mb=rec.memory_mb, hostname=HOSTNAME, workdir=workdir,
                 disk_mb=rec.disk_mb,
-                volumes=await asyncio.to_thread(self._volume_dirs, rec),
+                # a resume or restore may follow a move: the old node gives the lease back soon
+                volumes=await asyncio.to_thread(self._volume_dirs, rec,
+                                                0.0 if image is None else self.settings.volume_lease_wait_s),
             )
             # A filesystem-only image is a cold boot of the template with the saved
             # writable layer laid over it (new boot id; processes do not survive); a
@@ -169,7 +177,8 @@ class Starter:
             log.warning("start of %s failed: %r", rec.id, e)
             await asyncio.shield(self.teardown.destroy(rec.id, rec.slot))
             rec.slot = None
-            if isinstance(e, (CreateFailed, NotFound, asyncio.CancelledError)) or not isinstance(e, Exception):
+            if isinstance(e, (CreateFailed, NotFound, VolumeHeld, LeaseUnavailable, asyncio.CancelledError)) \
+                    or not isinstance(e, Exception):
                 raise
             if isinstance(e, RuntimeMismatch):
                 raise Conflict(f"sandbox {rec.id} cannot be restored here: {e}") from e
