@@ -702,3 +702,34 @@ def test_unknown_pause_fields_are_refused_and_state_may_repeat(sandbox, server):
     for query in ("state=running,paused", "state=running&state=paused", "state=paused&state=running"):
         ids = [s["sandboxID"] for s in httpx.get(f"{server.url}/v2/sandboxes?{query}", headers=h, timeout=30).json()]
         assert sandbox.sandbox_id in ids, query
+
+
+def test_a_sandbox_being_paused_shows_as_paused(server):
+    """While a pause is under way (parked after ``pausing`` is persisted) the API shows
+    the sandbox ``paused``, as E2B's does for its pausing state: E2B's own suite checks
+    ``get_info().state`` 2 s after a 3 s timeout's filesystem-only auto-pause began,
+    which takes longer than that on a busy host. Lists filter by that state too."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from e2b import SandboxQuery, SandboxState
+
+    sbx = Sandbox.create("base", timeout=120, metadata={"case": "pausing-shows-paused"})
+    sid = sbx.sandbox_id
+    hold = server.hold("pause.before-checkpoint", sid)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            paused = pool.submit(lambda: httpx.post(f"{server.url}/sandboxes/{sid}/pause",
+                                                    headers={"X-API-Key": server.api_key}, timeout=120))
+            hold.wait()
+            assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+            ids = lambda state: [s.sandbox_id for s in Sandbox.list(  # noqa: E731
+                query=SandboxQuery(state=[state], metadata={"case": "pausing-shows-paused"})).next_items()]
+            assert ids(SandboxState.PAUSED) == [sid]
+            assert ids(SandboxState.RUNNING) == []
+            hold.release()
+            assert paused.result().status_code == 204
+        assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+    finally:
+        hold.disarm()
+        server.release_holds()
+        Sandbox.kill(sid)

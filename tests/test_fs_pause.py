@@ -31,6 +31,28 @@ def _image_id(server, sid: str) -> str | None:
     return row[0] if row else None
 
 
+def _wait_paused(server, sid: str, timeout_s: float) -> None:
+    """Wait until the node's own record of ``sid`` says ``paused`` (its image exported,
+    not only the pause begun: the API shows a pausing sandbox as paused, as E2B does)
+    and the image's commit is done; the API says paused too."""
+    import sqlite3
+
+    def recorded() -> str | None:
+        db = sqlite3.connect(str(SERVER_DIR / "state.db"))
+        try:
+            row = db.execute("SELECT state FROM sandboxes WHERE id = ?", (sid,)).fetchone()
+        finally:
+            db.close()
+        return row[0] if row else None
+
+    deadline = time.time() + timeout_s
+    while recorded() != "paused" and time.time() < deadline:
+        time.sleep(0.25)
+    assert recorded() == "paused"
+    assert _state(server, sid) == "paused"
+    server.settle()
+
+
 def _manifest(image_id: str) -> dict:
     return json.loads((MANIFESTS / f"{image_id}.json").read_text())
 
@@ -132,11 +154,7 @@ def test_timeout_auto_pause_honours_keep_memory_false(server):
     sid = sbx.sandbox_id
     try:
         pid, boot_id = _prepare(sbx)
-        deadline = time.time() + 60
-        while _state(server, sid) != "paused" and time.time() < deadline:
-            time.sleep(0.25)
-        assert _state(server, sid) == "paused"
-        server.settle()
+        _wait_paused(server, sid, 60)
         assert _manifest(_image_id(server, sid))["meta"]["memory"] is False
         same = Sandbox.connect(sid, timeout=300)
         _check_cold_booted(same, pid, boot_id)
@@ -423,11 +441,7 @@ def test_too_large_fs_auto_pause_falls_back_to_a_memory_pause(server):
     try:
         h = sbx.commands.run("sleep 1000", background=True)
         sbx.commands.run("head -c 150M /dev/urandom > /root/big", user="root", timeout=60)
-        deadline = time.time() + 90
-        while _state(server, sid) != "paused" and time.time() < deadline:
-            time.sleep(0.25)
-        assert _state(server, sid) == "paused"
-        server.settle()
+        _wait_paused(server, sid, 90)
         assert _manifest(_image_id(server, sid))["meta"].get("memory", True) is True
         same = Sandbox.connect(sid, timeout=300)
         assert h.pid in _pids(same)

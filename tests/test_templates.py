@@ -392,6 +392,48 @@ def test_bad_input(server, tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+def _tar_of(name: str, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_upload_of_a_stored_hash_is_accepted_and_keeps_the_first(server, tmp_path):
+    """The SDK's ``copy(..., force_upload=True)`` uploads files the node has already (E2B's
+    own suite builds with it; forkyard answered 409): a repeated upload is a 201 and what
+    was stored first stays, also when the repeat's bytes differ."""
+    with server.api() as c:
+        name = _name("fup")
+        tid = c.post("/v3/templates", json={"name": name}).json()["templateID"]
+        files_hash = secrets.token_hex(32)
+        url = c.get(f"/templates/{tid}/files/{files_hash}").json()["url"]
+        first, other = _tar_of("a.txt", b"first\n"), _tar_of("a.txt", b"other bytes\n")
+        assert c.put(url, content=first).status_code == 201
+        for body in (first, other):
+            r = c.put(url, content=body)
+            assert r.status_code == 201 and r.json()["size"] == len(first), r.text
+        assert c.get(f"/templates/{tid}/files/{files_hash}").json()["present"] is True
+        _delete(server, name)
+
+    (tmp_path / "hello.txt").write_text("from the context\n")
+    name = _name("fup")
+    template = Template(file_context_path=tmp_path).from_template("base").copy(
+        "hello.txt", "/home/user/", force_upload=True)
+    try:
+        Template.build(template, name)
+        Template.build(template, name)  # uploads the same files hash again
+        sbx = Sandbox.create(name, timeout=60)
+        try:
+            assert sbx.files.read("/home/user/hello.txt") == "from the context\n"
+        finally:
+            sbx.kill()
+    finally:
+        _delete(server, name)
+
+
 def test_build_interrupted_by_server_crash(server):
     name = _name("crash")
     info = Template.build_in_background(Template().from_template("base").run_cmd("sleep 600"), name)

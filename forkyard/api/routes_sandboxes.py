@@ -38,7 +38,7 @@ def parse_metadata(raw: str | None) -> dict[str, str]:
 
 def filter_records(recs, metadata: str | None, states: set[str], template: str | None) -> list:
     """The records of ``recs`` a list request selects: visible ``state`` in ``states``
-    (``running`` covers every non-paused state), ``template`` (``name[:tag]``) and every
+    (``running`` covers every state but paused and pausing), ``template`` (``name[:tag]``) and every
     ``metadata`` pair (URL-encoded query, as the SDK sends it).
 
     Raises:
@@ -47,8 +47,7 @@ def filter_records(recs, metadata: str | None, states: set[str], template: str |
     want = parse_metadata(metadata)
     out = []
     for rec in recs:
-        state = "paused" if rec.state == "paused" else "running"
-        if state not in states:
+        if schemas.visible_state(rec) not in states:
             continue
         if template and rec.template_id != template.split(":", 1)[0]:
             continue

@@ -172,16 +172,30 @@ async def file_upload_link(request: Request, template_id: str, files_hash: str):
 
 @router.put("/template-files/{files_hash}", status_code=201)
 async def upload_files(request: Request, files_hash: str, token: str = ""):
-    """Receive a COPY tarball (signed URL from the route above; no API key)."""
+    """Receive a COPY tarball (signed URL from the route above; no API key).
+
+    A hash that is stored already answers 201 too and keeps what was stored (uploads are
+    never replaced): E2B's upload URL is a storage object a PUT may write again, and the
+    SDKs' ``force_upload``/``forceUpload`` upload a present hash again. Such a repeat is
+    read through (bounded by ``FORKYARD_MAX_UPLOAD_MB``, else 413) and dropped."""
     builds = _builds(request)
-    builds.uploads.file_path(files_hash)
+    path = builds.uploads.file_path(files_hash)
     if not builds.uploads.check_upload_token(files_hash, token):
         return JSONResponse({"code": 403, "message": "invalid upload signature"}, status_code=403)
     limit = request.app.state.settings.max_upload_mb << 20
+    if path.exists():
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return _too_large(f"upload refused: upload larger than {limit} bytes (FORKYARD_MAX_UPLOAD_MB)")
+        return JSONResponse({"size": path.stat().st_size}, status_code=201)
     try:
         size = await builds.uploads.store_upload(files_hash, request.stream(), limit)
     except unpack.LimitExceeded as e:
         return _too_large(f"upload refused: {e}")
+    except Conflict:  # a concurrent upload of the same hash was stored first: it stays
+        size = path.stat().st_size
     return JSONResponse({"size": size}, status_code=201)
 
 

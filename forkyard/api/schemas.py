@@ -210,6 +210,18 @@ def sandbox_created(rec: SandboxRecord, domain: str | None = None) -> dict:
     return d
 
 
+#: Record states the API shows as ``paused``: E2B's API reports a sandbox that is being
+#: paused as paused (it "behaves like a paused sandbox": connect resumes it), so a
+#: ``get_info()`` right after a timeout auto-pause began does not say ``running``.
+PAUSED_STATES = ("paused", "pausing")
+
+
+def visible_state(rec: SandboxRecord) -> str:
+    """The E2B ``SandboxState`` of ``rec``: ``paused`` for a paused or pausing sandbox,
+    else ``running``."""
+    return "paused" if rec.state in PAUSED_STATES else "running"
+
+
 def sandbox_listed(rec: SandboxRecord) -> dict:
     """``ListedSandbox`` body (list endpoints)."""
     return {
@@ -222,7 +234,7 @@ def sandbox_listed(rec: SandboxRecord) -> dict:
         "cpuCount": rec.vcpus,
         "memoryMB": rec.memory_mb,
         "diskSizeMB": rec.disk_mb,
-        "state": "paused" if rec.state == "paused" else "running",
+        "state": visible_state(rec),
         "envdVersion": ENVD_VERSION,
         "metadata": rec.metadata,
     }
