@@ -61,6 +61,10 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     settings.cluster = cluster is not None
     setup_logging(log_level)
     _preflight(settings)
+    # Before anything touches the data dir or the host's network: a second server on the
+    # same data dir would adopt and remove the first one's sandboxes and disks.
+    lock_data_dir(settings.data_dir)
+    check_port_free(settings.host, settings.port)
     if build_base:
         from forkyard.templates.base import build_base as build
 
@@ -117,6 +121,58 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
 
 
 _NET_LOCK = None
+_DATA_LOCK = None
+#: The data dir's lock file (holds the pid of the server that has it).
+DATA_LOCK_NAME = "server.lock"
+
+
+def lock_data_dir(data_dir: Path) -> None:
+    """Hold ``<data_dir>/server.lock`` (``flock``, with this process's pid in it) for
+    the life of this process: one server per data dir. A second one would adopt the
+    first one's sandboxes, remove its warm pool and spare disks as orphans and then fail
+    to bind its port (seen), so it is refused here, before it changes anything (exit 1
+    with a message naming the holder's pid). The lock ends with the process, however it
+    ends (``kill -9`` included): a restart after a crash is not refused."""
+    import fcntl
+    import os
+
+    global _DATA_LOCK
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = data_dir / DATA_LOCK_NAME
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        fail(f"another forkyard server (pid {holder}) already uses data dir {data_dir}: it is running (stop it "
+             "first, e.g. `kill -TERM PID`), or give this one its own data dir (FORKYARD_DATA_DIR or --data-dir)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _DATA_LOCK = fd
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Exit 1 with a message when ``host:port`` cannot be listened on (in use, or an
+    address this host does not have) — checked before the node starts, since uvicorn
+    binds only after the node's start-up (adopting sandboxes, network slots) is done."""
+    import errno
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        fail(f"cannot listen on {host}:{port}: {e} (check FORKYARD_HOST / --host)")
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME-WAIT is no conflict
+        try:
+            s.bind(addr)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                fail(f"port {port} on {host} is already in use (another forkyard server? `ss -ltnp 'sport = :{port}'` "
+                     "shows which process): stop it, or give this one another port (FORKYARD_PORT or --port)")
+            fail(f"cannot listen on {host}:{port}: {e} (check FORKYARD_HOST / --host)")
 
 
 def lock_net_prefix(prefix: str) -> None:
