@@ -63,6 +63,8 @@ OWNER_UID = 1000
 #: The header of a 409 :class:`VolumeHeld` answer: the node that holds the volume (the
 #: gateway places the create again, on that node).
 HOLDER_HEADER = "x-forkyard-volume-holder"
+#: Largest ``volume.json`` read (bytes): a row is five short fields.
+_MAX_ROW = 64 << 10
 
 
 class VolumeFailed(OrchestratorError):
@@ -191,7 +193,13 @@ class Volumes:
 
     # ---- paths -----------------------------------------------------------------------
     def data_dir(self, volume_id: str) -> Path:
-        """Host directory of the volume's files (its mounted filesystem) on this node."""
+        """Host directory of the volume's files (its mounted filesystem) on this node.
+
+        Raises:
+            ValueError: ``volume_id`` is not a name (it would lead out of ``mounts``).
+        """
+        if not is_name(volume_id) or volume_id == NAMES:
+            raise ValueError(f"volume id {volume_id!r} is not a name")
         return self.mounts / volume_id / "data"
 
     # ---- rows ------------------------------------------------------------------------
@@ -199,8 +207,16 @@ class Volumes:
         if not is_name(volume_id) or volume_id == NAMES:
             return None
         try:
-            d = json.loads((self.root / volume_id / ROW_NAME).read_text())
+            d = json.loads((self.root / volume_id / ROW_NAME).read_bytes()[:_MAX_ROW])
         except (OSError, ValueError):
+            return None
+        # The row is data from the shared directory (any node, or an older forkyard,
+        # wrote it): its id builds host paths (data_dir, the image), so it must be the
+        # directory it lies in, and every field has its type, or the row is skipped.
+        if (not isinstance(d, dict) or d.get("id") != volume_id or not is_name(d.get("name"))
+                or not isinstance(d.get("token"), str) or not d["token"]
+                or type(d.get("size_mb")) is not int or type(d.get("created_at")) not in (int, float)):
+            log.warning("volume %s: its row %s is malformed: skipped", volume_id, ROW_NAME)
             return None
         return VolumeRecord(**{k: d[k] for k in ("id", "name", "token", "size_mb", "created_at")})
 
