@@ -99,3 +99,31 @@ def test_lease_calls_refuse_non_name_ids():
     with pytest.raises((LeaseUnavailable, ValueError)):
         lease.acquire("../../v1/nodes/B/volumes/q", "x" + uuid.uuid4().hex[:4])
     assert not seen
+
+
+@pytest.mark.parametrize("how", ["image-link", "dir-link"])
+def test_a_link_in_the_shared_directory_mounts_no_host_file(vols, how):
+    """A node loop-mounts ``<root>/<id>/volume.img``: a link there (or at ``<id>``)
+    written by another node must not make it mount a host file or disk of its own (and
+    bind it into a sandbox, or serve it over the content API)."""
+    v, tmp = vols
+    out = tmp / "outside"
+    out.mkdir()
+    subprocess.run(["truncate", "-s", "16M", str(out / IMAGE_NAME)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(out / IMAGE_NAME)], check=True)  # stands for a host disk
+    row = {"id": "evil4", "name": "bar", "token": "t" * 43, "size_mb": 16, "created_at": 1.0}
+    shared = tmp / "shared"
+    if how == "image-link":
+        _plant(shared, "evil4", row, name="bar")
+        os.symlink(out / IMAGE_NAME, shared / "evil4" / IMAGE_NAME)
+    else:
+        (out / ROW_NAME).write_text(json.dumps(row))
+        os.symlink(out, shared / "evil4")
+        (shared / NAMES / "bar").write_text("evil4")
+    try:
+        rec = v.by_name("bar")
+    except NotFound:
+        return
+    with pytest.raises(Exception):
+        v.ensure_mounted(rec)
+    assert not os.path.ismount(v.data_dir("evil4"))

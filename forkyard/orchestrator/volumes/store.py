@@ -38,6 +38,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import stat
 import subprocess
 import threading
 import time
@@ -204,7 +205,7 @@ class Volumes:
 
     # ---- rows ------------------------------------------------------------------------
     def _row(self, volume_id: str) -> VolumeRecord | None:
-        if not is_name(volume_id) or volume_id == NAMES:
+        if not is_name(volume_id) or volume_id == NAMES or os.path.islink(self.root / volume_id):
             return None
         try:
             d = json.loads((self.root / volume_id / ROW_NAME).read_bytes()[:_MAX_ROW])
@@ -340,12 +341,33 @@ class Volumes:
         _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E",
               f"root_owner={OWNER_UID}:{OWNER_UID},lazy_itable_init=1,nodiscard", str(image)])
 
+    def _image(self, volume_id: str) -> Path:
+        """``<root>/<id>/volume.img``, checked: the shared directory is written by every
+        node, and a link there (at ``<id>`` or at the image) would make this node
+        loop-mount a host file or disk of its own and bind it into a sandbox.
+
+        Raises:
+            VolumeFailed: ``<id>`` is not a directory or the image not a regular file
+                (a link is neither), or it resolves outside ``root``.
+        """
+        vdir, image = self.root / volume_id, self.root / volume_id / IMAGE_NAME
+        try:
+            dst, ist = os.lstat(vdir), os.lstat(image)
+        except OSError as e:
+            raise VolumeFailed(f"volume {volume_id}: its image cannot be read: {e}") from e
+        if (not stat.S_ISDIR(dst.st_mode) or not stat.S_ISREG(ist.st_mode)
+                or os.path.realpath(image) != os.path.join(os.path.realpath(self.root), volume_id, IMAGE_NAME)):
+            raise VolumeFailed(f"volume {volume_id}: {image} is not a regular file in its own directory "
+                               "(a link?): not mounted")
+        return image
+
     def _mount(self, volume_id: str) -> None:
         data = self.data_dir(volume_id)
         if not is_mounted(data):
+            image = self._image(volume_id)
             data.parent.mkdir(mode=0o700, exist_ok=True)
             data.mkdir(mode=0o700, exist_ok=True)
-            _run(["mount", "-o", "loop,nosuid,nodev", str(self.root / volume_id / IMAGE_NAME), str(data)])
+            _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(data)])
 
     def _unmount(self, volume_id: str) -> None:
         """Unmount on this node (busy: lazily, on a single node only)."""
