@@ -127,3 +127,41 @@ def test_a_link_in_the_shared_directory_mounts_no_host_file(vols, how):
     with pytest.raises(Exception):
         v.ensure_mounted(rec)
     assert not os.path.ismount(v.data_dir("evil4"))
+
+
+@pytest.mark.parametrize("where", ["row", "name"])
+def test_a_fifo_in_the_shared_directory_blocks_nothing(vols, where):
+    """A FIFO as a row or a name file (another node made it) once blocked the listing,
+    every lookup by that name, and (under the store's lock) every volume create."""
+    import threading
+    v, tmp = vols
+    shared = tmp / "shared"
+    (shared / "evil5").mkdir()
+    if where == "row":
+        os.mkfifo(shared / "evil5" / ROW_NAME)
+    else:
+        os.mkfifo(shared / NAMES / "baz")
+    result = {}
+
+    def work():
+        result["all"] = [r.id for r in v.all()]
+        for lookup in (lambda: v.by_name("baz"), lambda: v.get("evil5")):
+            try:
+                lookup()
+            except NotFound:
+                pass
+        try:
+            v.create("baz")
+        except Exception as e:  # noqa: BLE001 - a 409 for a taken name is fine
+            result["create"] = type(e).__name__
+        result["done"] = True
+
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(20)
+    if not result.get("done"):
+        # unblock the reader so the test process can end
+        fifo = shared / "evil5" / ROW_NAME if where == "row" else shared / NAMES / "baz"
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail(f"a FIFO as the {where} blocked the volumes store")
+    assert result["all"] == []

@@ -31,6 +31,7 @@ image a second time beside the sandbox's reference).
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -125,6 +126,23 @@ def _run(argv: list[str]) -> None:
     run_checked(argv, VolumeFailed)
 
 
+def _read_small(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of regular file ``path`` (a file of the shared directory:
+    another node wrote it, so a link, a FIFO or a huge file is refused, never waited on
+    or read whole).
+
+    Raises:
+        OSError: absent, a link (ELOOP), or not a regular file (EINVAL).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def _write_private(path: Path, data: str) -> None:
     """Write ``path`` (0600) whole or not at all: a temporary file, fsync'ed, renamed."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
@@ -208,7 +226,7 @@ class Volumes:
         if not is_name(volume_id) or volume_id == NAMES or os.path.islink(self.root / volume_id):
             return None
         try:
-            d = json.loads((self.root / volume_id / ROW_NAME).read_bytes()[:_MAX_ROW])
+            d = json.loads(_read_small(self.root / volume_id / ROW_NAME, _MAX_ROW))
         except (OSError, ValueError):
             return None
         # The row is data from the shared directory (any node, or an older forkyard,
@@ -250,7 +268,7 @@ class Volumes:
         vid = None
         if is_name(name):
             try:
-                vid = (self.root / NAMES / name).read_text().strip()
+                vid = _read_small(self.root / NAMES / name, 256).decode("utf-8", "replace").strip()
             except OSError:
                 pass
         rec = self._row(vid) if vid else None
@@ -278,7 +296,7 @@ class Volumes:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 try:
-                    other = path.read_text().strip()
+                    other = _read_small(path, 256).decode("utf-8", "replace").strip()
                     age = time.time() - path.stat().st_mtime
                 except OSError:
                     continue  # removed meanwhile: try again
@@ -407,7 +425,7 @@ class Volumes:
             shutil.rmtree(self.mounts / volume_id, ignore_errors=True)
             names = self.root / NAMES / rec.name
             try:
-                if names.read_text().strip() == volume_id:
+                if _read_small(names, 256).decode("utf-8", "replace").strip() == volume_id:
                     names.unlink()
             except OSError:
                 pass
