@@ -39,10 +39,18 @@ import httpx
 
 from forkyard.cluster.config import SECRET_HEADER, scheduler_urls
 from forkyard.cluster.nodekeys import NODE_URL_HEADER
+from forkyard.ids import is_name
 from forkyard.orchestrator.volumes.store import LeaseUnavailable
 
 #: Timeout of one lease call (s).
 LEASE_CALL_S = 5.0
+
+
+def _check_id(volume_id: str) -> None:
+    """A volume id goes into the URL path: httpx removes its dot segments, so an id such
+    as ``../../<node>/volumes/<other>`` would ask for another volume's lease."""
+    if not is_name(volume_id):
+        raise LeaseUnavailable(f"volume id {volume_id!r} is not a name: no lease is asked for it")
 
 
 class SchedulerLeases:
@@ -86,6 +94,7 @@ class SchedulerLeases:
             LeaseUnavailable: the scheduler could not be asked, or this node is not
                 registered or is declared down (it gets no lease until it is heard).
         """
+        _check_id(volume_id)
         out = self._post(f"/v1/nodes/{self.node_id}/volumes/{volume_id}/lease", {"name": name})
         if out.get("granted"):
             return None
@@ -99,4 +108,5 @@ class SchedulerLeases:
         Raises:
             LeaseUnavailable: the scheduler could not be told.
         """
+        _check_id(volume_id)
         self._post(f"/v1/nodes/{self.node_id}/volumes/{volume_id}/release", {})

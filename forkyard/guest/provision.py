@@ -46,7 +46,8 @@ SUDOERS_LINE = f"{USER_NAME} ALL=(ALL:ALL) NOPASSWD: ALL"
 def _read(root: beneath.Root, rel: str) -> tuple[str, os.stat_result] | None:
     """Text and stat of regular file ``rel`` (links followed inside the root); None when absent."""
     try:
-        fd = root.open(rel, os.O_RDONLY)
+        # O_NONBLOCK: a FIFO in the image (layers keep them) must not block the import.
+        fd = root.open(rel, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
@@ -72,6 +73,12 @@ def _write(root: beneath.Root, rel: str, text: str, like: os.stat_result | None,
 
 def _entries(text: str) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
+
+
+def _id(field: str) -> bool:
+    """True when a passwd/group id field is a number ``int`` takes (``"²".isdigit()`` is
+    True, and Python refuses ints of over 4300 digits): ASCII digits, at most 10."""
+    return field.isascii() and field.isdigit() and len(field) <= 10
 
 
 def _free_id(used: set[int], start: int) -> int:
@@ -159,8 +166,8 @@ def prepare(root: beneath.Root, create_user: bool) -> list[str]:
     group = _read(root, "etc/group") or ("", None)
     passwd = _read(root, "etc/passwd") or ("", None)
     groups, users = _entries(group[0]), _entries(passwd[0])
-    gids = {int(g[2]) for g in groups if len(g) > 2 and g[2].isdigit()}
-    uids = {int(u[2]) for u in users if len(u) > 2 and u[2].isdigit()}
+    gids = {int(g[2]) for g in groups if len(g) > 2 and _id(g[2])}
+    uids = {int(u[2]) for u in users if len(u) > 2 and _id(u[2])}
     group_text = group[0] if not group[0] or group[0].endswith("\n") else group[0] + "\n"
     if not any(g[0] == SUDO_GROUP for g in groups):
         gid = _free_id(gids, SUDO_GID)
@@ -170,7 +177,7 @@ def prepare(root: beneath.Root, create_user: bool) -> list[str]:
     user = next((u for u in users if u[0] == USER_NAME and len(u) >= 7), None)
     if user is None and create_user:
         uid = _free_id(uids, USER_UID)
-        ugroup = next((g for g in groups if g[0] == USER_NAME and len(g) > 2 and g[2].isdigit()), None)
+        ugroup = next((g for g in groups if g[0] == USER_NAME and len(g) > 2 and _id(g[2])), None)
         if ugroup is not None:
             gid = int(ugroup[2])
         else:

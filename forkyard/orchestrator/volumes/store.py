@@ -31,6 +31,7 @@ image a second time beside the sandbox's reference).
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -38,6 +39,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import stat
 import subprocess
 import threading
 import time
@@ -63,6 +65,8 @@ OWNER_UID = 1000
 #: The header of a 409 :class:`VolumeHeld` answer: the node that holds the volume (the
 #: gateway places the create again, on that node).
 HOLDER_HEADER = "x-forkyard-volume-holder"
+#: Largest ``volume.json`` read (bytes): a row is five short fields.
+_MAX_ROW = 64 << 10
 
 
 class VolumeFailed(OrchestratorError):
@@ -120,6 +124,23 @@ class VolumeRecord:
 
 def _run(argv: list[str]) -> None:
     run_checked(argv, VolumeFailed)
+
+
+def _read_small(path: Path, limit: int) -> bytes:
+    """At most ``limit`` bytes of regular file ``path`` (a file of the shared directory:
+    another node wrote it, so a link, a FIFO or a huge file is refused, never waited on
+    or read whole).
+
+    Raises:
+        OSError: absent, a link (ELOOP), or not a regular file (EINVAL).
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def _write_private(path: Path, data: str) -> None:
@@ -191,16 +212,30 @@ class Volumes:
 
     # ---- paths -----------------------------------------------------------------------
     def data_dir(self, volume_id: str) -> Path:
-        """Host directory of the volume's files (its mounted filesystem) on this node."""
+        """Host directory of the volume's files (its mounted filesystem) on this node.
+
+        Raises:
+            ValueError: ``volume_id`` is not a name (it would lead out of ``mounts``).
+        """
+        if not is_name(volume_id) or volume_id == NAMES:
+            raise ValueError(f"volume id {volume_id!r} is not a name")
         return self.mounts / volume_id / "data"
 
     # ---- rows ------------------------------------------------------------------------
     def _row(self, volume_id: str) -> VolumeRecord | None:
-        if not is_name(volume_id) or volume_id == NAMES:
+        if not is_name(volume_id) or volume_id == NAMES or os.path.islink(self.root / volume_id):
             return None
         try:
-            d = json.loads((self.root / volume_id / ROW_NAME).read_text())
+            d = json.loads(_read_small(self.root / volume_id / ROW_NAME, _MAX_ROW))
         except (OSError, ValueError):
+            return None
+        # The row is data from the shared directory (any node, or an older forkyard,
+        # wrote it): its id builds host paths (data_dir, the image), so it must be the
+        # directory it lies in, and every field has its type, or the row is skipped.
+        if (not isinstance(d, dict) or d.get("id") != volume_id or not is_name(d.get("name"))
+                or not isinstance(d.get("token"), str) or not d["token"]
+                or type(d.get("size_mb")) is not int or type(d.get("created_at")) not in (int, float)):
+            log.warning("volume %s: its row %s is malformed: skipped", volume_id, ROW_NAME)
             return None
         return VolumeRecord(**{k: d[k] for k in ("id", "name", "token", "size_mb", "created_at")})
 
@@ -233,7 +268,7 @@ class Volumes:
         vid = None
         if is_name(name):
             try:
-                vid = (self.root / NAMES / name).read_text().strip()
+                vid = _read_small(self.root / NAMES / name, 256).decode("utf-8", "replace").strip()
             except OSError:
                 pass
         rec = self._row(vid) if vid else None
@@ -261,7 +296,7 @@ class Volumes:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             except FileExistsError:
                 try:
-                    other = path.read_text().strip()
+                    other = _read_small(path, 256).decode("utf-8", "replace").strip()
                     age = time.time() - path.stat().st_mtime
                 except OSError:
                     continue  # removed meanwhile: try again
@@ -324,12 +359,33 @@ class Volumes:
         _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-E",
               f"root_owner={OWNER_UID}:{OWNER_UID},lazy_itable_init=1,nodiscard", str(image)])
 
+    def _image(self, volume_id: str) -> Path:
+        """``<root>/<id>/volume.img``, checked: the shared directory is written by every
+        node, and a link there (at ``<id>`` or at the image) would make this node
+        loop-mount a host file or disk of its own and bind it into a sandbox.
+
+        Raises:
+            VolumeFailed: ``<id>`` is not a directory or the image not a regular file
+                (a link is neither), or it resolves outside ``root``.
+        """
+        vdir, image = self.root / volume_id, self.root / volume_id / IMAGE_NAME
+        try:
+            dst, ist = os.lstat(vdir), os.lstat(image)
+        except OSError as e:
+            raise VolumeFailed(f"volume {volume_id}: its image cannot be read: {e}") from e
+        if (not stat.S_ISDIR(dst.st_mode) or not stat.S_ISREG(ist.st_mode)
+                or os.path.realpath(image) != os.path.join(os.path.realpath(self.root), volume_id, IMAGE_NAME)):
+            raise VolumeFailed(f"volume {volume_id}: {image} is not a regular file in its own directory "
+                               "(a link?): not mounted")
+        return image
+
     def _mount(self, volume_id: str) -> None:
         data = self.data_dir(volume_id)
         if not is_mounted(data):
+            image = self._image(volume_id)
             data.parent.mkdir(mode=0o700, exist_ok=True)
             data.mkdir(mode=0o700, exist_ok=True)
-            _run(["mount", "-o", "loop,nosuid,nodev", str(self.root / volume_id / IMAGE_NAME), str(data)])
+            _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(data)])
 
     def _unmount(self, volume_id: str) -> None:
         """Unmount on this node (busy: lazily, on a single node only)."""
@@ -369,7 +425,7 @@ class Volumes:
             shutil.rmtree(self.mounts / volume_id, ignore_errors=True)
             names = self.root / NAMES / rec.name
             try:
-                if names.read_text().strip() == volume_id:
+                if _read_small(names, 256).decode("utf-8", "replace").strip() == volume_id:
                     names.unlink()
             except OSError:
                 pass
