@@ -6,6 +6,7 @@ import asyncio
 
 import time
 import urllib.parse
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
@@ -129,25 +130,30 @@ async def list_sandboxes(request: Request, metadata: str | None = None):
     return [schemas.sandbox_listed(r) for r in filter_records(_orch(request).list(), metadata, {"running"}, None)]
 
 
+@dataclass
+class ListQuery:
+    """The query of E2B's ``GET /v2/sandboxes``, defined once for a node's route and the
+    cluster gateway's (a FastAPI dependency: ``q: ListQuery = Depends()``): ``state``
+    (running/paused; default both), ``metadata`` (``k=v&…``, URL-encoded), ``template``,
+    start time (``startedAfter`` / ``startedBefore``: ISO 8601, inclusive), ``order``
+    (by start time, default desc), ``limit`` (1-100, default 100) and the opaque
+    ``nextToken`` (answered in the ``x-next-token`` header)."""
+
+    metadata: str | None = None
+    state: list[str] | None = Query(default=None)
+    template: str | None = None
+    order: str | None = Query(default=None, pattern="^(asc|desc)$")
+    next_token: str | None = Query(default=None, alias="nextToken")
+    limit: int = Query(default=100, ge=1, le=100)
+    started_after: str | None = Query(default=None, alias="startedAfter")
+    started_before: str | None = Query(default=None, alias="startedBefore")
+
+
 @router.get("/v2/sandboxes")
-async def list_sandboxes_v2(
-    request: Request,
-    response: Response,
-    metadata: str | None = None,
-    state: list[str] | None = Query(default=None),
-    template: str | None = None,
-    order: str | None = Query(default=None, pattern="^(asc|desc)$"),
-    next_token: str | None = Query(default=None, alias="nextToken"),
-    limit: int = Query(default=100, ge=1, le=100),
-    started_after: str | None = Query(default=None, alias="startedAfter"),
-    started_before: str | None = Query(default=None, alias="startedBefore"),
-):
-    """Sandboxes filtered by ``state`` (comma list of running/paused; default both),
-    ``metadata``, ``template`` and start time (``startedAfter`` / ``startedBefore``:
-    ISO 8601, inclusive); ordered by start time (``order``, default desc); paginated by
-    ``limit`` and the opaque ``nextToken`` (answered in the ``x-next-token`` header)."""
-    return list_page(_orch(request).list(), response, metadata, state, template, order, next_token, limit,
-                     started_after, started_before)
+async def list_sandboxes_v2(request: Request, response: Response, q: ListQuery = Depends()):
+    """Sandboxes filtered, ordered and paginated as :class:`ListQuery` says."""
+    return list_page(_orch(request).list(), response, q.metadata, q.state, q.template, q.order, q.next_token,
+                     q.limit, q.started_after, q.started_before)
 
 
 def _when(name: str, raw: str | None) -> int | None:

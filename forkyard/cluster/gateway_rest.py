@@ -8,11 +8,11 @@ from contextlib import asynccontextmanager
 from dataclasses import fields
 from typing import Protocol
 
-from fastapi import FastAPI, Query, Response
+from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from forkyard.api import schemas
-from forkyard.api.routes_sandboxes import filter_records, list_filters, parse_metadata
+from forkyard.api.routes_sandboxes import ListQuery, filter_records, list_filters, parse_metadata
 from forkyard.cluster.listing import decode_cursor, encode_cursor, record_of
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NodeInfo
@@ -116,17 +116,10 @@ def rest_app(gw: GatewayView) -> FastAPI:
                 return out
 
     @app.get("/v2/sandboxes")
-    async def list_v2(
-        response: Response, metadata: str | None = None, state: list[str] | None = Query(default=None),
-        template: str | None = None,
-        order: str | None = Query(default=None, pattern="^(asc|desc)$"),
-        next_token: str | None = Query(default=None, alias="nextToken"),
-        limit: int = Query(default=100, ge=1, le=100),
-        started_after: str | None = Query(default=None, alias="startedAfter"),
-        started_before: str | None = Query(default=None, alias="startedBefore"),
-    ):
-        states, after, before = list_filters(metadata, state, started_after, started_before)
-        items, token = await page(gw, metadata, states, template, after, before, order != "asc", next_token, limit)
+    async def list_v2(response: Response, q: ListQuery = Depends()):
+        states, after, before = list_filters(q.metadata, q.state, q.started_after, q.started_before)
+        items, token = await page(gw, q.metadata, states, q.template, after, before, q.order != "asc",
+                                  q.next_token, q.limit)
         if token:
             response.headers["x-next-token"] = token
         return items
