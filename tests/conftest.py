@@ -39,6 +39,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+
+@contextlib.contextmanager
+def redis_server(directory: Path):
+    """A throw-away ``redis-server`` on a free loopback port (no persistence, its files
+    under ``directory``) for the length of the block; yields its URL."""
+    import redis
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(directory),
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 20
+        while True:
+            try:
+                if redis.Redis(port=port).ping():
+                    break
+            except redis.RedisError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
 def host_leftovers(runsc_root: Path | None = None) -> dict[str, list[str]]:
     """The test server's netns (``<prefix><N>``), veths, mounts and runsc processes (of
     ``runsc_root`` when given, else of the test server) present on the host now."""

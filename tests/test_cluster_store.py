@@ -6,11 +6,10 @@ which put a 17th child on a node with room for 16 and two creates in a row on on
 from __future__ import annotations
 
 import asyncio
-import subprocess
 import time
 
 import pytest
-from conftest import free_port
+from conftest import redis_server
 
 from forkyard.cluster.store import PLACING_TTL_S, ClusterStore
 from forkyard.cluster.types import NodeReport
@@ -18,26 +17,8 @@ from forkyard.cluster.types import NodeReport
 
 @pytest.fixture
 def redis_url(tmp_path_factory):
-    port = free_port()
-    d = tmp_path_factory.mktemp("redis", numbered=True)
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(d),
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    try:
-        import redis
-
-        deadline = time.time() + 20
-        while True:
-            try:
-                if redis.Redis(port=port).ping():
-                    break
-            except redis.RedisError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with redis_server(tmp_path_factory.mktemp("redis", numbered=True)) as url:
+        yield url
 
 
 async def test_placement_counts_until_acked_not_until_the_next_heartbeat(redis_url):

@@ -5,13 +5,12 @@ A real redis-server and the scheduler's app (in process)."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from conftest import free_port
+from conftest import redis_server
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, NodeKeys
 from forkyard.cluster.config import SECRET_HEADER
 from forkyard.cluster.scheduler import create_scheduler_app
@@ -24,24 +23,8 @@ URLS = {"A": "http://10.0.0.1:3000", "B": "http://10.0.0.2:3000"}
 
 @pytest.fixture
 def redis_url(tmp_path):
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    try:
-        import redis
-        deadline = time.time() + 20
-        while True:
-            try:
-                if redis.Redis(port=port).ping():
-                    break
-            except redis.RedisError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with redis_server(tmp_path) as url:
+        yield url
 
 
 def _as(node: str, url: str | None = None) -> dict:
