@@ -229,18 +229,32 @@ async def test_memory_limit_is_enforced(settings, driver, sandboxes):
     mem = Path(f"/sys/fs/cgroup/memory/forkyard/{spec.sandbox_id}")
     oom = dict(line.split() for line in (mem / "memory.oom_control").read_text().splitlines())
     peak = int((mem / "memory.max_usage_in_bytes").read_text())
-    deadline = time.time() + 15  # the sentry is gone; runsc's state follows within moments
-    while (running := await driver.is_running(spec.sandbox_id)) and time.time() < deadline:
-        await asyncio.sleep(0.2)
-    print(f"\n400 MiB in a 256 MiB sandbox: exit {r.returncode}; still running: {running}; "
-          f"oom_kill {oom.get('oom_kill')}; peak {peak >> 20} MiB; {r.stderr.strip()[:200]}")
-    # What happens under gVisor (measured): the host's OOM killer acts on the sandbox's
-    # cgroup and kills the sentry, i.e. the whole sandbox (a VM would lose only the
-    # process). The allocation never completes and the limit held.
+    print(f"\n400 MiB in a 256 MiB sandbox: exit {r.returncode}; oom_kill {oom.get('oom_kill')}; "
+          f"peak {peak >> 20} MiB; {r.stderr.strip()[:200]}")
+    # The allocation never completes and the limit held, whichever process the host's OOM
+    # killer picked in the sandbox's memory cgroup.
     assert r.returncode != 0 and "allocated" not in r.stdout
     assert int(oom.get("oom_kill", 0)) >= 1
     assert peak <= (256 << 20) + (1 << 20), peak >> 10  # (the page counter may pass the limit by a page: seen once, +4 KiB)
-    assert not running and not await driver.alive(spec.sandbox_id)
+    # Which one it picks (measured, docs/security.md "A sandbox killed for its resources"):
+    # the sentry and the systrap stub of the allocating process hold about the same pages
+    # (both map the memory file), so either can go. The sentry: the whole sandbox ends
+    # (runsc exec loses its connection: exit 128). A stub: that process ends with SIGKILL
+    # (137, as in an E2B VM) and the sandbox goes on, or — when its memory is not freed
+    # before the next allocation — the sentry is picked next. Never a wedged sandbox:
+    # within 15 s it is gone, or it answers a command and its memory is back.
+    deadline, answered = time.time() + 15, None
+    while time.time() < deadline:
+        if not await driver.is_running(spec.sandbox_id):
+            break
+        if r.returncode == 137 and (answered := hu.runsc_exec(settings, spec.sandbox_id, ["echo", "alive"])).returncode == 0:
+            break
+        await asyncio.sleep(0.3)
+    if answered is not None and answered.returncode == 0:
+        assert answered.stdout.strip() == "alive"
+        assert int((mem / "memory.usage_in_bytes").read_text()) < 128 << 20
+    else:
+        assert not await driver.is_running(spec.sandbox_id) and not await driver.alive(spec.sandbox_id)
 
 
 # ------------------------------------------------------------------------ failure paths
