@@ -1,7 +1,8 @@
 """Issue 11 item 3 (the rest): a sandbox killed for its resources tells the client why.
 
-Under gVisor the host's OOM killer acts on the sandbox's cgroup and kills the sentry,
-i.e. the whole sandbox (measured: tests/test_runtime.py). The client then sees E2B's
+Under gVisor the host's OOM killer acts on the sandbox's cgroup and most often kills the
+sentry, i.e. the whole sandbox (measured: tests/test_runtime.py; sometimes only the
+allocating process: then the test allocates again). The client then sees E2B's
 "sandbox not running" shapes with the cause named: the command's stream ends with a
 Connect ``unavailable`` error ("… ended before the stream completed (out of memory (limit
 512 MiB))"), the SDK probes the sandbox and raises ``SandboxNotRunningException`` ("… killed
@@ -16,7 +17,7 @@ import time
 
 import httpx
 import pytest
-from e2b import Sandbox
+from e2b import CommandExitException, Sandbox
 from e2b.exceptions import SandboxException
 
 OOM = "out of memory (limit 512 MiB)"
@@ -27,10 +28,18 @@ def test_an_oom_killed_sandbox_tells_the_client_why(server):
     sid = sbx.sandbox_id
     assert sbx.get_info().memory_mb == 512
     t0 = time.monotonic()
-    with pytest.raises(SandboxException) as err:
-        # 900 MiB touched in a 512 MiB sandbox (process memory: /tmp is on the disk).
-        sbx.commands.run("python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\"",
-                         timeout=90)
+    for attempt in range(5):
+        # 900 MiB touched in a 512 MiB sandbox (process memory: /tmp is on the disk). The
+        # OOM killer may pick the allocating process's stub instead of the sentry (only that
+        # process ends, exit 137: docs/security.md); then try again — this test is about
+        # what clients are told when the whole sandbox is killed.
+        with pytest.raises(SandboxException) as err:
+            sbx.commands.run("python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\"",
+                             timeout=90)
+        if not (isinstance(err.value, CommandExitException) and err.value.exit_code == 137):
+            break
+        print(f"\nattempt {attempt + 1}: only the process was killed (exit 137); again")
+        time.sleep(1)
     took = time.monotonic() - t0
     print(f"\nthe SDK raised {type(err.value).__name__} after {took:.1f} s: {err.value}")
     assert OOM in str(err.value) and "killed or reached its end of life" in str(err.value), str(err.value)
