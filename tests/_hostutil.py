@@ -170,3 +170,30 @@ try:
 except Exception as e:
     print("FAIL:" + type(e).__name__)
 """
+
+
+#: A command that touches 900 MiB: over a 512 MiB sandbox's memory limit.
+OOM_HOG = "python3 -c \"x = bytearray(900 * 2**20)\nfor i in range(0, len(x), 4096): x[i] = 1\""
+
+
+def oom_kill_sandbox(sbx, attempts: int = 5) -> Exception:
+    """Run :data:`OOM_HOG` in the E2B SDK sandbox ``sbx`` until the host's OOM killer ends
+    the whole sandbox; return what ``commands.run`` raised then.
+
+    The OOM killer may take only the allocating process's systrap stub (the command ends
+    with exit 137 and the sandbox lives: docs/security.md "A sandbox killed for its
+    resources"); then the hog runs again, at most ``attempts`` times (AssertionError)."""
+    from e2b import CommandExitException
+
+    for _ in range(attempts):
+        try:
+            sbx.commands.run(OOM_HOG, timeout=90)
+        except CommandExitException as e:
+            if e.exit_code != 137:
+                return e
+            time.sleep(1)
+        except Exception as e:  # noqa: BLE001 — what the SDK raised is what the caller checks
+            return e
+        else:
+            raise AssertionError("900 MiB were allocated in a 512 MiB sandbox")
+    raise AssertionError(f"only the process was OOM-killed {attempts} times; the sandbox lives")
