@@ -52,6 +52,22 @@ def _gone(server, sid: str) -> bool:
 
 # -- config and errors ---------------------------------------------------------------------
 
+
+def test_help_wraps_at_the_terminal_not_at_the_docstring():
+    """`--help` joins a docstring's hard wraps: at 200 columns a two-line docstring is one
+    line (forkyard.cli.main.reflow); list items keep their own lines."""
+    from forkyard.cli.main import reflow
+
+    p = cli("pause", "--help", env={**os.environ, "COLUMNS": "200"}, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "resume continues them (a paused one is left as it is)." in p.stdout, p.stdout
+    assert reflow("""One
+    two.
+
+    - a
+    - b
+      c""") == "One two.\n\n- a\n- b\n  c"
+
 def test_auth_writes_0600_config_and_env_overrides(server, tmp_path):
     cfg = tmp_path / "cfg" / "config.toml"
     env = {k: v for k, v in os.environ.items() if k not in ("E2B_API_URL", "E2B_API_KEY", "E2B_SANDBOX_URL",

@@ -3,6 +3,7 @@ command modules (each holds one concern and never imports this one)."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import typer
@@ -52,6 +53,34 @@ app.add_typer(snapshots.snapshot_app, name="snapshot")
 app.add_typer(admin.template_app, name="template")
 app.add_typer(cluster.node_app, name="node")
 app.add_typer(cluster.cluster_app, name="cluster")
+
+
+def reflow(doc: str) -> str:
+    """``doc`` (a docstring) with the hard wraps inside each paragraph joined, so the
+    terminal's width wraps ``--help`` instead of the source's 88 columns. Paragraphs stay
+    apart (blank lines); lines that start a list item (``-``, ``*``, ``•``) or are indented
+    keep their own line."""
+    out: list[str] = []
+    for line in inspect.cleandoc(doc).splitlines():
+        keep = not line.strip() or line[0].isspace() or line.lstrip()[:2] in ("- ", "* ", "• ")
+        if out and out[-1].strip() and not keep and not out[-1][0].isspace():
+            out[-1] += " " + line.strip()
+        else:
+            out.append(line)
+    return "\n".join(out)
+
+
+def _reflow_all(group: typer.Typer) -> None:
+    """Set every command's help (from its docstring, reflowed) in ``group`` and below."""
+    for command in group.registered_commands:
+        if command.help is None and command.callback is not None and command.callback.__doc__:
+            command.help = reflow(command.callback.__doc__)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _reflow_all(sub.typer_instance)
+
+
+_reflow_all(app)
 
 
 def main() -> None:  # pragma: no cover - console entry
