@@ -425,3 +425,33 @@ def test_connect_resumes_forwards_ctrl_c_and_resizes(server):
         assert cli_json("info", sid)["state"] == "running"  # connect resumed it and left it running
     finally:
         cli("rm", sid)
+
+
+def test_top_and_ls_tables_fit_80_columns():
+    """`forkyard top` and `ls` tables at 80 columns: no cell wraps, ids and sizes stay
+    whole; the template and the last column shrink with an ellipsis."""
+    from rich.console import Console
+
+    from forkyard.cli._common import fitted_table
+    from forkyard.cli.top import render
+
+    ids = [f"i{n}k4d2n5qx8z0abcdef" for n in range(3)]
+    data = {"nodes": {"nodes": [{"nodeID": "node-eu-west-1a-17", "status": "up", "heartbeatAge": 0.4,
+                                 "report": {"running": 3, "paused": 0, "max_sandboxes": 40, "vcpus_reserved": 6,
+                                            "vcpus": 16, "load1": 1.25}}]},
+            "sandboxes": [{"sandboxID": i, "templateID": "code-interpreter-v1", "state": "running",
+                           "startedAt": "2026-12-01T10:00:00Z", "cpuCount": 2,
+                           "usage": {"cpuUsedPct": 12.5, "memUsed": 300 << 20, "memTotal": 512 << 20},
+                           "metadata": {"forkyard.parentSandboxID": ids[0]}} for i in ids]}
+    ls = fitted_table(["ID", "TEMPLATE", "STATE", "STARTED", "EXPIRES", "CPU", "MEM", "METADATA"],
+                      [[i, "code-interpreter-v1", "[green]running[/green]", "12m ago", "in 4m", "2", "512 MiB",
+                        "suite=cli user=alice"] for i in ids], flexible=("TEMPLATE", "METADATA"), width=80)
+    for shown in (render(data, "cpu", "http://127.0.0.1:3000", width=80), ls):
+        con = Console(width=80, record=True, force_terminal=False)
+        con.print(shown)
+        lines = con.export_text().splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        for i in ids:
+            assert sum(line.startswith(i + " ") for line in lines) == 1, lines
+        assert any("512 MiB" in line or "300.0 MiB/512.0 MiB" in line for line in lines), lines
+        assert any(line.startswith("ID ") and (" VCPU " in line or " CPU " in line) for line in lines), lines

@@ -26,6 +26,38 @@ T = TypeVar("T")
 JSON_OPT = typer.Option(False, "--json", help="Print the result as JSON on stdout.")
 
 
+def fitted_table(columns: list[str], rows: list[list[str]], flexible: tuple[str, ...], width: int | None = None,
+                 **table_kw: Any):
+    """A rich ``Table`` of ``rows`` (cells may hold rich markup) that fits ``width``
+    columns (default: the results console's, e.g. an 80-column terminal) without wrapping
+    a cell: every column keeps its widest cell's width except those in ``flexible``, which
+    share what is left in order, cut with an ellipsis; one left under 4 columns is not
+    shown. ``table_kw`` goes to ``Table`` (title, …); CPU/MEM/VCPU and ``…%`` columns are
+    right-aligned."""
+    from rich.table import Table
+    from rich.text import Text
+
+    natural = [max([len(col), *(Text.from_markup(r[i]).cell_len for r in rows)]) for i, col in enumerate(columns)]
+    left = (width or out.width) - sum(w for c, w in zip(columns, natural) if c not in flexible) - 2 * (len(columns) - 1)
+    shown: dict[int, int] = {}
+    for i, col in enumerate(columns):
+        if col in flexible:
+            give = min(natural[i], left)
+            if give >= 4:
+                shown[i] = give
+                left -= give
+        else:
+            shown[i] = natural[i]
+    t = Table(box=None, header_style="bold", pad_edge=False, **table_kw)
+    for i in shown:
+        col = columns[i]
+        justify = "right" if col.endswith("%") or col in ("CPU", "MEM", "VCPU") else "left"
+        t.add_column(col, no_wrap=True, overflow="ellipsis", justify=justify, width=shown[i])
+    for r in rows:
+        t.add_row(*(r[i] for i in shown))
+    return t
+
+
 def print_table(table, ids: list[str]) -> None:
     """``table`` on a terminal; when stdout is piped, only ``ids``, one a line (for
     ``| xargs`` and ``while read``); ``--json`` gives the full rows."""

@@ -16,6 +16,7 @@ from forkyard.cli._common import (
     out,
     parse_kv,
     print_json,
+    fitted_table,
     print_table,
     run,
 )
@@ -46,16 +47,15 @@ def ls(
         if not items:
             err.print("no sandboxes" + (" match" if (state or md or template) else ""))
             return
-        t = Table(box=None, header_style="bold")
-        t.add_column("ID", no_wrap=True)
-        for col in ("TEMPLATE", "STATE", "STARTED", "EXPIRES", "CPU", "MEM", "METADATA"):
-            t.add_column(col)
+        rows = []
         for s in items:
             st = "[green]running[/green]" if s.state == "running" else "[yellow]paused[/yellow]"
             expires = "-" if s.state == "paused" else ago(s.end_at)
-            t.add_row(s.sandbox_id, s.template_id, st, ago(s.started_at), expires, str(s.cpu_count or "-"),
-                      f"{s.memory_mb} MiB" if s.memory_mb else "-",
-                      " ".join(f"{k}={v}" for k, v in s.metadata.items()))
+            rows.append([s.sandbox_id, s.template_id, st, ago(s.started_at), expires, str(s.cpu_count or "-"),
+                         f"{s.memory_mb} MiB" if s.memory_mb else "-",
+                         " ".join(f"{k}={v}" for k, v in s.metadata.items())])
+        t = fitted_table(["ID", "TEMPLATE", "STATE", "STARTED", "EXPIRES", "CPU", "MEM", "METADATA"], rows,
+                         flexible=("TEMPLATE", "METADATA"))
         print_table(t, [s.sandbox_id for s in items])
 
     run(go)

@@ -14,10 +14,9 @@ from datetime import datetime
 
 import typer
 from rich.console import Group
-from rich.table import Table
 from rich.text import Text
 
-from forkyard.cli._common import JSON_OPT, ago, fail, human_bytes, out, print_json, run
+from forkyard.cli._common import JSON_OPT, ago, fail, fitted_table, human_bytes, out, print_json, run
 from forkyard.client import AsyncForkyard
 from forkyard.ids import rfc3339
 
@@ -61,36 +60,37 @@ def _sort_key(sort: str):
     return key
 
 
-def render(data: dict, sort: str, url: str) -> Group:
-    """The frame for ``data`` (from :func:`snapshot`), sandboxes sorted by ``sort``."""
+def render(data: dict, sort: str, url: str, width: int | None = None) -> Group:
+    """The frame for ``data`` (from :func:`snapshot`), sandboxes sorted by ``sort``, fitted
+    to ``width`` columns (default: the terminal's)."""
     node = data["nodes"]
-    nodes = Table(title="nodes", title_justify="left", box=None, header_style="bold")
-    for col in ("NODE", "STATUS", "RUNNING", "PAUSED", "CAPACITY", "VCPUS", "LOAD", "HEARTBEAT"):
-        nodes.add_column(col)
+    node_rows = []
     if "nodes" in node:
         for n in node["nodes"]:
             r = n.get("report", {})
             st = {"up": "green", "draining": "yellow"}.get(n["status"], "red")
-            nodes.add_row(n["nodeID"], f"[{st}]{n['status']}[/{st}]", str(r.get("running", 0)), str(r.get("paused", 0)),
-                          f"{r.get('running', 0)}/{r.get('max_sandboxes', '?')}",
-                          f"{r.get('vcpus_reserved', 0)}/{r.get('vcpus', '?')}", f"{r.get('load1', 0):.2f}",
-                          f"{n.get('heartbeatAge', 0):.1f}s")
+            node_rows.append([n["nodeID"], f"[{st}]{n['status']}[/{st}]", str(r.get("running", 0)),
+                              str(r.get("paused", 0)), f"{r.get('running', 0)}/{r.get('max_sandboxes', '?')}",
+                              f"{r.get('vcpus_reserved', 0)}/{r.get('vcpus', '?')}", f"{r.get('load1', 0):.2f}",
+                              f"{n.get('heartbeatAge', 0):.1f}s"])
     else:
         c = node.get("sandboxes", {})
-        nodes.add_row(url, "[green]up[/green]", str(c.get("running", 0)), str(c.get("paused", 0)),
-                      f"{len(node.get('spareSlots', []))} spare slots", "-", "-", "-")
-    sbx = Table(title=f"sandboxes (sorted by {sort}; keys: c cpu, m mem, a age, q quit)", title_justify="left",
-                box=None, header_style="bold")
-    for col in ("ID", "TEMPLATE", "STATE", "AGE", "CPU%", "MEM", "VCPU", "PARENT"):
-        sbx.add_column(col, no_wrap=col == "ID", justify="right" if col in ("CPU%", "MEM", "VCPU") else "left")
+        node_rows.append([url, "[green]up[/green]", str(c.get("running", 0)), str(c.get("paused", 0)),
+                          f"{len(node.get('spareSlots', []))} spare slots", "-", "-", "-"])
+    nodes = fitted_table(["NODE", "STATUS", "RUNNING", "PAUSED", "CAPACITY", "VCPUS", "LOAD", "HEARTBEAT"],
+                         node_rows, flexible=("NODE",), width=width, title="nodes", title_justify="left")
+    rows = []
     for s in sorted(data["sandboxes"], key=_sort_key(sort)):
         u = s.get("usage") or {}
         started = datetime.fromisoformat(s["startedAt"].replace("Z", "+00:00")) if s.get("startedAt") else None
         state = "[green]running[/green]" if s["state"] == "running" else "[yellow]paused[/yellow]"
-        sbx.add_row(s["sandboxID"], s.get("templateID", ""), state, ago(started).removesuffix(" ago"),
-                    f"{u['cpuUsedPct']:.1f}" if "cpuUsedPct" in u else "-",
-                    f"{human_bytes(u['memUsed'])}/{human_bytes(u.get('memTotal'))}" if "memUsed" in u else "-",
-                    str(s.get("cpuCount", "-")), (s.get("metadata") or {}).get("forkyard.parentSandboxID", ""))
+        rows.append([s["sandboxID"], s.get("templateID", ""), state, ago(started).removesuffix(" ago"),
+                     f"{u['cpuUsedPct']:.1f}" if "cpuUsedPct" in u else "-", str(s.get("cpuCount", "-")),
+                     f"{human_bytes(u['memUsed'])}/{human_bytes(u.get('memTotal'))}" if "memUsed" in u else "-",
+                     (s.get("metadata") or {}).get("forkyard.parentSandboxID", "")])
+    sbx = fitted_table(["ID", "TEMPLATE", "STATE", "AGE", "CPU%", "VCPU", "MEM", "PARENT"], rows,
+                       flexible=("TEMPLATE", "PARENT"), width=width,
+                       title=f"sandboxes (sorted by {sort}; keys: c cpu, m mem, a age, q quit)", title_justify="left")
     header = Text(f"forkyard top — {url} — {len(data['sandboxes'])} sandboxes — {time.strftime('%H:%M:%S')}",
                   style="bold")
     return Group(header, nodes, Text(""), sbx)
