@@ -420,7 +420,25 @@ class Gateway(Ownership):
             refused.append(node.node_id)
         if r is None:
             raise failed or _Fail(503, "no node took the create; retry")
+        self._remember_made(node.node_id, r)
         await self._reply(send, r)
+
+    def _remember_made(self, node_id: str, r: httpx.Response | list) -> None:
+        """Keep the sandboxes a create or fork answer ``r`` (a node's answer, or a fork's
+        results list) made as bound to ``node_id`` in the book: until its node has
+        published them (not while the scheduler is away) Redis has no binding, and the next
+        call must not be a 404 (:meth:`~.routing.Ownership._unbound` asks that node)."""
+        if isinstance(r, httpx.Response):
+            if r.status_code != 201:
+                return
+            try:
+                r = r.json()
+            except ValueError:
+                return
+        for item in r if isinstance(r, list) else [r]:
+            made = item.get("sandbox", item) if isinstance(item, dict) else None
+            if isinstance(made, dict) and isinstance(made.get("sandboxID"), str):
+                self.book.remember(made["sandboxID"], node_id, "running")
 
     async def _wake(self, sandbox_id: str, scope, receive, send):
         """``connect``/``resume``: to the owner; a draining node refuses it (409 with
@@ -495,7 +513,9 @@ class Gateway(Ownership):
         plan = (await self._schedule({"kind": "fork", "sandboxID": sandbox_id, "count": fb.count,
                                       "vcpus": int(b.record.get("vcpus", 2))}))["placements"]
         if len(plan) == 1 and plan[0]["nodeID"] == node.node_id:
-            return await self._reply(send, await self._call_as_client(node, scope, raw, plan[0].get("placementID")))
+            r = await self._call_as_client(node, scope, raw, plan[0].get("placementID"))
+            self._remember_made(node.node_id, r)
+            return await self._reply(send, r)
         here = [p for p in plan if p["nodeID"] == node.node_id]
         local = sum(p["count"] for p in here)
         log.info("fork of %s (%d) spread over nodes: %s", sandbox_id, fb.count,
@@ -507,6 +527,7 @@ class Gateway(Ownership):
             return await JSONResponse(r.json(), status_code=r.status_code)(scope, receive, send)
         first = r.json()
         results, image = list(first["results"]), first["image"]
+        self._remember_made(node.node_id, results)
         nodes = await self.nodes(fresh=True)
 
         async def remote(p: dict) -> list[dict]:
@@ -520,6 +541,7 @@ class Gateway(Ownership):
                                             "egress": b.record.get("egress") or None},
                                            placement=p.get("placementID"))
                 if rr.status_code == 200:
+                    self._remember_made(target.node_id, rr.json()["results"])
                     return rr.json()["results"]
                 err = schemas.error(rr.status_code, rr.text[:300])
             except _Fail as e:

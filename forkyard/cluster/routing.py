@@ -217,8 +217,20 @@ class Ownership:
         publishing theirs again) or some node's heartbeats are late (the scheduler is
         away, so what the nodes did meanwhile — a create answered just before it went —
         is not published yet). Then the nodes are asked; otherwise never (an unknown id
-        costs one Redis read, not a call to every node)."""
+        costs one Redis read, not a call to every node) — except the node this gateway saw
+        make it (its book), asked first: a create or fork answered just before the
+        scheduler went away is not published, and the nodes' heartbeats are not late yet."""
         why = await self.store.death(sandbox_id)  # its node said why it died, if it did
+        route = self.book.last(sandbox_id)
+        if why is None and route is not None and route.node_id in self.book.nodes:
+            # made through this gateway a moment ago, maybe not published yet (the
+            # scheduler went away in between): its node is asked before any 404
+            try:
+                found = await self._ask_nodes_in([self.book.nodes[route.node_id]], sandbox_id, strict=True)
+            except Unanswered as e:
+                raise Fail(503, f"sandbox {sandbox_id!r} is not bound to a node yet and {e}; retry shortly") from e
+            if found is not None:
+                return found
         if why is None:
             age = await self.store.state_age()
             late = any(n.heartbeat_age() > 2 * HEARTBEAT_INTERVAL_S for n in (await self.nodes()).values()
@@ -256,8 +268,12 @@ class Ownership:
             nodes = {**self.book.nodes, **await self.nodes()}  # those Redis forgot too
         except ClusterStoreUnavailable:
             nodes = self.book.nodes
+        return await self._ask_nodes_in(list(nodes.values()), sandbox_id, strict)
+
+    async def _ask_nodes_in(self, nodes: list[NodeInfo], sandbox_id: str, strict: bool = False) -> NodeInfo | None:
+        """:meth:`_ask_nodes` over ``nodes`` (those declared down are left out)."""
         try:
-            got = await ask_nodes(self._ask, [n for n in nodes.values() if not n.declared_down], sandbox_id,
+            got = await ask_nodes(self._ask, [n for n in nodes if not n.declared_down], sandbox_id,
                                   self.node_key)
         except Unanswered:
             if strict:
