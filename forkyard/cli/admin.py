@@ -27,7 +27,7 @@ from forkyard.client.config import (
     resolve,
     write_config_file,
 )
-from forkyard.config import ClientSettings
+from forkyard.config import ClientSettings, user_cache_dir
 
 #: ``auth`` and ``doctor``; :mod:`forkyard.cli.main` adds them to the ``forkyard`` app.
 commands = typer.Typer()
@@ -379,7 +379,7 @@ def template_add(
 
     if which not in ADDABLE:
         fail(f"unknown template {which!r}", f"one of: {', '.join(ADDABLE)}")
-    root = cache_dir or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forkyard" / which
+    root = cache_dir or user_cache_dir() / which
     root.mkdir(parents=True, exist_ok=True)
     try:
         ci.prepare_context(root, list(pip or []), log=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
