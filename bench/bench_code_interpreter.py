@@ -33,7 +33,7 @@ def main() -> None:
 
     from forkyard.templates import code_interpreter as ci
 
-    proc = start_server(templates_dir())
+    proc, _, _ = start_server(templates_dir())
     try:
         root = DATA / "code-interpreter-context"
         root.mkdir(parents=True, exist_ok=True)
