@@ -557,6 +557,12 @@ def api_key_from_env() -> str | None:
     return os.environ.get("FORKYARD_API_KEY") or None
 
 
+def user_cache_dir() -> Path:
+    """Where the CLI keeps downloads on the client's host (``forkyard template add``):
+    ``$XDG_CACHE_HOME/forkyard``, else ``~/.cache/forkyard`` (XDG Base Directory spec)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forkyard"
+
+
 def hold_dir() -> Path | None:
     """``FORKYARD_TEST_HOLD_DIR``: where tests arm the orchestrator's hold points
     (:mod:`forkyard.orchestrator.holds`); None (the default) turns them off. Read at each

@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Imports that are optional by design, the module that guards each (ImportError is
 #: caught and turned into a message naming the extra) and the extra that provides it.
 OPTIONAL = {"opentelemetry": ("obs/tracing.py", "otel")}
+#: Code that runs inside code-interpreter sandboxes, in their own venv: its imports are
+#: forkyard.templates.code_interpreter.PACKAGES (or installed with them: traitlets comes
+#: with ipykernel), not forkyard's dependencies.
+GUEST_VENV = "guest/code_interpreter/"
 
 
 def _norm(name: str) -> str:
@@ -42,6 +46,8 @@ def _imports() -> dict[str, set[str]]:
 
 
 def test_every_imported_distribution_is_declared():
+    from forkyard.templates import code_interpreter as ci
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     declared = {_norm(Requirement(r).name) for r in project["dependencies"]}
     extras = {k: {_norm(Requirement(r).name) for r in v} for k, v in project["optional-dependencies"].items()}
@@ -53,6 +59,10 @@ def test_every_imported_distribution_is_declared():
             module, extra = OPTIONAL[top]
             assert files == {module}, f"{top} is optional: import it only in {module} ({sorted(files)})"
             assert provided_by & extras[extra], f"{top}: not in the {extra} extra"
+            continue
+        if all(f.startswith(GUEST_VENV) for f in files):
+            pinned = {_norm(Requirement(r).name) for r in ci.PACKAGES} | {"traitlets"}
+            assert provided_by & pinned, f"{top} (from {sorted(files)}) is not in code_interpreter.PACKAGES"
             continue
         if not provided_by & declared:
             missing.append(f"{top} (from {', '.join(sorted(files))}; distribution {', '.join(sorted(provided_by))})")

@@ -231,7 +231,8 @@ class SandboxProxy:
                                                                     gone=gone, sandbox_id=sid):
                 return
             await relay_http(client, scope, receive, send, f"http://{host}:{port}", headers,
-                             self.max_body_bytes, what, gone=gone, sandbox_id=sid, closed=lambda: conns.closed)
+                             self.max_body_bytes, what, gone=gone, sandbox_id=sid, closed=lambda: conns.closed,
+                             watch_disconnect=True)
         finally:
             # A request that raced the sandbox's end (resolved before it was killed or
             # paused, pool made after ``forget``) must not leave a pool behind: its

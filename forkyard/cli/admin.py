@@ -1,4 +1,4 @@
-"""Setup and template commands: auth, doctor, template list|rm|build|import."""
+"""Setup and template commands: auth, doctor, template list|rm|build|import|add."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from forkyard.client.config import (
     resolve,
     write_config_file,
 )
-from forkyard.config import ClientSettings
+from forkyard.config import ClientSettings, user_cache_dir
 
 #: ``auth`` and ``doctor``; :mod:`forkyard.cli.main` adds them to the ``forkyard`` app.
 commands = typer.Typer()
@@ -353,3 +353,36 @@ def template_import(
                       highlight=False)
 
     run(go)
+
+
+#: Templates ``forkyard template add`` knows how to build.
+ADDABLE = ("code-interpreter",)
+
+
+@template_app.command("add")
+def template_add(
+    which: str = typer.Argument(..., help="What to add: code-interpreter (template code-interpreter-v1, "
+                                "the e2b-code-interpreter SDKs' default)."),
+    name: str = typer.Option("code-interpreter-v1", "--name", help="Template name (`name` or `name:tag`)."),
+    pip: list[str] | None = typer.Option(None, "--pip", help="More Python packages for the kernel (a pip "
+                                         "requirement, repeatable; wheels only)."),
+    cache_dir: Path | None = typer.Option(None, "--cache-dir", file_okay=False,
+                                          help="Where the downloads are kept (default: ~/.cache/forkyard/NAME)."),
+    cpu: int | None = typer.Option(None, "--cpu", help="vCPUs of sandboxes from it."),
+    memory_mb: int | None = typer.Option(None, "--memory-mb", help="Memory (MiB) of sandboxes from it "
+                                         "(default 1024)."),
+    as_json: bool = JSON_OPT,
+):
+    """Build a ready-made template. code-interpreter: fetches the kernels' wheels (pip) and
+    Deno (npm) on this host, then builds them on `base` offline (docs/templates.md)."""
+    from forkyard.templates import code_interpreter as ci
+
+    if which not in ADDABLE:
+        fail(f"unknown template {which!r}", f"one of: {', '.join(ADDABLE)}")
+    root = cache_dir or user_cache_dir() / which
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        ci.prepare_context(root, list(pip or []), log=lambda m: err.print(f"[dim]{m}[/dim]", highlight=False))
+    except ci.PrepareError as e:
+        fail(str(e), "the host needs pip and npm and a reachable package registry")
+    _build(ci.make_template(root), name, cpu, memory_mb or ci.MEMORY_MB, as_json)

@@ -6,6 +6,8 @@ when it goes away mid-stream.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 
@@ -79,7 +81,7 @@ def connect_end_error(code: str, message: str) -> bytes:
 
 async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str, headers: list,
                      max_body_bytes: int, what: str, gone=None, sandbox_id: str | None = None,
-                     closed=None) -> None:
+                     closed=None, watch_disconnect: bool = False) -> None:
     """Stream one HTTP request to ``base`` + the request's path (``headers`` as given:
     the caller has filtered hop-by-hop ones) and stream the answer back — bodies in both
     directions chunk by chunk, so Connect server-streaming works over HTTP/1.1.
@@ -95,7 +97,11 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
     ``closed()`` (optional) is True once the client's connections were closed (the
     sandbox is gone): a body that ends with its connection then did not end by itself.
     An upstream status outside 100 … 599 gets 502 (an ASGI server has no status line for
-    it).
+    it). ``watch_disconnect``: ``receive`` is the client's own (not a replay), so once the
+    request body has been read a client that goes away mid-response ends the relay and
+    closes the upstream connection at once (uvicorn drops writes to a gone client without
+    an error, so otherwise a streaming answer — a code interpreter's cell, a command —
+    would be relayed to nobody until it ends by itself).
     """
     url = base + target_path(scope)
     req_headers = {k.lower(): v for k, v in scope["headers"]}
@@ -106,9 +112,10 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         return await send_json(send, 413, f"request body over the {max_body_bytes} byte limit")
     has_body = declared is not None or b"transfer-encoding" in req_headers
     sent = 0
+    body_read = not has_body
 
     async def body():
-        nonlocal sent
+        nonlocal sent, body_read
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
@@ -120,6 +127,7 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
                     raise TooLarge()
                 yield chunk
             if not msg.get("more_body"):
+                body_read = True
                 return
 
     if declared is not None:
@@ -156,10 +164,18 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
         if length is not None and not chunked and resp.status_code not in (204, 304):
             out_headers.append((b"content-length", length.encode()))
         await send({"type": "http.response.start", "status": resp.status_code, "headers": out_headers})
-        async for chunk in resp.aiter_raw():
-            if frames is not None:
-                frames.feed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def pump() -> None:
+            async for chunk in resp.aiter_raw():
+                if frames is not None:
+                    frames.feed(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        if not (watch_disconnect and body_read):
+            await pump()
+        elif not await _pump_unless_client_leaves(pump(), receive):
+            log.info("the client of %s went away mid-response; closing the upstream connection", what)
+            return
         if (closed is not None and closed() and length is None and not chunked
                 and scope["method"] != "HEAD" and resp.status_code not in (204, 304)):
             raise OSError("the connection was closed under a body that ends with it")
@@ -174,3 +190,25 @@ async def relay_http(client: httpx.AsyncClient, scope, receive, send, base: str,
                     "body": connect_end_error("unavailable", stream_cut_message(what, gone))})
     finally:
         await resp.aclose()
+
+
+async def _pump_unless_client_leaves(pump, receive) -> bool:
+    """Run ``pump`` until it ends (True; its exception is raised) or ``receive`` says
+    ``http.disconnect`` first (``pump`` is cancelled: False)."""
+    async def client_left() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping, watching = asyncio.ensure_future(pump), asyncio.ensure_future(client_left())
+    try:
+        await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (pumping, watching):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+    if pumping.cancelled():
+        return False
+    pumping.result()
+    return True
