@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import iroh
 
+from forkyard.ids import is_name
 from forkyard.repository import chunks as ck
 from forkyard.repository.cache import NodeCache
 from forkyard.repository.errors import ChunkCorrupt
@@ -208,6 +209,8 @@ class ChunkService:
         blob = self.cache.peek_chunk(h)
         if blob is not None:
             return blob
+        if not is_name(sid):  # it names a directory of the cache
+            return None
         image = self.cache.held_image(sid)
         if image is None:
             return None
