@@ -189,6 +189,10 @@ class NodeCache:
             with self._lock:
                 self._drop(key)
 
+    def has_chunk(self, h: str) -> bool:
+        """Whether the index holds chunk ``h`` (not counted; the file may still vanish)."""
+        return f"c:{h}" in self._lru
+
     def peek_chunk(self, h: str) -> bytes | None:
         """Stored bytes of chunk ``h`` or None, for a peer (:mod:`.p2p`): not counted as
         a hit or miss of this node's restores, and the LRU order is kept."""

@@ -149,9 +149,10 @@ class SnapshotStore:
         self._gc_lock = threading.Lock()
         self._last_gc = 0.0
         self.last_gc: dict | None = None
-        #: Where chunks are asked for before the repository (P2P, :mod:`.p2p`): an
-        #: object with ``fetch(sid, hash, length) -> (blob, raw) | None`` that returns only
-        #: verified chunks, and ``stats() -> dict``; None (default) reads the repository only.
+        #: Where chunks are asked for before the repository (P2P, :mod:`.p2p`): an object
+        #: with ``fetch_many(sid, [(hash, length)]) -> {(hash, length): (blob, raw)}`` that
+        #: returns only verified chunks, and ``stats() -> dict``; None (default) reads the
+        #: repository only.
         self.peers = None
         self.counters = {"chunks_fetched": 0, "bytes_fetched": 0, "materializations": 0,
                          "materialize_seconds": 0.0, "zero_chunks_skipped": 0}
@@ -238,7 +239,14 @@ class SnapshotStore:
         """Unpin an image returned by :meth:`image` (its restore has finished)."""
         self.cache.unpin(snapshot_id)
 
-    def _load_chunk(self, sid: str, h: str, n: int) -> bytes:
+    def _from_peers(self, sid: str, need: list[tuple[str, int]]) -> dict:
+        """The chunks of ``need`` the cache lacks, from peers (verified), when P2P is on."""
+        if self.peers is None:
+            return {}
+        lacking = [hn for hn in need if not self.cache.has_chunk(hn[0])]
+        return self.peers.fetch_many(sid, lacking) if lacking else {}
+
+    def _load_chunk(self, sid: str, h: str, n: int, peers: dict | None = None) -> bytes:
         blob = self.cache.get_chunk(h)
         if blob is not None:
             try:
@@ -246,7 +254,7 @@ class SnapshotStore:
             except ChunkCorrupt as e:
                 log.warning("cached chunk dropped: %s", e)
                 self.cache.drop_chunk(h)
-        got = self.peers.fetch(sid, h, n) if self.peers is not None else None
+        got = (peers or {}).get((h, n))
         if got is not None:  # verified by the peer source against h and n
             blob, raw = got
             self.cache.put_chunk(h, blob)
@@ -289,7 +297,8 @@ class SnapshotStore:
             for i in range(0, len(refs), RESTORE_BATCH):
                 batch = refs[i:i + RESTORE_BATCH]
                 need = list(dict.fromkeys((h, n) for _, _, h, n in batch if h != _zero_hash(n)))
-                raws = dict(zip(need, self.repo.pool.map(lambda hn: self._load_chunk(sid, *hn), need)))
+                peers = self._from_peers(sid, need)
+                raws = dict(zip(need, self.repo.pool.map(lambda hn: self._load_chunk(sid, *hn, peers), need)))
                 for fd, off, h, n in batch:
                     raw = raws.get((h, n))
                     if raw is None:  # all-zero chunk: the file is already zero (sparse) there

@@ -10,15 +10,18 @@ The binding is asyncio-based; :class:`Transport` runs its own event loop in a da
 thread so the repository's worker threads (:mod:`..snapshots`) can call it with
 :meth:`Transport.call`.
 
-Wire format of one chunk request (one bidirectional QUIC stream per chunk; the ALPN is
-:data:`ALPN`)::
+Wire format of one request (one bidirectional QUIC stream per request; the ALPN is
+:data:`ALPN`), a batch of chunks of one snapshot::
 
-    request   "FYP1" | u8 len(sid) | sid (ASCII) | 32-byte BLAKE3 hash | u32 raw length
-    response  u8 status | u32 len(blob) | blob       (status OK: blob is the zstd frame)
+    request   "FYP1" | u8 len(sid) | sid (ASCII) | u16 count
+              | count × (32-byte BLAKE3 hash | u32 raw length)
+    response  count × (u8 status | u32 len(blob) | blob)   (status OK: blob is the zstd frame)
 
-All integers big-endian. Status :data:`OK`, :data:`NOT_HELD` (this node's cache has
-neither the chunk nor the snapshot's image), :data:`BUSY` (at its transfer bound) or
-:data:`BAD_REQUEST`.
+All integers big-endian; ``count`` is 1…:data:`MAX_BATCH`. Status :data:`OK`,
+:data:`NOT_HELD` (this node's cache has neither the chunk nor the snapshot's image),
+:data:`BUSY` (at its transfer bound) or :data:`BAD_REQUEST`. Batching matters: each
+await on the binding costs Python-side work, so one stream per chunk was measured ~3×
+slower than reading the same 32 MiB from a local repository.
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ MAGIC = b"FYP1"
 OK, NOT_HELD, BUSY, BAD_REQUEST = 0, 1, 2, 3
 #: Largest sid in a request (forkyard.ids names are at most 64 characters).
 MAX_SID = 64
-#: Largest blob a response may carry (bytes): a zstd frame of a MAX_SIZE chunk is a few
-#: hundred bytes more than the chunk at worst; anything larger is refused unread.
-MAX_BLOB = ck.MAX_SIZE + (64 << 10)
+#: Chunks per request at most.
+MAX_BATCH = 64
+#: Longest request (bytes): magic, sid length, sid, count, hash and raw length per chunk.
+MAX_REQUEST = 4 + 1 + MAX_SID + 2 + 36 * MAX_BATCH
 #: QUIC application error code a server closes an unauthorized connection with.
 CLOSE_UNAUTHORIZED = 403
 
@@ -63,43 +67,68 @@ if hasattr(_ffi._UniffiRustBufferBuilder, "_reserve"):  # the generated layer fo
     _ffi._UniffiRustBufferBuilder.write = _fast_write
 
 
-def encode_request(sid: str, h: str, n: int) -> bytes:
-    """The request bytes for chunk ``h`` (hex) of ``n`` raw bytes in snapshot ``sid``."""
+def encode_request(sid: str, want: list[tuple[str, int]]) -> bytes:
+    """The request bytes for chunks ``want`` (``[(hash hex, raw length)]``, at most
+    :data:`MAX_BATCH`) of snapshot ``sid``."""
     raw_sid = sid.encode("ascii")
-    return MAGIC + bytes([len(raw_sid)]) + raw_sid + bytes.fromhex(h) + struct.pack(">I", n)
+    return (MAGIC + bytes([len(raw_sid)]) + raw_sid + struct.pack(">H", len(want))
+            + b"".join(bytes.fromhex(h) + struct.pack(">I", n) for h, n in want))
 
 
-async def read_request(recv) -> tuple[str, str, int] | None:
-    """``(sid, hash hex, raw length)`` read from a stream, None when malformed."""
-    head = await recv.read_exact(5)
-    if head[:4] != MAGIC or not 0 < head[4] <= MAX_SID:
+async def read_request(recv) -> tuple[str, list[tuple[str, int]]] | None:
+    """``(sid, [(hash hex, raw length)])`` read from a stream (to its end, at most
+    :data:`MAX_REQUEST` bytes), None when malformed."""
+    data = await recv.read_to_end(MAX_REQUEST)
+    if len(data) < 7 or data[:4] != MAGIC or not 0 < data[4] <= MAX_SID:
         return None
-    rest = await recv.read_exact(head[4] + 36)
+    at = 5 + data[4]
     try:
-        sid = rest[:head[4]].decode("ascii")
+        sid = data[5:at].decode("ascii")
     except UnicodeDecodeError:
         return None
-    (n,) = struct.unpack(">I", rest[-4:])
-    return sid, rest[head[4]:head[4] + 32].hex(), n
+    (count,) = struct.unpack(">H", data[at:at + 2])
+    body = data[at + 2:]
+    if not 0 < count <= MAX_BATCH or len(body) != 36 * count:
+        return None
+    return sid, [(body[i:i + 32].hex(), struct.unpack(">I", body[i + 32:i + 36])[0]) for i in range(0, len(body), 36)]
 
 
-async def write_response(send, status: int, blob: bytes = b"") -> None:
-    """Send a response and finish the stream."""
-    await send.write_all(bytes([status]) + struct.pack(">I", len(blob)) + blob)
+def encode_item(status: int, blob: bytes = b"") -> bytes:
+    """One chunk's part of a response."""
+    return bytes([status]) + struct.pack(">I", len(blob)) + blob
+
+
+async def write_response(send, items: list[bytes]) -> None:
+    """Send a response (:func:`encode_item` parts, in request order) and finish the stream."""
+    await send.write_all(b"".join(items))
     await send.finish()
 
 
-async def read_response(recv) -> tuple[int, bytes]:
-    """``(status, blob)`` of a response.
+def response_bound(want: list[tuple[str, int]]) -> int:
+    """Most bytes a valid response to ``want`` has: per chunk its raw length plus zstd's
+    worst-case overhead (far below 1 KiB for a MAX_SIZE chunk) and the item header."""
+    return sum(min(n, ck.MAX_SIZE) + 1024 + 5 for _, n in want)
+
+
+async def read_response(recv, want: list[tuple[str, int]]) -> list[tuple[int, bytes]]:
+    """``[(status, blob)]`` of a response to ``want`` (read to the stream's end, at
+    most :func:`response_bound` bytes).
 
     Raises:
-        ValueError: a blob longer than :data:`MAX_BLOB` is announced.
+        ValueError: malformed (wrong item count or sizes).
+        IrohError: the stream was reset, or is longer than the bound.
     """
-    head = await recv.read_exact(5)
-    (size,) = struct.unpack(">I", head[1:])
-    if size > MAX_BLOB:
-        raise ValueError(f"peer announced a {size}-byte chunk (at most {MAX_BLOB})")
-    return head[0], (await recv.read_exact(size) if size else b"")
+    data = await recv.read_to_end(response_bound(want))
+    out, at = [], 0
+    while at < len(data):
+        if at + 5 > len(data):
+            raise ValueError("truncated P2P response")
+        (size,) = struct.unpack(">I", data[at + 1:at + 5])
+        out.append((data[at], data[at + 5:at + 5 + size]))
+        at += 5 + size
+    if at != len(data) or len(out) != len(want):
+        raise ValueError(f"malformed P2P response: {len(out)} items for {len(want)} chunks")
+    return out
 
 
 class Transport:
