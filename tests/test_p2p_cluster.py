@@ -9,8 +9,11 @@ cache, an iroh endpoint outside the cluster is refused, and P2P off stays as it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -26,8 +29,9 @@ from forkyard.repository.p2p import ChunkService, Peer
 P2P_ENV = {"FORKYARD_P2P": "on", "FORKYARD_P2P_BIND": "127.0.0.1:0"}
 
 
-def _cluster(env: dict | None, nodes: int = 3):
-    c = Cluster(TEST_ROOT / f"p2p-cluster-{os.getpid()}", nodes=nodes, env=env)
+@contextlib.contextmanager
+def _cluster(env: dict | None, nodes: int = 3, max_sandboxes: dict[int, int] | None = None):
+    c = Cluster(TEST_ROOT / f"p2p-cluster-{os.getpid()}", nodes=nodes, env=env, max_sandboxes=max_sandboxes)
     try:
         c.start()
         yield c
@@ -39,7 +43,8 @@ def _cluster(env: dict | None, nodes: int = 3):
 @pytest.fixture
 def p2p_cluster(base_template):
     """A fresh 3-node cluster with P2P on."""
-    yield from _cluster(P2P_ENV)
+    with _cluster(P2P_ENV) as c:
+        yield c
 
 
 def _repo_metrics(c: Cluster, node: str) -> dict:
@@ -77,7 +82,7 @@ def test_resume_on_another_node_reads_chunks_from_the_node_that_paused(p2p_clust
     assert from_peers > 0 and from_peers >= 4 * from_repo, (got["p2p"], got["restore"])
     assert served["p2p"]["served_chunks"] >= from_peers and served["p2p"]["refused_connections"] == 0
     assert got["p2p"]["peer_corrupt"] == 0
-    print(f"resume on {where}: {from_peers} chunks from peers, {from_repo} from the repository", got["p2p"])
+
     moved.kill()
 
 
@@ -110,11 +115,40 @@ def test_an_endpoint_outside_the_cluster_cannot_fetch_a_chunk(p2p_cluster, tmp_p
     Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
 
 
+def test_fork_children_on_other_nodes_read_the_image_from_the_source_node(base_template):
+    """node0 has room for the source and 2 children: a fork of 6 puts 4 children on
+    node1/node2, which start from the one exported checkpoint read from node0's cache
+    (most chunks from the peer), each with the source's memory and files."""
+    with _cluster(P2P_ENV, max_sandboxes={0: 3}) as c:
+        with only_on(c, "node0"):
+            src = Sandbox.create("base", timeout=300, **c.sdk)
+        with_counter(c, src, 9)
+        src.files.write("/home/user/who.txt", "source")
+        time.sleep(1.5)  # every node has heard of its peers
+        with c.api() as api:
+            r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 6, "timeout": 120}, timeout=600)
+        assert r.status_code == 201, r.text
+        kids = [x["sandbox"]["sandboxID"] for x in r.json()]
+        placed = Counter(c.owner(k) for k in kids)
+        assert placed["node0"] == 2 and placed["node1"] + placed["node2"] == 4, placed
+        for k in kids:
+            kid = Sandbox.connect(k, **c.sdk)
+            assert counter(c, kid) == 9 and kid.files.read("/home/user/who.txt") == "source"
+        remote = [_repo_metrics(c, n) for n in ("node1", "node2") if placed[n]]
+        from_peers = sum(m["p2p"]["chunks_from_peers"] for m in remote)
+        from_repo = sum(m["restore"]["chunks_fetched"] for m in remote)
+        assert from_peers > 0 and from_peers >= 4 * from_repo, [(m["p2p"], m["restore"]) for m in remote]
+        with c.api() as api:
+            for k in kids:
+                assert api.delete(f"/sandboxes/{k}").status_code == 204
+        src.kill()
+
+
 def test_p2p_off_reads_the_repository_as_before(base_template):
     """Without FORKYARD_P2P (the default): no node reports an iroh address or gets
     peers, the metrics have no p2p section, and a resume on another node reads its
     chunks from the repository."""
-    for c in _cluster(None, nodes=2):
+    with _cluster(None, nodes=2) as c:
         with c.sched() as s:
             assert all(n["report"].get("p2p") is None for n in s.get("/v1/nodes").json())
         moved, where = _pause_on_node0_resume_elsewhere(c)
