@@ -112,7 +112,7 @@ def test_peer_gone_mid_restore_still_restores_from_the_repository(nodes, tmp_pat
     """a's endpoint closes after it has served a few chunks of b's restore: b's restore
     completes from the repository with the committed image."""
     (a, pa), (b, pb) = nodes(2, timeout_s=2.0)
-    src = _image(tmp_path, mb=6)
+    src = _image(tmp_path, mb=12)  # several restore batches: the close lands mid-restore
     meta = _commit(a, src)
     n = _chunks(a, meta.snapshot_id)
     stop = threading.Event()

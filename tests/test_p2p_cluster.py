@@ -86,11 +86,35 @@ def test_resume_on_another_node_reads_chunks_from_the_node_that_paused(p2p_clust
     moved.kill()
 
 
+def test_a_killed_peer_still_gives_a_correct_resume_from_the_repository(p2p_cluster):
+    """node0 pauses a sandbox (its cache holds the image) and is SIGKILLed: the scheduler
+    still lists node0 as a peer for up to the heartbeat timeout, so the resume on
+    another node asks it first; that fails, and the image comes from the repository
+    with the sandbox's memory and files."""
+    c = p2p_cluster
+    with only_on(c, "node0"):
+        sbx = Sandbox.create("base", timeout=300, **c.sdk)
+    with_counter(c, sbx, 5)
+    sbx.files.write("/home/user/keep.txt", "kept")
+    sbx.pause()
+    time.sleep(1.5)  # the other nodes' peer tables list node0's new image
+    c.nodes[0].stop(sig_kill=True)
+    moved = Sandbox.connect(sbx.sandbox_id, timeout=300, **c.sdk)
+    where = c.owner(sbx.sandbox_id)
+    assert where in ("node1", "node2")
+    assert counter(c, moved) == 5 and moved.files.read("/home/user/keep.txt") == "kept"
+    got = _repo_metrics(c, where)
+    assert got["p2p"]["chunks_from_peers"] == 0 and got["restore"]["chunks_fetched"] > 0, (got["p2p"], got["restore"])
+    assert got["p2p"]["peer_failures"] >= 1, got["p2p"]
+    moved.kill()
+
+
 def test_an_endpoint_outside_the_cluster_cannot_fetch_a_chunk(p2p_cluster, tmp_path):
     """An iroh endpoint that knows node0's address and endpoint id (from the scheduler's
     node list) but is no member — it has no node key, so the scheduler lists it nowhere —
     is refused by node0 before a request is read: its restore of node0's snapshot reads
-    the repository only, and node0 counts the refusal."""
+    the repository only, and node0 counts the refusal. A member creating a sandbox from
+    the same snapshot reads it from node0."""
     c = p2p_cluster
     with only_on(c, "node0"):
         sbx = Sandbox.create("base", timeout=300, **c.sdk)
@@ -112,6 +136,12 @@ def test_an_endpoint_outside_the_cluster_cannot_fetch_a_chunk(p2p_cluster, tmp_p
         svc.close()
         st.close()
         shutil.rmtree(tmp_path / "outsider", ignore_errors=True)
+    with only_on(c, "node1"):  # a member creating from that snapshot reads it from node0
+        child = Sandbox.create(snap.snapshot_id, timeout=60, **c.sdk)
+    assert c.owner(child.sandbox_id) == "node1"
+    got = _repo_metrics(c, "node1")
+    assert got["p2p"]["chunks_from_peers"] > 0 and got["restore"]["chunks_fetched"] == 0, (got["p2p"], got["restore"])
+    child.kill()
     Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
 
 
