@@ -82,6 +82,9 @@ def test_resume_on_another_node_reads_chunks_from_the_node_that_paused(p2p_clust
     assert from_peers > 0 and from_peers >= 4 * from_repo, (got["p2p"], got["restore"])
     assert served["p2p"]["served_chunks"] >= from_peers and served["p2p"]["refused_connections"] == 0
     assert got["p2p"]["peer_corrupt"] == 0
+    url = c.node_urls[int(where.removeprefix("node"))]  # the same counts in Prometheus form
+    prom = httpx.get(f"{url}/metrics", timeout=10).text
+    assert f"forkyard_p2p_fetched_chunks_total {float(from_peers)}" in prom, prom[-2000:]
 
     moved.kill()
 
