@@ -46,7 +46,7 @@ from forkyard.repository.repo import Repository
 log = logging.getLogger("forkyard.p2p")
 
 #: A peer that failed is skipped this long (s).
-BACKOFF_S = 10.0
+BACKOFF_S = 30.0
 #: A peer that answered NOT_HELD for a snapshot is not asked for its chunks this long (s).
 LACKS_S = 10.0
 #: Peers asked for one chunk at most (then the repository).
@@ -57,6 +57,8 @@ BATCH = 16
 INDEX_CACHE = 32
 #: Longest wait for a connection handshake from a dialling peer (s).
 ACCEPT_S = 5.0
+#: Longest wait for one dial of a peer (s), and dials per connection at most.
+CONNECT_S, CONNECT_TRIES = 2.0, 2
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,7 @@ class ChunkService:
                 break
             parts = [left[i:i + BATCH] for i in range(0, len(left), BATCH)]
             try:
-                answers = self.transport.call(self._ask_all(peer, sid, parts), self.timeout_s * 2)
+                answers = self.transport.call(self._ask_all(peer, sid, parts), self.timeout_s + CONNECT_S * CONNECT_TRIES)
             except Exception as e:  # noqa: BLE001 — any failure of the peer: next one / repository
                 self._fail(peer, f"{type(e).__name__}: {e}")
                 continue
@@ -339,7 +341,14 @@ class ChunkService:
             conn = self._conns.get(eid)
             if conn is None or conn.close_reason() is not None:
                 addr = iroh.EndpointAddr(iroh.EndpointId.from_string(eid), None, list(peer.addrs))
-                conn = await self.transport.endpoint.connect(addr, tp.ALPN)
+                for attempt in range(CONNECT_TRIES):  # a dial was seen to hang now and then (under load)
+                    try:
+                        conn = await asyncio.wait_for(self.transport.endpoint.connect(addr, tp.ALPN), CONNECT_S)
+                        break
+                    except asyncio.TimeoutError:
+                        if attempt == CONNECT_TRIES - 1:
+                            raise TimeoutError(f"no connection to {peer.node} within {CONNECT_S:.0f} s "
+                                               f"({CONNECT_TRIES} tries)") from None
                 self._conns[eid] = conn
             return conn
 
