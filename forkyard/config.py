@@ -11,6 +11,7 @@ absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
 * :class:`ProxySettings`: bounds on client connections of every HTTP server.
 * :class:`RepositorySettings`: where snapshots are committed, the node cache's bound.
 * :class:`GVisorSettings`: the gVisor driver's tunables.
+* :class:`P2PSettings`: the peer-to-peer chunk transport between cluster nodes.
 
 Each is read when it is made (``Settings()`` …), so a process that changes its
 environment sees the change at the next one. Secrets are kept out of their ``repr``.
@@ -375,6 +376,48 @@ class ClusterSettings:
     commit_retry_s: float = field(default_factory=lambda: float(_env("FORKYARD_COMMIT_RETRY_S", "30")))
     mass_silence_fraction: float = field(
         default_factory=lambda: float(_env("FORKYARD_MASS_SILENCE_FRACTION", "0.5")))
+
+
+def _env_on(name: str) -> bool:
+    """``on``/``off`` (also ``1``/``0``, ``true``/``false``, ``yes``/``no``; any case;
+    unset or empty: off).
+
+    Raises:
+        ValueError: any other value (naming the variable).
+    """
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("", "off", "0", "false", "no"):
+        return False
+    if raw in ("on", "1", "true", "yes"):
+        return True
+    raise ValueError(f"{name} must be on or off, not {raw!r}")
+
+
+@dataclass(frozen=True)
+class P2PSettings:
+    """The peer-to-peer read path for committed chunks between cluster nodes
+    (:mod:`forkyard.repository.p2p`; off by default: then nothing of it runs).
+
+    Attributes:
+        enabled: ``FORKYARD_P2P`` (``on``/``off``, default off): a cluster node runs an
+            iroh endpoint, serves the chunks its cache holds to the other members and
+            reads chunks from them before the repository.
+        bind: ``FORKYARD_P2P_BIND`` (``0.0.0.0:0``): the UDP address the endpoint binds
+            (``host:port``; port 0 picks one); its direct addresses are advertised in the
+            node's heartbeat (no relay, no discovery service).
+        timeout_s: ``FORKYARD_P2P_TIMEOUT_S`` (5): longest wait for one chunk from one
+            peer, connection included (s); past it the chunk is read from the repository.
+        max_serving: ``FORKYARD_P2P_MAX_SERVING`` (16): chunk transfers this node serves
+            at once (all peers together); more are answered "busy" at once.
+        per_peer: ``FORKYARD_P2P_PER_PEER`` (4): chunk requests this node has in flight to
+            one peer at once.
+    """
+
+    enabled: bool = field(default_factory=lambda: _env_on("FORKYARD_P2P"))
+    bind: str = field(default_factory=lambda: _env("FORKYARD_P2P_BIND", "0.0.0.0:0").strip())
+    timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_TIMEOUT_S", "5")))
+    max_serving: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_MAX_SERVING", "16")))
+    per_peer: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_PER_PEER", "4")))
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@
   ``connect``/``resume`` is never served here: the sandbox is paused first and the call
   answered 409 with :data:`~.config.DRAINING_HEADER`, so the gateway resumes it on
   another node;
+* **P2P** (``FORKYARD_P2P=on``, :mod:`.p2p`): runs the node's iroh chunk service,
+  reports its address in every heartbeat and installs the members the scheduler answers
+  with as the only endpoints it serves and asks;
 * **internal routes** under ``/cluster`` (this node's own key only, :mod:`.nodekeys`): ``adopt`` a paused
   sandbox from a dead or draining node, fork with an exported image, start fork
   children from another node's image, delete an exported fork image.
@@ -39,6 +42,7 @@ from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.api.routes_lifecycle import fork_results
+from forkyard.cluster import p2p
 from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
 from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
@@ -167,12 +171,15 @@ class NodeAgent:
         # E2B volumes are mounted here only while this node holds their leases (.volumes)
         self.orch.volumes.leases = SchedulerLeases(scheduler_url, secret, node_id, self.url)
         self._volume_task: asyncio.Task | None = None
+        #: the P2P chunk service (FORKYARD_P2P=on, started with the agent), else None
+        self.p2p = None
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
         """Mark every local row for publishing and start the heartbeat loop (the first
         heartbeat is sent before returning; a scheduler that is down is retried)."""
         self._loop = asyncio.get_running_loop()
+        self.p2p = await asyncio.to_thread(p2p.start_service, self.orch.snapshots)
         self._dirty |= {r.id for r in self.orch.records()}
         try:
             await self._beat()
@@ -199,6 +206,7 @@ class NodeAgent:
             except Exception as e:  # noqa: BLE001
                 log.warning("telling the scheduler about this restart failed: %s", e)
         await self._http.aclose()
+        await asyncio.to_thread(p2p.stop_service, self.orch.snapshots, self.p2p)
 
     def _changed(self, sandbox_id: str) -> None:
         self._dirty.add(sandbox_id)
@@ -277,7 +285,7 @@ class NodeAgent:
             free_slots=len(self.orch.node_metrics()["spareSlots"]),
             cache_bytes=self.orch.cache_bytes, load1=os.getloadavg()[0],
             runtime=self._runtime, cached_snapshots=self.orch.cached_snapshots(),
-            boot=self.boot, drain_done=self.drain_done,
+            boot=self.boot, drain_done=self.drain_done, p2p=self.p2p.address() if self.p2p else None,
         )
 
     async def _post(self, path: str, body: dict, timeout_s: float = HEARTBEAT_CALL_S) -> dict:
@@ -303,6 +311,8 @@ class NodeAgent:
             self._held.answered(body, out)
             self._acked -= acked
             self._dirty |= set(out.get("missing", []))
+            if self.p2p is not None and "peers" in out:
+                self.p2p.set_peers(p2p.parse_peers(out["peers"]))
         await self._drop(out.get("foreign", []))
         for body in out.get("adopt", []):  # moved here, but the adopt call never came
             await self._adopt_quietly(body)

@@ -12,9 +12,10 @@ HTTP API (JSON; every route but ``/health`` needs the cluster secret header, exc
 node's own heartbeat, publish and restarting calls, which need that node's key and the URL
 it is bound to instead, :mod:`.nodekeys`):
 
-* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend]}``
+* ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend][, peers]}``
   (without ``held``: nothing changed on the node since its last full heartbeat; ``resend``:
-  the bindings differ from its digest, send the ids)
+  the bindings differ from its digest, send the ids; ``peers``: only to a node reporting a
+  P2P address, the other P2P members, :mod:`.p2p`)
 * ``POST /v1/nodes/{id}/publish`` ``{records, deleted, deaths}`` → ``{foreign}``
 * ``POST /v1/nodes/{id}/restarting`` ``{graceS}``: the node stops for a restart
 * ``POST /v1/nodes/{id}/volumes/{volumeID}/lease`` ``{name}`` → ``{granted, holder, message}``
@@ -41,6 +42,7 @@ import httpx
 
 from forkyard.cluster.config import SECRET_HEADER, secret_ok
 from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys, normal_url
+from forkyard.cluster.p2p import PeerTable, valid_address
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.rooms import CANDIDATES
@@ -324,6 +326,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             await store.aclose()
 
     app = FastAPI(title="forkyard scheduler", lifespan=lifespan)
+    peer_table = PeerTable()
 
     @app.exception_handler(ClusterStoreUnavailable)
     async def _unavailable(request, exc):
@@ -346,13 +349,16 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
         digests: dict[str, str] = {}
         status = await store.heartbeat(node_id, normal_url(body.url), NodeReport.from_dict(body.report),
                                        own_status=body.status, acked=body.placements, digests=digests)
+        # a P2P node learns the other members' iroh addresses here (.p2p: the scheduler vouches)
+        peers = {"peers": await peer_table.answer(store, node_id)} if valid_address(body.report.get("p2p")) else {}
         if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
             same = body.digest is not None and body.digest == digests[node_id]
-            return {"status": status, "foreign": [], "missing": [], "adopt": [], **({} if same else {"resend": True})}
+            return {"status": status, "foreign": [], "missing": [], "adopt": [], **peers,
+                    **({} if same else {"resend": True})}
         foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
         if body.digest and not (foreign or missing or adopt) and body.digest != digests[node_id]:
             await store.redigest(node_id)  # the sets agree: heal a digest kept before digests existed
-        return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt}
+        return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt, **peers}
 
     @app.post("/v1/nodes/{node_id}/publish")
     async def publish(node_id: str, body: Publish):

@@ -39,6 +39,8 @@ class NodeReport:
         boot: random id of the node process (a new one after every restart).
         drain_done: the node was told to drain and has paused what it could; the
             sandboxes still ``running`` then are those whose pause failed.
+        p2p: with ``FORKYARD_P2P=on``, the node's iroh address ``{"id": endpoint id
+            (64 hex), "addrs": ["ip:port", …]}`` (:mod:`.p2p`); None without P2P.
     """
 
     vcpus: int = 0
@@ -54,6 +56,7 @@ class NodeReport:
     cached_snapshots: list[str] = field(default_factory=list)
     boot: str = ""
     drain_done: bool = False
+    p2p: dict | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeReport:

@@ -112,6 +112,20 @@ def node_families(orch) -> list:
         c("forkyard_repository_gc_freed_bytes", "Bytes freed by repository garbage collection.",
           gc.get("gc_bytes_freed")),
     ]
+    if (p2p := rm.get("p2p")) is not None:  # FORKYARD_P2P=on (forkyard.repository.p2p)
+        fams += [
+            c("forkyard_p2p_fetched_chunks", "Chunks fetched from peer nodes for restores (verified).",
+              p2p.get("chunks_from_peers")),
+            c("forkyard_p2p_fetched_bytes", "Stored bytes fetched from peer nodes for restores.",
+              p2p.get("bytes_from_peers")),
+            c("forkyard_p2p_peer_failures", "Peer requests that failed (connection, timeout, corrupt chunk).",
+              p2p.get("peer_failures")),
+            c("forkyard_p2p_peer_corrupt_chunks", "Chunks from peers that failed verification.", p2p.get("peer_corrupt")),
+            c("forkyard_p2p_served_chunks", "Chunks this node served to peers.", p2p.get("served_chunks")),
+            c("forkyard_p2p_served_bytes", "Stored bytes this node served to peers.", p2p.get("served_bytes")),
+            c("forkyard_p2p_refused_connections", "Connections refused: the endpoint is no member the scheduler "
+              "lists.", p2p.get("refused_connections")),
+        ]
     stored = _stored.get(orch.snapshots.repo)
     if stored is not None:
         fams += [gauge("forkyard_repository_stored_chunks", "Chunks in the repository (listed at most once a minute).",

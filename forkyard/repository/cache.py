@@ -189,6 +189,27 @@ class NodeCache:
             with self._lock:
                 self._drop(key)
 
+    def has_chunk(self, h: str) -> bool:
+        """Whether the index holds chunk ``h`` (not counted; the file may still vanish)."""
+        return f"c:{h}" in self._lru
+
+    def peek_chunk(self, h: str) -> bytes | None:
+        """Stored bytes of chunk ``h`` or None, for a peer (:mod:`.p2p`): not counted as
+        a hit or miss of this node's restores, and the LRU order is kept."""
+        if f"c:{h}" not in self._lru:
+            return None
+        try:
+            return self._chunk_path(h).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def held_image(self, snapshot_id: str) -> Path | None:
+        """The materialized image directory of ``snapshot_id`` when the cache holds it,
+        else None, for a peer (:mod:`.p2p`): not counted, not pinned, LRU order kept (an
+        eviction may remove it while a peer reads it: the read then fails)."""
+        d = self.image_dir(snapshot_id)
+        return d if f"i:{snapshot_id}" in self._lru and d.is_dir() else None
+
     def drop_chunk(self, h: str) -> None:
         """Forget chunk ``h`` (e.g. it failed verification)."""
         with self._lock:

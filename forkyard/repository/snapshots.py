@@ -15,8 +15,9 @@ Three layers:
 atomically, then moves the staging image into the cache as that snapshot's materialized
 image (so resume/fork on this node read it directly). :meth:`SnapshotStore.image` returns
 a directory of plain files for ``runsc restore --image-path``: the cached one, or one
-materialized from chunks (cached chunks first, the rest fetched from the repository in
-parallel, every chunk verified against its BLAKE3 name). A missing or corrupt chunk fails
+materialized from chunks (cached chunks first, then — with P2P on (:mod:`.p2p`) — peers,
+the rest fetched from the repository in parallel, every chunk verified against its
+BLAKE3 name). A missing or corrupt chunk fails
 with :class:`~forkyard.repository.errors.ChunkMissing` /
 :class:`~forkyard.repository.errors.ChunkCorrupt`, never a wrong image.
 :meth:`SnapshotStore.delete` removes the manifest; chunks are freed by :meth:`SnapshotStore.gc`
@@ -148,6 +149,11 @@ class SnapshotStore:
         self._gc_lock = threading.Lock()
         self._last_gc = 0.0
         self.last_gc: dict | None = None
+        #: Where chunks are asked for before the repository (P2P, :mod:`.p2p`): an object
+        #: with ``fetch_many(sid, [(hash, length)]) -> {(hash, length): (blob, raw)}`` that
+        #: returns only verified chunks, and ``stats() -> dict``; None (default) reads the
+        #: repository only.
+        self.peers = None
         self.counters = {"chunks_fetched": 0, "bytes_fetched": 0, "materializations": 0,
                          "materialize_seconds": 0.0, "zero_chunks_skipped": 0}
 
@@ -233,7 +239,14 @@ class SnapshotStore:
         """Unpin an image returned by :meth:`image` (its restore has finished)."""
         self.cache.unpin(snapshot_id)
 
-    def _load_chunk(self, sid: str, h: str, n: int) -> bytes:
+    def _from_peers(self, sid: str, need: list[tuple[str, int]]) -> dict:
+        """The chunks of ``need`` the cache lacks, from peers (verified), when P2P is on."""
+        if self.peers is None:
+            return {}
+        lacking = [hn for hn in need if not self.cache.has_chunk(hn[0])]
+        return self.peers.fetch_many(sid, lacking) if lacking else {}
+
+    def _load_chunk(self, sid: str, h: str, n: int, peers: dict | None = None) -> bytes:
         blob = self.cache.get_chunk(h)
         if blob is not None:
             try:
@@ -241,6 +254,11 @@ class SnapshotStore:
             except ChunkCorrupt as e:
                 log.warning("cached chunk dropped: %s", e)
                 self.cache.drop_chunk(h)
+        got = (peers or {}).get((h, n))
+        if got is not None:  # verified by the peer source against h and n
+            blob, raw = got
+            self.cache.put_chunk(h, blob)
+            return raw
         try:
             blob = self.repo.fetch_chunk(h)
             raw = verify_chunk(h, blob, n, sid)
@@ -279,7 +297,8 @@ class SnapshotStore:
             for i in range(0, len(refs), RESTORE_BATCH):
                 batch = refs[i:i + RESTORE_BATCH]
                 need = list(dict.fromkeys((h, n) for _, _, h, n in batch if h != _zero_hash(n)))
-                raws = dict(zip(need, self.repo.pool.map(lambda hn: self._load_chunk(sid, *hn), need)))
+                peers = self._from_peers(sid, need)
+                raws = dict(zip(need, self.repo.pool.map(lambda hn: self._load_chunk(sid, *hn, peers), need)))
                 for fd, off, h, n in batch:
                     raw = raws.get((h, n))
                     if raw is None:  # all-zero chunk: the file is already zero (sparse) there
@@ -386,7 +405,11 @@ class SnapshotStore:
              "restore": {"chunks_fetched", "bytes_fetched", "materializations",
                          "materialize_seconds", "zero_chunks_skipped"},
              "commit": {"commits", "chunks_uploaded", "chunks_reused", "bytes_uploaded"},
-             "gc": {"gc_runs", "gc_chunks_freed", "gc_bytes_freed", "last": dict|None}}
+             "gc": {"gc_runs", "gc_chunks_freed", "gc_bytes_freed", "last": dict|None},
+             "p2p": {"chunks_from_peers", "bytes_from_peers", "served_chunks", …}}  # P2P on only
+
+        ``restore.chunks_fetched`` / ``bytes_fetched`` count repository reads only; chunks
+        from peers are in ``p2p`` (:meth:`~.p2p.ChunkService.stats`).
 
         Byte counts are stored (compressed) bytes except ``*_bytes`` of the cache's
         images (apparent file sizes). Counters are since this process started.
@@ -401,6 +424,7 @@ class SnapshotStore:
             "restore": restore,
             "commit": {k: rc[k] for k in ("commits", "chunks_uploaded", "chunks_reused", "bytes_uploaded")},
             "gc": {**{k: rc[k] for k in ("gc_runs", "gc_chunks_freed", "gc_bytes_freed")}, "last": self.last_gc},
+            **({"p2p": self.peers.stats()} if self.peers is not None else {}),
         }
 
     def close(self) -> None:

@@ -1,0 +1,118 @@
+"""The cluster's part of the P2P read path (issue 24): who vouches for whom.
+
+A node with ``FORKYARD_P2P=on`` reports its iroh address in every heartbeat
+(``report.p2p = {"id": endpoint id, "addrs": ["ip:port", …]}``,
+:meth:`forkyard.repository.p2p.ChunkService.address`). The scheduler takes a heartbeat
+only with that node's own key (:mod:`.nodekeys`), so the endpoint ids in its node
+records are the members'. It answers each P2P node's heartbeat with ``peers``: the
+other live members that run P2P, their address and the snapshots whose image they cache
+(:func:`peers_of`). The node installs that list (:func:`parse_peers`) as the only
+endpoints it serves and the ones it asks — the scheduler's word is the membership; no
+discovery service, no relay.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from forkyard.cluster.types import NODE_DOWN, NodeInfo
+from forkyard.ids import is_name
+
+_ENDPOINT_ID = re.compile(r"[0-9a-f]{64}")
+_ADDR = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.%a-z0-9]{2,60}\]):\d{1,5}")
+#: Direct addresses kept per node; peers listed per answer; snapshots listed per peer.
+MAX_ADDRS, MAX_PEERS, MAX_SNAPSHOTS = 16, 256, 1000
+#: How long the scheduler reuses the peer table it built (s): one Redis read of every
+#: node per second per replica at most, whatever the number of P2P nodes.
+PEERS_TTL_S = 1.0
+
+
+def valid_address(p2p) -> dict | None:
+    """``report.p2p`` as a node sent it, checked: ``{"id", "addrs"}`` or None when it is
+    absent or malformed (a node without P2P, or an unusable report)."""
+    if not isinstance(p2p, dict) or not isinstance(p2p.get("id"), str) or not _ENDPOINT_ID.fullmatch(p2p["id"]):
+        return None
+    addrs = p2p.get("addrs")
+    if not isinstance(addrs, list):
+        return None
+    addrs = [a for a in addrs[:MAX_ADDRS] if isinstance(a, str) and _ADDR.fullmatch(a)]
+    return {"id": p2p["id"], "addrs": addrs} if addrs else None
+
+
+def peers_of(nodes: list[NodeInfo], now: float | None = None) -> list[dict]:
+    """The P2P members among ``nodes`` (as the scheduler read them: binding tags
+    checked): alive, not declared down, with a valid address. Each ``{"node", "id",
+    "addrs", "snapshots"}``, at most :data:`MAX_PEERS`."""
+    now = time.time() if now is None else now
+    out = []
+    for n in nodes:
+        addr = valid_address(n.report.p2p)
+        if addr is None or n.status == NODE_DOWN or not n.alive(now):
+            continue
+        out.append({"node": n.node_id, **addr, "snapshots": list(n.report.cached_snapshots[:MAX_SNAPSHOTS])})
+    return out[:MAX_PEERS]
+
+
+class PeerTable:
+    """The scheduler's memo of :func:`peers_of` (rebuilt at most every
+    :data:`PEERS_TTL_S`), so heartbeats of P2P nodes cost one node listing per second."""
+
+    def __init__(self):
+        self._at = -1e9
+        self._peers: list[dict] = []
+
+    async def answer(self, store, node_id: str) -> list[dict]:
+        """The peers to send ``node_id`` (every P2P member but itself)."""
+        if time.monotonic() - self._at > PEERS_TTL_S:
+            self._peers = peers_of(await store.nodes())
+            self._at = time.monotonic()
+        return [p for p in self._peers if p["node"] != node_id]
+
+
+def parse_peers(raw) -> list:
+    """The ``peers`` of a heartbeat answer as :class:`forkyard.repository.p2p.Peer`s
+    (malformed entries skipped)."""
+    from forkyard.repository.p2p import Peer
+
+    out = []
+    for p in raw if isinstance(raw, list) else []:
+        addr = valid_address(p) if isinstance(p, dict) else None
+        if addr is None or not isinstance(p.get("node"), str):
+            continue
+        snaps = p.get("snapshots") if isinstance(p.get("snapshots"), list) else []
+        out.append(Peer(p["node"][:128], addr["id"], tuple(addr["addrs"]),
+                        frozenset(s for s in snaps[:MAX_SNAPSHOTS] if isinstance(s, str) and is_name(s))))
+    return out[:MAX_PEERS]
+
+
+def start_service(snapshots):
+    """With ``FORKYARD_P2P=on``: a :class:`forkyard.repository.p2p.ChunkService` over the
+    node's snapshot store (its cache and repository), installed as the store's peer
+    source; None when P2P is off (nothing is started, nothing imported). Blocking (binds
+    the endpoint).
+
+    Raises:
+        ValueError: a malformed ``FORKYARD_P2P*`` setting.
+        RuntimeError: the endpoint could not be bound.
+    """
+    from forkyard.config import P2PSettings
+
+    cfg = P2PSettings()
+    if not cfg.enabled:
+        return None
+    if cfg.timeout_s <= 0 or cfg.max_serving < 1 or cfg.per_peer < 1:
+        raise ValueError("FORKYARD_P2P_TIMEOUT_S must be > 0, FORKYARD_P2P_MAX_SERVING and FORKYARD_P2P_PER_PEER >= 1")
+    from forkyard.repository.p2p import ChunkService
+
+    svc = ChunkService(snapshots.cache, snapshots.repo, bind=cfg.bind, timeout_s=cfg.timeout_s,
+                       max_serving=cfg.max_serving, per_peer=cfg.per_peer)
+    snapshots.peers = svc
+    return svc
+
+
+def stop_service(snapshots, svc) -> None:
+    """Undo :func:`start_service` (no-op for None): restores read the repository only."""
+    if svc is not None:
+        snapshots.peers = None
+        svc.close()

@@ -1,0 +1,370 @@
+"""A node's chunk service: serve the chunks its cache holds to cluster members, and
+fetch chunks from them before the repository.
+
+**Who may fetch.** A connection is served only when the remote endpoint id (proven by
+iroh's TLS handshake: the peer holds that Ed25519 key) is one the cluster's scheduler
+vouches for: the scheduler lists in its heartbeat answers the endpoint ids that the
+members reported in *their* heartbeats, which it takes only with each node's own key
+(:mod:`forkyard.cluster.nodekeys`). :meth:`ChunkService.set_peers` installs that list;
+any other endpoint is closed with :data:`~.transport.CLOSE_UNAUTHORIZED` before a
+stream is read. Nodes hold no master secret, so this is how one member recognizes
+another.
+
+**What is served.** Only content-addressed chunks this node's cache holds: a cached
+chunk as stored, or the bytes of a chunk inside a materialized image the cache holds,
+located through that snapshot's committed manifest and compressed on the way out. The
+requester verifies every chunk against its BLAKE3 name (:func:`~..chunks.decode`), so a
+peer can make a chunk fail over to the repository but never change what is restored.
+
+**Bounds.** At most ``max_serving`` transfers served at once (more: answered BUSY at
+once), ``per_peer`` requests (of at most :data:`BATCH` chunks) in flight to one peer,
+``timeout_s`` per request, responses at most the chunks' sizes plus 1 KiB each
+(:func:`~.transport.response_bound`); a peer that failed (connection, timeout, corrupt
+chunk) is not asked again for :data:`BACKOFF_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import iroh
+
+from forkyard.ids import is_name
+from forkyard.repository import chunks as ck
+from forkyard.repository.cache import NodeCache
+from forkyard.repository.errors import ChunkCorrupt
+from forkyard.repository.p2p import transport as tp
+from forkyard.repository.repo import Repository
+
+log = logging.getLogger("forkyard.p2p")
+
+#: A peer that failed is skipped this long (s).
+BACKOFF_S = 30.0
+#: A peer that answered NOT_HELD for a snapshot is not asked for its chunks this long (s).
+LACKS_S = 10.0
+#: Peers asked for one chunk at most (then the repository).
+MAX_TRIES = 2
+#: Chunks per request (at most :data:`~.transport.MAX_BATCH`).
+BATCH = 16
+#: Snapshots whose chunk index (hash -> file, offset) the server keeps.
+INDEX_CACHE = 32
+#: Longest wait for a connection handshake from a dialling peer (s).
+ACCEPT_S = 5.0
+#: Longest wait for one dial of a peer (s), and dials per connection at most.
+CONNECT_S, CONNECT_TRIES = 2.0, 2
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Another member as the scheduler lists it: its ``node`` id, iroh ``endpoint_id``
+    (64 hex), direct ``addrs`` (``ip:port``) and the ``snapshots`` whose image it caches."""
+
+    node: str
+    endpoint_id: str
+    addrs: tuple[str, ...]
+    snapshots: frozenset[str] = field(default_factory=frozenset)
+
+
+class ChunkService:
+    """Serve and fetch chunks over a :class:`~.transport.Transport`.
+
+    Args:
+        cache: this node's cache (what is served); repo: the repository (manifests, to
+            find a chunk inside a cached image).
+        bind: UDP address of the endpoint; timeout_s, max_serving, per_peer: the bounds
+            of the module doc (``forkyard.config.P2PSettings``).
+
+    Raises:
+        RuntimeError: the endpoint could not be bound.
+    """
+
+    def __init__(self, cache: NodeCache, repo: Repository, bind: str = "0.0.0.0:0", timeout_s: float = 5.0,
+                 max_serving: int = 16, per_peer: int = 4):
+        self.cache, self.repo = cache, repo
+        self.timeout_s, self.per_peer = float(timeout_s), max(1, int(per_peer))
+        self.transport = tp.Transport(bind)
+        self._peers: dict[str, Peer] = {}  # endpoint id -> peer
+        self._lock = threading.Lock()
+        self._down: dict[str, float] = {}  # endpoint id -> skipped until (monotonic)
+        self._lacks: dict[tuple[str, str], float] = {}  # (endpoint id, sid) -> until
+        self._index: OrderedDict[str, dict[str, tuple[str, int, int]]] = OrderedDict()
+        self._conns: dict[str, iroh.Connection] = {}
+        self._dial: dict[str, asyncio.Lock] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self._serving = 0
+        self.max_serving = max(1, int(max_serving))
+        self.counters = {"chunks_from_peers": 0, "bytes_from_peers": 0, "peer_misses": 0, "peer_failures": 0,
+                         "peer_corrupt": 0, "served_chunks": 0, "served_bytes": 0, "served_not_held": 0,
+                         "served_busy": 0, "refused_connections": 0}
+        self._accept_task = asyncio.run_coroutine_threadsafe(self._accept_loop(), self.transport.loop)
+
+    # ---- membership -------------------------------------------------------------------
+    @property
+    def endpoint_id(self) -> str:
+        """This node's iroh endpoint id (64 hex digits)."""
+        return self.transport.endpoint_id
+
+    def address(self) -> dict:
+        """What the node advertises in its heartbeat: ``{"id": endpoint id, "addrs": [ip:port…]}``."""
+        return {"id": self.endpoint_id, "addrs": self.transport.addresses()}
+
+    def set_peers(self, peers: list[Peer]) -> None:
+        """Replace the members this node serves and asks (this node's own id is ignored);
+        connections of members no longer listed are closed."""
+        table = {p.endpoint_id: p for p in peers if p.endpoint_id != self.endpoint_id}
+        with self._lock:
+            gone = [eid for eid in self._peers if eid not in table]
+            self._peers = table
+        for eid in gone:
+            self.transport.loop.call_soon_threadsafe(self._drop_conn, eid, b"no longer a cluster member")
+
+    def peers(self) -> list[Peer]:
+        """The members known now."""
+        with self._lock:
+            return list(self._peers.values())
+
+    def _count(self, **add: int) -> None:
+        with self._lock:
+            for k, v in add.items():
+                self.counters[k] += v
+
+    def stats(self) -> dict:
+        """Counters (chunks and stored bytes fetched from / served to peers, misses,
+        failures, corrupt chunks, refusals) plus ``endpoint_id``, ``peers`` and
+        ``serving`` (transfers in progress)."""
+        with self._lock:
+            return {**self.counters, "endpoint_id": self.endpoint_id, "peers": len(self._peers),
+                    "serving": self._serving}
+
+    # ---- serving ----------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        ep = self.transport.endpoint
+        while True:
+            try:
+                inc = await ep.accept_next()
+            except Exception as e:  # noqa: BLE001 — the endpoint is closing
+                log.debug("P2P accept loop ends: %s", e)
+                return
+            if inc is None:
+                return
+            asyncio.get_running_loop().create_task(self._serve_conn(inc))
+
+    async def _serve_conn(self, inc) -> None:
+        try:
+            conn = await asyncio.wait_for(self._handshake(inc), ACCEPT_S)
+        except Exception as e:  # noqa: BLE001 — a failed handshake concerns only that peer
+            log.debug("P2P handshake failed: %s", e)
+            return
+        rid = str(conn.remote_id())
+        with self._lock:
+            member = rid in self._peers
+        if not member:
+            self._count(refused_connections=1)
+            log.warning("P2P: refused a connection from endpoint %s: not a member the scheduler vouches for", rid[:16])
+            conn.close(tp.CLOSE_UNAUTHORIZED, b"not a member of this cluster")
+            return
+        conn.set_max_concurrent_bi_streams(self.per_peer * 2)
+        while True:
+            try:
+                bi = await conn.accept_bi()
+            except Exception:  # noqa: BLE001 — the peer closed the connection
+                return
+            asyncio.get_running_loop().create_task(self._serve_stream(bi))
+
+    @staticmethod
+    async def _handshake(inc):
+        return await (await inc.accept()).connect()
+
+    async def _serve_stream(self, bi) -> None:
+        send = bi.send()
+        try:
+            req = await asyncio.wait_for(tp.read_request(bi.recv()), self.timeout_s)
+            if req is None or not is_name(req[0]):  # the sid names a directory of the cache
+                return await tp.write_response(send, [tp.encode_item(tp.BAD_REQUEST)])
+            sid, want = req
+            with self._lock:
+                busy = self._serving >= self.max_serving
+                if not busy:
+                    self._serving += 1
+            if busy:
+                self._count(served_busy=1)
+                return await tp.write_response(send, [tp.encode_item(tp.BUSY)] * len(want))
+            try:
+                if sid not in self._index and self.cache.held_image(sid) is not None:
+                    await asyncio.to_thread(self._chunk_index, sid)  # a manifest read (S3): not on the loop
+                items, served, nbytes, missing = [], 0, 0, 0
+                for h, n in want:  # page-cache reads and ~0.2 ms of zstd each: no thread hop
+                    blob = self._lookup(sid, h, n)
+                    if blob is None:
+                        missing += 1
+                        items.append(tp.encode_item(tp.NOT_HELD))
+                    else:
+                        served, nbytes = served + 1, nbytes + len(blob)
+                        items.append(tp.encode_item(tp.OK, blob))
+                await asyncio.wait_for(tp.write_response(send, items), self.timeout_s)
+                self._count(served_chunks=served, served_bytes=nbytes, served_not_held=missing)
+            finally:
+                with self._lock:
+                    self._serving -= 1
+        except Exception as e:  # noqa: BLE001 — one stream; the requester falls back
+            log.debug("P2P: serving chunks failed: %s", e)
+
+    def _lookup(self, sid: str, h: str, n: int) -> bytes | None:
+        """Stored (zstd) bytes of chunk ``h`` from this node's cache, else from the
+        cached image of ``sid``; None when neither holds it."""
+        blob = self.cache.peek_chunk(h)
+        if blob is not None:
+            return blob
+        image = self.cache.held_image(sid)
+        if image is None:
+            return None
+        where = self._index.get(sid, {}).get(h)
+        if where is None or where[2] != n:
+            return None
+        rel, off, length = where
+        try:
+            fd = os.open(image / rel, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            raw = os.pread(fd, length, off)
+        finally:
+            os.close(fd)
+        return ck.compress(raw) if len(raw) == length else None
+
+    def _chunk_index(self, sid: str) -> dict[str, tuple[str, int, int]]:
+        with self._lock:
+            idx = self._index.get(sid)
+            if idx is not None:
+                self._index.move_to_end(sid)
+                return idx
+        m = self.repo.manifest(sid, check=False)
+        idx = {}
+        for f in m.files if m is not None else ():
+            off = 0
+            for h, n in f.chunks:
+                idx.setdefault(h, (f.path, off, n))
+                off += n
+        with self._lock:
+            self._index[sid] = idx
+            while len(self._index) > INDEX_CACHE:
+                self._index.popitem(last=False)
+        return idx
+
+    # ---- fetching ---------------------------------------------------------------------
+    def _candidates(self, sid: str) -> list[Peer]:
+        """Peers to ask for a chunk of ``sid``: those caching its image first, then the
+        others (the table may be a heartbeat old); none in backoff or known to lack it."""
+        now = time.monotonic()
+        with self._lock:
+            ok = [p for p in self._peers.values() if self._down.get(p.endpoint_id, 0) <= now
+                  and self._lacks.get((p.endpoint_id, sid), 0) <= now]
+        random.shuffle(ok)
+        ok.sort(key=lambda p: sid not in p.snapshots)
+        return ok[:MAX_TRIES]
+
+    def fetch_many(self, sid: str, want: list[tuple[str, int]]) -> dict[tuple[str, int], tuple[bytes, bytes]]:
+        """Chunks ``want`` (``[(hash, raw length)]``) of snapshot ``sid`` from peers,
+        verified: ``{(hash, length): (stored blob, raw bytes)}`` for those a peer gave
+        intact in time; the caller reads the others from the repository. Asks in requests
+        of :data:`BATCH` chunks, up to ``per_peer`` at once; what one peer lacks or
+        botches goes to the next (at most :data:`MAX_TRIES`). Blocking; never raises for
+        a peer's fault."""
+        got: dict[tuple[str, int], tuple[bytes, bytes]] = {}
+        left = list(dict.fromkeys(want))
+        for peer in self._candidates(sid):
+            if not left:
+                break
+            parts = [left[i:i + BATCH] for i in range(0, len(left), BATCH)]
+            try:
+                answers = self.transport.call(self._ask_all(peer, sid, parts), self.timeout_s + CONNECT_S * CONNECT_TRIES)
+            except Exception as e:  # noqa: BLE001 — any failure of the peer: next one / repository
+                self._fail(peer, f"{type(e).__name__}: {e}")
+                continue
+            corrupt = misses = 0
+            for part, answer in zip(parts, answers):
+                if isinstance(answer, BaseException):
+                    self._fail(peer, f"{type(answer).__name__}: {answer}")
+                    continue
+                for (h, n), (status, blob) in zip(part, answer):
+                    if status != tp.OK:
+                        misses += 1
+                        continue
+                    try:
+                        got[(h, n)] = (blob, ck.decode(h, blob, n))
+                    except ChunkCorrupt:
+                        corrupt += 1
+            served = [hn for hn in left if hn in got]
+            self._count(chunks_from_peers=len(served), bytes_from_peers=sum(len(got[hn][0]) for hn in served),
+                        peer_misses=misses, peer_corrupt=corrupt)
+            if corrupt:
+                self._fail(peer, f"{corrupt} chunk(s) of {sid} failed verification")
+            elif misses and not served:
+                with self._lock:
+                    self._lacks[(peer.endpoint_id, sid)] = time.monotonic() + LACKS_S
+            left = [hn for hn in left if hn not in got]
+        return got
+
+    def fetch(self, sid: str, h: str, n: int) -> tuple[bytes, bytes] | None:
+        """One chunk (:meth:`fetch_many`): ``(stored blob, raw bytes)`` or None."""
+        return self.fetch_many(sid, [(h, n)]).get((h, n))
+
+    def _fail(self, peer: Peer, why: str) -> None:
+        self._count(peer_failures=1)
+        with self._lock:
+            first = self._down.get(peer.endpoint_id, 0) <= time.monotonic()
+            self._down[peer.endpoint_id] = time.monotonic() + BACKOFF_S
+        if first:
+            log.warning("P2P: peer %s failed (%s); reading from the repository, not asking it for %.0f s",
+                        peer.node, why[:300], BACKOFF_S)
+        self.transport.loop.call_soon_threadsafe(self._drop_conn, peer.endpoint_id, b"failed")
+
+    def _drop_conn(self, eid: str, reason: bytes) -> None:
+        conn = self._conns.pop(eid, None)
+        if conn is not None:
+            try:
+                conn.close(0, reason)
+            except Exception:  # noqa: BLE001 — already closed
+                pass
+
+    async def _conn(self, peer: Peer):
+        eid = peer.endpoint_id
+        lock = self._dial.setdefault(eid, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(eid)
+            if conn is None or conn.close_reason() is not None:
+                addr = iroh.EndpointAddr(iroh.EndpointId.from_string(eid), None, list(peer.addrs))
+                for attempt in range(CONNECT_TRIES):  # a dial was seen to hang now and then (under load)
+                    try:
+                        conn = await asyncio.wait_for(self.transport.endpoint.connect(addr, tp.ALPN), CONNECT_S)
+                        break
+                    except asyncio.TimeoutError:
+                        if attempt == CONNECT_TRIES - 1:
+                            raise TimeoutError(f"no connection to {peer.node} within {CONNECT_S:.0f} s "
+                                               f"({CONNECT_TRIES} tries)") from None
+                self._conns[eid] = conn
+            return conn
+
+    async def _ask(self, peer: Peer, sid: str, want: list[tuple[str, int]]) -> list[tuple[int, bytes]]:
+        slots = self._slots.setdefault(peer.endpoint_id, asyncio.Semaphore(self.per_peer))
+        async with slots:
+            conn = await self._conn(peer)
+            bi = await conn.open_bi()
+            send = bi.send()
+            await send.write_all(tp.encode_request(sid, want))
+            await send.finish()
+            return await asyncio.wait_for(tp.read_response(bi.recv(), want), self.timeout_s)
+
+    async def _ask_all(self, peer: Peer, sid: str, parts: list[list[tuple[str, int]]]) -> list:
+        return await asyncio.gather(*(self._ask(peer, sid, p) for p in parts), return_exceptions=True)
+
+    def close(self) -> None:
+        """Stop serving and close every connection and the endpoint."""
+        self.transport.close()  # its connections end with it; the accept loop is cancelled
