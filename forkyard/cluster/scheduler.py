@@ -201,7 +201,7 @@ _answering: dict[str, float] = {}  # node id -> when "silent but answers" was la
 
 async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -> list[str]:
     await store.ensure_epoch()
-    all_nodes = await store.nodes()
+    all_nodes = await store.nodes(reports=False)  # liveness only: the reports are read when placing orphans
     verdict = live.judge(all_nodes, redis_now)
     by_id = {n.node_id: n for n in all_nodes}
     if verdict.declare and probe is not None:
@@ -231,9 +231,12 @@ async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -
     for n in all_nodes:
         if n.status == NODE_UP and not n.alive() and n.node_id not in declared:
             await store.release(n.node_id)  # a silent node leaves the placement index (its heartbeat re-adds it)
-    for n in all_nodes:
-        if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S:
-            await move_orphans(store, n.node_id, all_nodes, redis_now)
+    orphaned = [n for n in all_nodes
+                if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S]
+    if orphaned:
+        full = await store.nodes()  # placing needs the reports
+        for n in orphaned:
+            await move_orphans(store, n.node_id, full, redis_now)
     return declared
 
 
