@@ -14,8 +14,8 @@ with a message, as from FastAPI: 403 for a body URL other than the key's, 413 fo
 over the bound, 422 for a body that does not validate, 503 while Redis is away.
 
 Heartbeats do not go through :class:`~forkyard.obs.middleware.ObsMiddleware`: they get
-no request id, no access-log line (the scheduler logs none anyway) and are not counted
-in the API request metrics; ``forkyard_node_heartbeat_age_seconds`` shows them.
+no request id, no access-log line and no trace span; they are counted in
+``forkyard_http_requests_total`` (``kind="api"``) as before.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.p2p import PeerTable, valid_address
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_UP, NodeReport
+from forkyard.obs import metrics
 
 #: The heartbeat route: node id.
 BEAT_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
@@ -92,6 +93,7 @@ async def heartbeat(store: ClusterStore, node_id: str, body: Heartbeat, key_url:
 
 
 async def _send(send, status: int, obj: dict) -> None:
+    metrics.HTTP_REQUESTS.labels("api", f"{status // 100}xx").inc()
     body = json.dumps(obj, separators=(",", ":")).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
