@@ -224,3 +224,43 @@ async def test_heartbeats_send_only_a_digest_until_something_changes(plane):
     finally:
         await store.aclose()
         await fleet.stop()
+
+
+async def test_heartbeat_route_checks_key_size_and_body_before_redis(plane):
+    """The heartbeat is answered before the framework (forkyard.cluster.beats) with the
+    guard's checks: no key 401, the master secret 403, an announced or a streamed
+    (chunked) body over the bound 413, a body that does not validate 422 with the field
+    named, another URL than the key's 403 — each with a message, none of them writes the
+    node into Redis; then the same node's valid heartbeat registers it."""
+    from forkyard.cluster.messages import heartbeat_body, node_report
+    from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
+    from forkyard.cluster.scheduler import MAX_BODY
+
+    nid, url = "lean0", "http://127.0.0.1:9/lean0"
+    key = {SECRET_HEADER: node_key(plane.secret, nid, url), NODE_URL_HEADER: url}
+    report = node_report([], vcpus=4, memory_mb=1024, max_sandboxes=10, free_slots=1, cache_bytes=0, load1=0.0,
+                         runtime="simulated", cached_snapshots=[], boot="b", drain_done=False)
+    good = heartbeat_body(url, report, [], set(), False)
+    path = f"/v1/nodes/{nid}/heartbeat"
+
+    async def chunks():
+        for _ in range(MAX_BODY // (1 << 20) + 1):
+            yield b" " * (1 << 20)
+
+    async with httpx.AsyncClient(base_url=plane.scheduler_urls[0], timeout=30, trust_env=False) as c:
+        tries = [(401, dict(json=good, headers={NODE_URL_HEADER: url})),
+                 (403, dict(json=good, headers={SECRET_HEADER: plane.secret, NODE_URL_HEADER: url})),
+                 (413, dict(content=b" " * (MAX_BODY + 1), headers=key)),
+                 (413, dict(content=chunks(), headers=key)),
+                 (422, dict(content=b"{not json", headers=key)),
+                 (422, dict(json={**good, "digest": "XYZ"}, headers=key)),
+                 (422, dict(json={**good, "held": "not-a-list"}, headers=key)),
+                 (403, dict(json={**good, "url": "http://127.0.0.1:9/other"}, headers=key))]
+        for status, kw in tries:
+            r = await c.post(path, **kw)
+            assert r.status_code == status and r.json()["message"], (status, r.status_code, r.text[:300])
+        assert "digest" in (await c.post(path, json={**good, "digest": "XYZ"}, headers=key)).json()["message"]
+        assert not redis.Redis.from_url(plane.redis_url).exists(f"fy:node:{nid}")
+        r = await c.post(path, json=good, headers=key)
+        assert r.status_code == 200 and r.json()["status"] == "up", r.text
+        assert redis.Redis.from_url(plane.redis_url).hget(f"fy:node:{nid}", "url").decode() == url

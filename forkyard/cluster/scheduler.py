@@ -34,20 +34,21 @@ import time
 from typing import Annotated
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 import httpx
 
+from forkyard.cluster.beats import LeanHeartbeats
+from forkyard.cluster.p2p import PeerTable
 from forkyard.cluster.config import SECRET_HEADER, secret_ok
-from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys, normal_url
-from forkyard.cluster.p2p import PeerTable, valid_address
+from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.rooms import CANDIDATES
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
-from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeInfo, NodeReport
+from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeInfo
 from forkyard.config import ControlPlaneSettings
 from forkyard.ids import is_name
 from forkyard.obs import metrics
@@ -60,22 +61,6 @@ log = logging.getLogger("forkyard.scheduler")
 MAX_BODY = 8 << 20
 #: A node's own calls, authenticated with its key (:mod:`.nodekeys`): node id, call.
 _NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|publish|restarting|volumes/[^/]+/(?:lease|release))$")
-
-
-class Heartbeat(BaseModel):
-    url: str = Field(max_length=512)
-    #: the node's own view of its status (``up``/``draining``), used only when it
-    #: registers anew (or Redis lost its data): otherwise the operator's status stands
-    status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
-    report: dict = Field(default_factory=dict)
-    #: the ids the node holds; None: only their ``digest`` is sent (nothing changed)
-    held: list[str] | None = Field(default=None, max_length=200_000)
-    #: those of ``held`` the node holds paused
-    paused: list[str] = Field(default_factory=list, max_length=200_000)
-    #: :func:`~forkyard.cluster.messages.held_digest` of the held ids (None: an older node)
-    digest: str | None = Field(default=None, pattern="^[0-9a-f]{16}$")
-    #: placement ids whose requests ended on the node before ``report`` was built
-    placements: list[str] = Field(default_factory=list, max_length=10_000)
 
 
 class Publish(BaseModel):
@@ -135,25 +120,34 @@ class _Guard:
         self._logged[node_id] = now
         log.warning("refused %s for node %s: %s", call, node_id[:100], why)
 
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (problem := path_problem(scope)):
-            return await _err(400, problem)(scope, receive, send)
-        if scope["type"] != "http" or scope["path"] == "/health":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+    def refusal(self, scope, headers: dict[str, str]) -> JSONResponse | None:
+        """The answer refusing an HTTP request (path, credential, announced length), or
+        None to let it in; ``headers``: the request's, names lower-case."""
+        if problem := path_problem(scope):
+            return _err(400, problem)
+        if scope["path"] == "/health":
+            return None
         if m := _NODE_ROUTE.match(scope["path"]):  # a node's own calls: its key, never the master
             if bad := self.keys.check(m.group(1), headers.get(NODE_URL_HEADER), headers.get(SECRET_HEADER)):
                 self._log_refused(m.group(1), m.group(2), bad[1])
-                return await _err(*bad)(scope, receive, send)
+                return _err(*bad)
         elif not secret_ok(headers, self.secret):
             got = headers.get(SECRET_HEADER, "")
             if got.startswith(NODE_KEY_PREFIX):
-                return await _err(403, "a node key is accepted only on that node's heartbeat, publish and "
-                                       "restarting calls")(scope, receive, send)
-            return await _err(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")(scope, receive, send)
+                return _err(403, "a node key is accepted only on that node's heartbeat, publish and "
+                                 "restarting calls")
+            return _err(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")
         length = headers.get("content-length", "0")
         if not length.isdigit() or int(length) > MAX_BODY:
-            return await _err(413, f"body over {MAX_BODY} bytes or without Content-Length")(scope, receive, send)
+            return _err(413, f"body over {MAX_BODY} bytes or without Content-Length")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if (bad := self.refusal(scope, headers)) is not None:
+            return await bad(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -207,7 +201,7 @@ _answering: dict[str, float] = {}  # node id -> when "silent but answers" was la
 
 async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -> list[str]:
     await store.ensure_epoch()
-    all_nodes = await store.nodes()
+    all_nodes = await store.nodes(reports=False)  # liveness only: the reports are read when placing orphans
     verdict = live.judge(all_nodes, redis_now)
     by_id = {n.node_id: n for n in all_nodes}
     if verdict.declare and probe is not None:
@@ -237,9 +231,12 @@ async def _sweep(store: ClusterStore, live: Liveness, probe, redis_now: float) -
     for n in all_nodes:
         if n.status == NODE_UP and not n.alive() and n.node_id not in declared:
             await store.release(n.node_id)  # a silent node leaves the placement index (its heartbeat re-adds it)
-    for n in all_nodes:
-        if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S:
-            await move_orphans(store, n.node_id, all_nodes, redis_now)
+    orphaned = [n for n in all_nodes
+                if (n.status == NODE_DOWN or n.node_id in declared) and live.silence(n, redis_now) > ORPHAN_MOVE_S]
+    if orphaned:
+        full = await store.nodes()  # placing needs the reports
+        for n in orphaned:
+            await move_orphans(store, n.node_id, full, redis_now)
     return declared
 
 
@@ -326,7 +323,6 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
             await store.aclose()
 
     app = FastAPI(title="forkyard scheduler", lifespan=lifespan)
-    peer_table = PeerTable()
 
     @app.exception_handler(ClusterStoreUnavailable)
     async def _unavailable(request, exc):
@@ -340,25 +336,6 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     async def health():
         ok = await store.ping()
         return JSONResponse({"status": "ok" if ok else "degraded", "redis": ok}, status_code=200 if ok else 503)
-
-    @app.post("/v1/nodes/{node_id}/heartbeat")
-    async def heartbeat(node_id: str, body: Heartbeat, request: Request):
-        if normal_url(body.url) != normal_url(request.headers.get(NODE_URL_HEADER, "")):
-            raise HTTPException(403, f"heartbeat url {body.url!r} is not the one node {node_id}'s key is bound to")
-        # acks in the same script as the report that shows their sandboxes
-        digests: dict[str, str] = {}
-        status = await store.heartbeat(node_id, normal_url(body.url), NodeReport.from_dict(body.report),
-                                       own_status=body.status, acked=body.placements, digests=digests)
-        # a P2P node learns the other members' iroh addresses here (.p2p: the scheduler vouches)
-        peers = {"peers": await peer_table.answer(store, node_id)} if valid_address(body.report.get("p2p")) else {}
-        if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
-            same = body.digest is not None and body.digest == digests[node_id]
-            return {"status": status, "foreign": [], "missing": [], "adopt": [], **peers,
-                    **({} if same else {"resend": True})}
-        foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
-        if body.digest and not (foreign or missing or adopt) and body.digest != digests[node_id]:
-            await store.redigest(node_id)  # the sets agree: heal a digest kept before digests existed
-        return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt, **peers}
 
     @app.post("/v1/nodes/{node_id}/publish")
     async def publish(node_id: str, body: Publish):
@@ -479,8 +456,10 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     # /metrics is answered before the guard: a scrape carries the metrics token (or the
     # secret), or comes from loopback (forkyard.obs.metrics.scrape_allowed).
-    return ObsMiddleware(_Guard(app, secret), "scheduler", collect=lambda: cluster_families(store),
-                         keys=lambda: [secret])
+    guard = _Guard(app, secret)
+    # Heartbeats are answered before the middlewares and FastAPI, after the same guard (.beats).
+    return LeanHeartbeats(ObsMiddleware(guard, "scheduler", collect=lambda: cluster_families(store),
+                                        keys=lambda: [secret]), guard, store, MAX_BODY, PeerTable())
 
 
 def _entry(node, count: int, node_id: str | None = None, placement: str | None = None) -> dict:

@@ -90,6 +90,10 @@ def _s(v) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+#: The fields of a node's hash that :meth:`ClusterStore.nodes` reads without reports.
+_LIVENESS_FIELDS = ("url", "status", "down_at", "grace_until", "last_seen", "tag")
+
+
 def _node_info(node_id: str, row: dict, now: float) -> NodeInfo | None:
     """A node's hash as a :class:`NodeInfo` (``age`` on Redis's clock ``now``); None
     for an empty hash."""
@@ -217,17 +221,25 @@ class ClusterStore:
         (O(its sandboxes); after a full reconcile). Returns it."""
         return _s(await self._call(self._redigest(keys=[f"{P}nodesbx:{node_id}"], args=[node_id])))
 
-    async def nodes(self) -> list[NodeInfo]:
+    async def nodes(self, reports: bool = True) -> list[NodeInfo]:
         """Every registered node, sorted by id, each with its heartbeat age on Redis's
-        clock; ``status`` is ``down`` while declared down (:meth:`mark_down`)."""
+        clock; ``status`` is ``down`` while declared down (:meth:`mark_down`). Without
+        ``reports`` each node's :attr:`~.types.NodeInfo.report` is left empty (its
+        liveness fields and binding tag only: what the sweep needs, without reading and
+        decoding every report)."""
         ids = sorted(_s(x) for x in await self._call(self._r.smembers(f"{P}nodes")))
         async with self._r.pipeline(transaction=False) as p:
             p.time()
             for nid in ids:
-                p.hgetall(f"{P}node:{nid}")
+                if reports:
+                    p.hgetall(f"{P}node:{nid}")
+                else:
+                    p.hmget(f"{P}node:{nid}", *_LIVENESS_FIELDS)
             rows = await self._call(p.execute())
         sec, usec = rows[0]
         now = int(sec) + int(usec) / 1e6
+        if not reports:
+            rows[1:] = [{k.encode(): v for k, v in zip(_LIVENESS_FIELDS, row) if v is not None} for row in rows[1:]]
         return [n for n in (self._info(nid, row, now) for nid, row in zip(ids, rows[1:])) if n is not None]
 
     async def node(self, node_id: str) -> NodeInfo | None:

@@ -1,0 +1,166 @@
+"""The scheduler's heartbeat route, answered in front of the web framework (issue 26).
+
+Every node sends ``POST /v1/nodes/{id}/heartbeat`` every second, so at 300 nodes this
+is most of a scheduler's requests; a profile of one replica at 300 nodes put ~48 % of
+its samples in the request path around it (the observability middleware, FastAPI's
+routing and dependency stack) rather than in the heartbeat itself. :class:`LeanHeartbeats`
+answers that one route as a bare ASGI handler before any of that: the same checks in the
+same order as the scheduler's guard (:class:`~.scheduler._Guard`: the path rule, the
+node's key for the URL it sends, checked from the headers before any body is read, and
+the body bounded by :data:`~.scheduler.MAX_BODY` while it is read), the body validated
+by the same pydantic model (:class:`Heartbeat`, pydantic-core parsing the JSON
+directly), then one Redis script when nothing changed on the node. Bad input gets a 4xx
+with a message, as from FastAPI: 403 for a body URL other than the key's, 413 for a body
+over the bound, 422 for a body that does not validate, 503 while Redis is away.
+
+Heartbeats do not go through :class:`~forkyard.obs.middleware.ObsMiddleware`: they get
+no request id, no access-log line and no trace span; they are counted in
+``forkyard_http_requests_total`` (``kind="api"``) as before.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from pydantic import BaseModel, Field, ValidationError
+
+from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
+from forkyard.cluster.p2p import PeerTable, valid_address
+from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
+from forkyard.cluster.types import NODE_UP, NodeReport
+from forkyard.obs import metrics
+
+#: The heartbeat route: node id.
+BEAT_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
+
+
+class Heartbeat(BaseModel):
+    """A heartbeat's body (:func:`forkyard.cluster.messages.heartbeat_body` builds it)."""
+
+    url: str = Field(max_length=512)
+    #: the node's own view of its status (``up``/``draining``), used only when it
+    #: registers anew (or Redis lost its data): otherwise the operator's status stands
+    status: str = Field(default=NODE_UP, pattern="^(up|draining)$")
+    report: dict = Field(default_factory=dict)
+    #: the ids the node holds; None: only their ``digest`` is sent (nothing changed)
+    held: list[str] | None = Field(default=None, max_length=200_000)
+    #: those of ``held`` the node holds paused
+    paused: list[str] = Field(default_factory=list, max_length=200_000)
+    #: :func:`~forkyard.cluster.messages.held_digest` of the held ids (None: an older node)
+    digest: str | None = Field(default=None, pattern="^[0-9a-f]{16}$")
+    #: placement ids whose requests ended on the node before ``report`` was built
+    placements: list[str] = Field(default_factory=list, max_length=10_000)
+
+
+class Refused(Exception):
+    """A heartbeat answered with ``status`` and ``message`` (a 4xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def heartbeat(store: ClusterStore, node_id: str, body: Heartbeat, key_url: str,
+                    peer_table: PeerTable | None = None) -> dict:
+    """Record ``body``, the heartbeat of ``node_id`` whose key is bound to ``key_url``
+    (checked by the caller). Returns ``{status, foreign, missing, adopt[, resend][, peers]}``:
+    without ``held`` (nothing changed on the node) one script and, when the node's digest
+    agrees with its bindings', nothing else; ``resend`` asks for the ids; ``peers`` (from
+    ``peer_table``) only to a node whose report carries a P2P address (:mod:`.p2p`).
+
+    Raises:
+        Refused: 403, the body's URL is not the key's.
+        ClusterStoreUnavailable: Redis failed.
+    """
+    if normal_url(body.url) != normal_url(key_url):
+        raise Refused(403, f"heartbeat url {body.url!r} is not the one node {node_id}'s key is bound to")
+    # acks in the same script as the report that shows their sandboxes
+    digests: dict[str, str] = {}
+    status = await store.heartbeat(node_id, normal_url(body.url), NodeReport.from_dict(body.report),
+                                   own_status=body.status, acked=body.placements, digests=digests)
+    # a P2P node learns the other members' iroh addresses here (.p2p: the scheduler vouches)
+    peers = {"peers": await peer_table.answer(store, node_id)} \
+        if peer_table is not None and valid_address(body.report.get("p2p")) else {}
+    if body.held is None:  # only the digest: O(1) when the bindings agree, else ask for the ids
+        same = body.digest is not None and body.digest == digests[node_id]
+        return {"status": status, "foreign": [], "missing": [], "adopt": [], **peers,
+                **({} if same else {"resend": True})}
+    foreign, missing, adopt = await store.reconcile(node_id, set(body.held), set(body.paused))
+    if body.digest and not (foreign or missing or adopt) and body.digest != digests[node_id]:
+        await store.redigest(node_id)  # the sets agree: heal a digest kept before digests existed
+    return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt, **peers}
+
+
+async def _send(send, status: int, obj: dict) -> None:
+    metrics.HTTP_REQUESTS.labels("api", f"{status // 100}xx").inc()
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _read(receive, limit: int) -> bytes | None:
+    """The request body, at most ``limit`` bytes (None: the client went away).
+
+    Raises:
+        Refused: 413, the body is longer.
+    """
+    chunks, n = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return None
+        chunk = msg.get("body", b"")
+        n += len(chunk)
+        if n > limit:
+            raise Refused(413, f"body over {limit} bytes")
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            return b"".join(chunks)
+
+
+def _problem(e: ValidationError) -> str:
+    parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
+    return "invalid heartbeat: " + "; ".join(parts)
+
+
+class LeanHeartbeats:
+    """ASGI app: ``POST /v1/nodes/{id}/heartbeat`` answered here (see the module
+    docstring), every other request passed to ``app``.
+
+    Args:
+        app: the scheduler's app with its middlewares.
+        guard: the scheduler's guard; its ``refusal(scope, headers)`` checks the path,
+            the credential and the announced length before the body is read.
+        store: the cluster state.
+        max_body: the largest body read (bytes).
+        peer_table: the P2P members' addresses sent to P2P nodes (:mod:`.p2p`).
+    """
+
+    def __init__(self, app, guard, store: ClusterStore, max_body: int, peer_table: PeerTable | None = None):
+        self.app, self.guard, self.store, self.max_body, self.peer_table = app, guard, store, max_body, peer_table
+
+    def __getattr__(self, name):  # the wrapped app's attributes
+        return getattr(self.app, name)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or not (m := BEAT_ROUTE.match(scope["path"])):
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if (bad := self.guard.refusal(scope, headers)) is not None:
+            return await bad(scope, receive, send)
+        try:
+            raw = await _read(receive, self.max_body)
+            if raw is None:
+                return
+            try:
+                body = Heartbeat.model_validate_json(raw)
+            except ValidationError as e:
+                raise Refused(422, _problem(e)) from e
+            out = await heartbeat(self.store, m.group(1), body, headers.get(NODE_URL_HEADER, ""), self.peer_table)
+        except Refused as e:
+            return await _send(send, e.status, {"code": e.status, "message": str(e)})
+        except ClusterStoreUnavailable as e:
+            return await _send(send, 503, {"code": 503, "message": f"{e}; retry when Redis is back"})
+        await _send(send, 200, out)
