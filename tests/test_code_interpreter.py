@@ -170,6 +170,18 @@ def test_bad_requests_get_clear_4xx(code_interpreter):
     sbx = Sandbox.create(timeout=300)
     try:
         url, headers = sbx._jupyter_url, {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+        # Only the sandbox's access token runs code (stricter than E2B's server: anyone who
+        # knows the id reaches the port through the proxy); /contexts and /health stay
+        # open as on E2B (the SDKs send no token there).
+        assert sbx._envd_access_token
+        for token in (None, "not-" + sbx._envd_access_token):
+            bad = {**headers, **({"X-Access-Token": token} if token else {})}
+            r = httpx.post(f"{url}/execute", json={"code": "open('/tmp/pwned', 'w')"}, headers=bad)
+            assert r.status_code == 401 and "access token" in r.json()["message"], (token, r.status_code, r.text)
+            assert httpx.post(f"{url}/execute/", json={"code": "1"}, headers=bad).status_code in (401, 404)
+        assert httpx.get(f"{url}/health", headers=headers).status_code == 200
+        assert not sbx.files.exists("/tmp/pwned")
+        headers["X-Access-Token"] = sbx._envd_access_token
         r = httpx.post(f"{url}/execute", json={"code": "1", "language": "cobol"}, headers=headers)
         assert r.status_code == 400 and "cobol" in r.text
         r = httpx.post(f"{url}/execute", json={"code": "1", "language": "python", "context_id": "x"}, headers=headers)
@@ -204,3 +216,17 @@ def test_cli_add_refuses_what_it_cannot_build(tmp_path):
                        timeout=60, env=env)
     assert p.returncode == 1 and "npm is not installed" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("spec", ["evil @ file:///tmp/evil", "evil @ https://example.com/evil-1.0.tar.gz",
+                                  "--index-url http://127.0.0.1:1/simple", "scipy\n--trusted-host x", "./pkgdir"])
+def test_pip_extras_are_index_packages_only(tmp_path, spec):
+    """`template add code-interpreter --pip X`: X becomes a line of the requirements file
+    pip reads on this host, where a URL or directory would be built (its setup.py run as
+    the CLI's user) and an option line would change the index: refused before anything
+    is fetched or written (attack review)."""
+    from forkyard.templates import code_interpreter as ci
+
+    with pytest.raises(ci.PrepareError, match="--pip"):
+        ci.prepare_context(tmp_path, [spec], log=lambda m: None)
+    assert not (tmp_path / "code-interpreter").exists()

@@ -156,6 +156,24 @@ def test_an_endpoint_the_cluster_does_not_list_cannot_fetch(nodes, tmp_path):
     assert pa.stats()["served_chunks"] == 0
 
 
+def test_a_member_the_scheduler_stops_listing_is_cut_off_at_its_next_request(nodes, tmp_path):
+    """b fetched from a over an open connection; then a's member table (the scheduler's
+    list) drops b: b's next restore gets nothing more from a over that connection — a
+    closes it at the next request — and reads the repository (attack review: the
+    membership was checked only when a connection opened)."""
+    (a, pa), (b, pb) = nodes(2)
+    first = _commit(a, _image(tmp_path / "one"))
+    assert _same(b.image(first.snapshot_id), tmp_path / "one" / "src-image")
+    got = pb.stats()["chunks_from_peers"]
+    assert got == _chunks(a, first.snapshot_id)
+    pa.set_peers([])  # b is no member for a any more; b still lists a
+    second = _commit(a, _image(tmp_path / "two"))
+    assert _same(b.image(second.snapshot_id), tmp_path / "two" / "src-image")
+    assert pb.stats()["chunks_from_peers"] == got
+    assert b.metrics()["restore"]["chunks_fetched"] == _chunks(a, second.snapshot_id)
+    assert pa.stats()["refused_connections"] >= 1
+
+
 def test_without_p2p_nothing_changes(tmp_path):
     """P2P off (the default): a store has no peer source, restores read the repository
     and the metrics carry no p2p section."""

@@ -162,3 +162,23 @@ def test_get_image_pin_expires(tmp_path):
     time.sleep(0.4)
     c.drop_image("a")
     assert not c.image_dir("a").exists()  # the pin ran out
+
+
+@pytest.mark.parametrize("path, chunk", [
+    ("/etc/shadow", "a" * 64), ("../../x", "a" * 64), ("pages/../../x", "a" * 64), ("a//b", "a" * 64),
+    ("./pages.img", "a" * 64), ("", "a" * 64), ("a\0b", "a" * 64), ("pages.img", "../" * 20 + "etc/passwd"),
+    ("pages.img", "A" * 64), ("pages.img", "a" * 63),
+])
+def test_a_manifest_whose_paths_leave_the_image_is_refused(path, chunk):
+    """A manifest comes from the shared repository: a path that leaves the image
+    directory (a restore writes there, a P2P peer reads there) or a hash that is not a
+    content address (it names a backend object) makes it malformed — found by the attack
+    review of P2P: a forged manifest wrote files as root on the restoring node."""
+    from forkyard.repository import RepositoryError
+    from forkyard.repository.repo import FileEntry, Manifest
+
+    good = Manifest("snap1", {}, [FileEntry("pages.img", 4, 0o600, (("a" * 64, 4),))], {})
+    assert Manifest.from_json(good.to_json()).files == good.files
+    bad = Manifest("snap1", {}, [FileEntry(path, 4, 0o600, ((chunk, 4),))], {})
+    with pytest.raises(RepositoryError, match="malformed manifest"):
+        Manifest.from_json(bad.to_json())

@@ -144,11 +144,33 @@ class Manifest:
             d = json.loads(data)
             if d.get("format") != FORMAT:
                 raise RepositoryError(f"manifest format {d.get('format')!r} is not supported")
-            files = [FileEntry(f["path"], int(f["size"]), int(f["mode"]), tuple((h, int(n)) for h, n in f["chunks"]))
+            files = [FileEntry(_image_path(f["path"]), int(f["size"]), int(f["mode"]),
+                               tuple((_chunk_hash(h), int(n)) for h, n in f["chunks"]))
                      for f in d["files"]]
             return cls(d["snapshot_id"], d["meta"], files, d.get("stats", {}))
         except (ValueError, KeyError, TypeError) as e:
             raise RepositoryError(f"malformed manifest: {e}") from e
+
+
+def _image_path(path) -> str:
+    """``path`` if it is a file path relative to an image directory and stays in it
+    (normalised, no ``..``, not absolute, no NUL); else ValueError. A manifest is read
+    from the repository, which other writers share: its paths are joined to image
+    directories by restores and by P2P serving, so one must never leave them."""
+    if not isinstance(path, str) or not path or "\0" in path or path.startswith("/") or "\\" in path:
+        raise ValueError(f"image path {path!r} is not a relative path")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"image path {path!r} leaves its image or is not normalised")
+    return path
+
+
+def _chunk_hash(h) -> str:
+    """``h`` if it is a chunk's content address (64 lowercase hex digits, BLAKE3:
+    forkyard.repository.chunks); else ValueError (it names a backend object)."""
+    if not isinstance(h, str) or len(h) != 64 or h.strip("0123456789abcdef"):
+        raise ValueError(f"chunk hash {h!r} is not 64 lowercase hex digits")
+    return h
 
 
 def _image_files(image_dir: Path) -> list[tuple[str, Path]]:

@@ -105,10 +105,29 @@ def inputs_hash(extra: list[str] = ()) -> str:
     return h.hexdigest()[:16]
 
 
+def _requirement(spec: str) -> str:
+    """``spec`` if it is a plain requirement from the package index (``name``, extras,
+    version specifiers, markers: PEP 508 via ``packaging``); PrepareError for a URL or
+    path (``name @ …``: pip would build it, running its code on this host), an option line
+    (``--index-url …``) or more than one line."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    if not isinstance(spec, str) or "\n" in spec or "\r" in spec or spec.strip().startswith("-"):
+        raise PrepareError(f"--pip {spec!r}: give a package name with an optional version, e.g. 'scipy>=1.14'")
+    try:
+        req = Requirement(spec)
+    except InvalidRequirement as e:
+        raise PrepareError(f"--pip {spec!r} is not a requirement: {e}") from e
+    if req.url:
+        raise PrepareError(f"--pip {spec!r}: URLs and paths are refused (only packages from the index, as wheels)")
+    return str(req)
+
+
 def prepare_context(root: Path, extra: list[str] = (), log=print) -> Path:
     """Fill ``root/code-interpreter`` (the build context's one directory) with the wheels,
     Deno, the server and an install script; returns it. Downloads are kept in ``root`` and
     reused when ``inputs_hash(extra)`` is unchanged. Raises PrepareError."""
+    extra = [_requirement(x) for x in extra]
     ctx = root / "code-interpreter"
     stamp = root / "inputs.sha256"
     digest = inputs_hash(extra)

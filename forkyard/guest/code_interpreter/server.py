@@ -31,10 +31,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import json
 import logging
 import os
 import sys
+import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import AsyncIterator
@@ -50,6 +53,8 @@ log = logging.getLogger("code-interpreter")
 
 PORT = 49999
 ENVD_ENVS = "http://127.0.0.1:49983/envs"
+#: How long an access token envd accepted is taken without asking again (s).
+TOKEN_TTL_S = 60.0
 DEFAULT_CWD = "/home/user"
 #: Seconds of silence on /execute before a keepalive line (E2B's server sends one every
 #: 5 s so that a vanished client is noticed by the failing write).
@@ -283,6 +288,53 @@ async def sandbox_envs(token: str | None) -> dict[str, str]:
         return {}
 
 
+def envd_answer(token: str | None) -> int | None:
+    """The status envd's ``GET /envs`` answers with access token ``token`` (None: no
+    header) — 200, or 401 when the sandbox is secure and the token is not its own — or
+    None when envd does not answer within 5 s."""
+    req = urllib.request.Request(ENVD_ENVS, headers={"X-Access-Token": token} if token else {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except Exception:  # noqa: BLE001 — no answer
+        return None
+
+
+class TokenCheck:
+    """ASGI middleware: ``POST /execute`` (running code) needs the sandbox's envd access
+    token in ``X-Access-Token`` when the sandbox is secure — envd decides
+    (:func:`envd_answer`); a token envd accepted is remembered (its SHA-256) for
+    :data:`TOKEN_TTL_S`. Wrong or missing: 401 ``{"message": …}``; envd silent: 503.
+
+    Stricter than E2B's server, which checks nothing (its port is reachable by anyone who
+    knows the sandbox id, through the proxy): both SDKs send the token with ``/execute``
+    (e2b-code-interpreter 2.11, @e2b/code-interpreter 2.8), not with ``/contexts``, so
+    the context routes (which run no code) stay as open as E2B's."""
+
+    def __init__(self, app):
+        self.app = app
+        self._ok: dict[str, float] = {}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"].rstrip("/") != "/execute":
+            return await self.app(scope, receive, send)
+        token = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"x-access-token"), None)
+        key = hashlib.sha256((token or "").encode()).hexdigest()
+        now = time.monotonic()
+        if now - self._ok.get(key, -TOKEN_TTL_S) >= TOKEN_TTL_S:
+            status = await asyncio.to_thread(envd_answer, token)
+            if status != 200:
+                code, msg = (503, "envd did not answer; retry") if status is None else \
+                    (401, "unauthorized: the sandbox's access token is needed (X-Access-Token)")
+                return await JSONResponse({"message": msg}, status_code=code)(scope, receive, send)
+            if len(self._ok) > 64:
+                self._ok.clear()
+            self._ok[key] = now
+        return await self.app(scope, receive, send)
+
+
 class Server:
     """The contexts and the routes; ``defaults`` maps a language to its default context."""
 
@@ -407,7 +459,7 @@ def make_app(server: Server) -> Starlette:
         await ctx.restart()
         return Response(status_code=200)
 
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/health", health),
             Route("/execute", execute, methods=["POST"]),
@@ -418,6 +470,8 @@ def make_app(server: Server) -> Starlette:
         ],
         lifespan=lambda app: _lifespan(server),
     )
+    app.add_middleware(TokenCheck)
+    return app
 
 
 @contextlib.asynccontextmanager

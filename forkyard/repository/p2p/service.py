@@ -117,7 +117,8 @@ class ChunkService:
 
     def set_peers(self, peers: list[Peer]) -> None:
         """Replace the members this node serves and asks (this node's own id is ignored);
-        connections of members no longer listed are closed."""
+        this node's connections to members no longer listed are closed, and theirs to it
+        at their next request (:meth:`_serve_conn` checks every one)."""
         table = {p.endpoint_id: p for p in peers if p.endpoint_id != self.endpoint_id}
         with self._lock:
             gone = [eid for eid in self._peers if eid not in table]
@@ -175,6 +176,13 @@ class ChunkService:
             try:
                 bi = await conn.accept_bi()
             except Exception:  # noqa: BLE001 — the peer closed the connection
+                return
+            with self._lock:  # membership is checked again for every request: a member
+                member = rid in self._peers  # the scheduler no longer lists is cut off
+            if not member:
+                self._count(refused_connections=1)
+                log.warning("P2P: closed the connection of endpoint %s: no longer a member", rid[:16])
+                conn.close(tp.CLOSE_UNAUTHORIZED, b"no longer a member of this cluster")
                 return
             asyncio.get_running_loop().create_task(self._serve_stream(bi))
 
