@@ -10,6 +10,7 @@ removes their host network chains.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -256,6 +257,28 @@ class Cluster:
         # keep the logs (*.log) for a failed run; drop the state
         for d in [Path(n.env["FORKYARD_DATA_DIR"]) for n in self.nodes] + [self.root / "repository", self.root / "redis"]:
             shutil.rmtree(d, ignore_errors=True)
+
+
+    @contextlib.contextmanager
+    def running(self):
+        """Start the cluster for the block; on leaving, close it and assert the host is
+        clean (:func:`assert_clean`)."""
+        try:
+            self.start()
+            yield self
+        finally:
+            self.close()
+            assert_clean(self)
+
+
+def assert_clean(c: Cluster) -> None:
+    """No netns, runsc process or mount of the cluster's nodes is left on the host."""
+    prefixes = [n.env["FORKYARD_NET_PREFIX"] for n in c.nodes]
+    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    assert not [l for l in ns if l and any(l.split()[0].startswith(p) for p in prefixes)]
+    procs = subprocess.run(["pgrep", "-af", "runsc"], capture_output=True, text=True).stdout
+    assert str(c.root) not in procs
+    assert str(c.root) not in open("/proc/self/mounts").read()
 
 
 def _wipe_node(data_dir: Path, prefix: str, outer_net: str) -> None:

@@ -19,7 +19,7 @@ import httpx
 from forkyard.config import Settings
 import pytest
 import _hostutil as hu
-from _cluster import Cluster
+from _cluster import Cluster, assert_clean
 from conftest import TEST_ROOT
 from e2b import Sandbox, SandboxQuery
 from e2b.exceptions import NotFoundException
@@ -34,23 +34,9 @@ from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, HEARTBEAT_TIMEOUT_S
 @pytest.fixture
 def cluster(base_template):
     """A fresh 3-node cluster; node0 runs at most 17 sandboxes (room for a source + 16)."""
-    c = Cluster(TEST_ROOT / f"cluster-{os.getpid()}", nodes=3, max_sandboxes={0: 17})
-    try:
-        c.start()
+    with Cluster(TEST_ROOT / f"cluster-{os.getpid()}", nodes=3, max_sandboxes={0: 17}).running() as c:
         yield c
-    finally:
-        c.close()
-        assert_clean(c)
 
-
-def assert_clean(c: Cluster) -> None:
-    """No netns, runsc process or mount of the cluster's nodes is left on the host."""
-    prefixes = [n.env["FORKYARD_NET_PREFIX"] for n in c.nodes]
-    ns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    assert not [l for l in ns if l and any(l.split()[0].startswith(p) for p in prefixes)]
-    procs = subprocess.run(["pgrep", "-af", "runsc"], capture_output=True, text=True).stdout
-    assert str(c.root) not in procs
-    assert str(c.root) not in open("/proc/self/mounts").read()
 
 
 def counter(c: Cluster, sbx: Sandbox, set_to: int | None = None, base: str | None = None) -> int:

@@ -181,7 +181,6 @@ def test_request_id_in_json_logs(server, sandbox):
 def cluster(base_template):
     """Redis + scheduler + gateway + one node (real processes), cleaned up afterwards."""
     from _cluster import Cluster
-    from test_cluster import assert_clean
 
     c = Cluster(TEST_ROOT / f"cluster-obs-{os.getpid()}", nodes=1)
     token = c.root / "metrics_token"  # the gateway alone gets a metrics token
@@ -189,12 +188,8 @@ def cluster(base_template):
     token.chmod(0o600)
     c.metrics_token = token.read_text()
     c.gateway.env = dict(c.gateway.env, FORKYARD_METRICS_TOKEN_FILE=str(token))
-    try:
-        c.start()
+    with c.running():
         yield c
-    finally:
-        c.close()
-        assert_clean(c)
 
 
 def test_cluster_metrics_and_request_id(cluster):

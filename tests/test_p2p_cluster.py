@@ -20,7 +20,7 @@ import pytest
 from _cluster import Cluster
 from conftest import TEST_ROOT
 from e2b import Sandbox
-from test_cluster import assert_clean, counter, only_on, wait_for, with_counter
+from test_cluster import counter, only_on, wait_for, with_counter
 
 from forkyard.repository import SnapshotStore
 from forkyard.repository.config import RepoConfig
@@ -31,13 +31,9 @@ P2P_ENV = {"FORKYARD_P2P": "on", "FORKYARD_P2P_BIND": "127.0.0.1:0"}
 
 @contextlib.contextmanager
 def _cluster(env: dict | None, nodes: int = 3, max_sandboxes: dict[int, int] | None = None):
-    c = Cluster(TEST_ROOT / f"p2p-cluster-{os.getpid()}", nodes=nodes, env=env, max_sandboxes=max_sandboxes)
-    try:
-        c.start()
+    with Cluster(TEST_ROOT / f"p2p-cluster-{os.getpid()}", nodes=nodes, env=env,
+                 max_sandboxes=max_sandboxes).running() as c:
         yield c
-    finally:
-        c.close()
-        assert_clean(c)
 
 
 @pytest.fixture
