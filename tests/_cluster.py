@@ -175,7 +175,7 @@ class Cluster:
         self.gateway.start()
         for n in self.nodes:
             n.start()
-        self.wait_nodes({f"node{i}" for i in range(len(self.nodes))})
+        self.wait_nodes({f"node{i}" for i in range(len(self.nodes))}, timeout_s=90)  # (30 s was short once under CI load)
         return self
 
     def _wait_redis(self, timeout_s: float = 20) -> None:
