@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -128,6 +129,8 @@ def prepare_context(root: Path, extra: list[str] = (), log=print) -> Path:
     Deno, the server and an install script; returns it. Downloads are kept in ``root`` and
     reused when ``inputs_hash(extra)`` is unchanged. Raises PrepareError."""
     extra = [_requirement(x) for x in extra]
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)  # the cache is the user's own: nothing in it for other local users
     ctx = root / "code-interpreter"
     stamp = root / "inputs.sha256"
     digest = inputs_hash(extra)
