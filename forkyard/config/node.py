@@ -1,30 +1,15 @@
-"""Process-wide settings with embedded defaults: where forkyard reads its environment.
-
-Every value can be overridden by an environment variable (listed per field). Paths are
-absolute; sizes are MiB; durations are seconds. Source of defaults: the E2B API
-(timeout 300 s, envd port 49983) and ``shared/DESIGN.md``.
-
-* :class:`Settings`: a node (the server).
-* :class:`ClusterSettings`: how ``forkyard node`` joins a cluster.
-* :class:`ObsSettings`: logs, tracing and the metrics token (node, gateway, scheduler).
-* :class:`ClientSettings`: where :mod:`forkyard.client` and the CLI find a server.
-* :class:`ProxySettings`: bounds on client connections of every HTTP server.
-* :class:`RepositorySettings`: where snapshots are committed, the node cache's bound.
-* :class:`GVisorSettings`: the gVisor driver's tunables.
-* :class:`P2PSettings`: the peer-to-peer chunk transport between cluster nodes.
-
-Each is read when it is made (``Settings()`` …), so a process that changes its
-environment sees the change at the next one. Secrets are kept out of their ``repr``.
-"""
+"""A node's settings: the server (:class:`Settings`), what its host admits
+(:class:`AdmissionSettings`), the gVisor driver's tunables (:class:`GVisorSettings`), and
+the fixed in-sandbox constants (envd's port and version, the guest's addresses)."""
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkyard.config._env import _env, _env_bool, _env_cidrs, _env_path
 from forkyard.ids import NAME
 
 #: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
@@ -35,45 +20,6 @@ ENVD_VERSION = "0.6.4"
 GUEST_IP = "169.254.0.21"
 GUEST_GATEWAY = "169.254.0.22"
 GUEST_PREFIXLEN = 30
-
-
-def _env_bool(name: str, default: bool) -> bool:
-    """``true``/``1``/``yes`` or ``false``/``0``/``no`` (any case) from the environment.
-
-    Raises:
-        ValueError: any other value (naming the variable).
-    """
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if raw.lower() in ("1", "true", "yes"):
-        return True
-    if raw.lower() in ("0", "false", "no"):
-        return False
-    raise ValueError(f"{name} must be true or false, not {raw!r}")
-
-
-def _env_cidrs(name: str) -> list[str] | None:
-    """Comma-separated IPv4 CIDRs from the environment (None when unset).
-
-    Raises:
-        ValueError: an entry is not an IPv4 CIDR (naming the variable).
-    """
-    import ipaddress
-
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    out = []
-    for part in (p.strip() for p in raw.split(",")):
-        if not part:
-            continue
-        try:
-            out.append(str(ipaddress.IPv4Network(part, strict=False)))
-        except ValueError as e:
-            raise ValueError(f"{name}: {part!r} is not an IPv4 CIDR") from e
-    return out
-
 
 #: ``FORKYARD_POOL`` when unset: two idle ``base`` sandboxes (~20-40 MiB of host memory
 #: each, 2 × the default memory limit held in admission; docs/runtime.md).
@@ -107,9 +53,6 @@ def parse_pool(raw: str | None, name: str = "FORKYARD_POOL") -> dict[str, int]:
             out[m.group(1)] = size
     return out
 
-
-def _env_path(name: str, default: str) -> Path:
-    return Path(os.environ.get(name, default)).expanduser().resolve()
 
 
 #: Where ``deploy/runsc/build.sh`` installs the pinned, patched gVisor build (a link to
@@ -342,84 +285,6 @@ class Settings:
         return Path(override).expanduser().resolve() if override else self.data_dir / "api_key"
 
 
-def _env(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
-
-
-@dataclass(frozen=True)
-class ClusterSettings:
-    """How ``forkyard node`` joins a cluster; unset values mean the node runs alone (the
-    control plane's own settings are read in :mod:`forkyard.cluster.config`).
-
-    Attributes:
-        scheduler_url: ``FORKYARD_SCHEDULER_URL``: join the cluster of this scheduler.
-        node_id: ``FORKYARD_NODE_ID``: this node's name (default: the host name).
-        advertise_url: ``FORKYARD_ADVERTISE_URL``: the URL gateways reach this node at.
-        repo: ``FORKYARD_REPO`` as given ("" when unset): a cluster node refuses to start
-            without the shared repository unless ``allow_local_repo``
-            (``FORKYARD_ALLOW_LOCAL_REPO=1``).
-        restart_grace_s: ``FORKYARD_NODE_RESTART_GRACE_S`` (120): how long a node stopped
-            with SIGTERM asks not to be declared down (s).
-        commit_retry_s: ``FORKYARD_COMMIT_RETRY_S`` (30): how often paused images a
-            failed commit left staged are committed again (s).
-        mass_silence_fraction: ``FORKYARD_MASS_SILENCE_FRACTION`` (0.5), read by the
-            scheduler: more nodes than this fraction silent at once are not declared down
-            (:mod:`forkyard.cluster.liveness`).
-    """
-
-    scheduler_url: str | None = field(default_factory=lambda: _env("FORKYARD_SCHEDULER_URL") or None)
-    node_id: str | None = field(default_factory=lambda: _env("FORKYARD_NODE_ID") or None)
-    advertise_url: str | None = field(default_factory=lambda: _env("FORKYARD_ADVERTISE_URL") or None)
-    repo: str = field(default_factory=lambda: _env("FORKYARD_REPO").strip())
-    allow_local_repo: bool = field(default_factory=lambda: _env("FORKYARD_ALLOW_LOCAL_REPO") == "1")
-    restart_grace_s: float = field(default_factory=lambda: float(_env("FORKYARD_NODE_RESTART_GRACE_S", "120")))
-    commit_retry_s: float = field(default_factory=lambda: float(_env("FORKYARD_COMMIT_RETRY_S", "30")))
-    mass_silence_fraction: float = field(
-        default_factory=lambda: float(_env("FORKYARD_MASS_SILENCE_FRACTION", "0.5")))
-
-
-def _env_on(name: str) -> bool:
-    """``on``/``off`` (also ``1``/``0``, ``true``/``false``, ``yes``/``no``; any case;
-    unset or empty: off).
-
-    Raises:
-        ValueError: any other value (naming the variable).
-    """
-    raw = os.environ.get(name, "").strip().lower()
-    if raw in ("", "off", "0", "false", "no"):
-        return False
-    if raw in ("on", "1", "true", "yes"):
-        return True
-    raise ValueError(f"{name} must be on or off, not {raw!r}")
-
-
-@dataclass(frozen=True)
-class P2PSettings:
-    """The peer-to-peer read path for committed chunks between cluster nodes
-    (:mod:`forkyard.repository.p2p`; off by default: then nothing of it runs).
-
-    Attributes:
-        enabled: ``FORKYARD_P2P`` (``on``/``off``, default off): a cluster node runs an
-            iroh endpoint, serves the chunks its cache holds to the other members and
-            reads chunks from them before the repository.
-        bind: ``FORKYARD_P2P_BIND`` (``0.0.0.0:0``): the UDP address the endpoint binds
-            (``host:port``; port 0 picks one); its direct addresses are advertised in the
-            node's heartbeat (no relay, no discovery service).
-        timeout_s: ``FORKYARD_P2P_TIMEOUT_S`` (5): longest wait for one chunk from one
-            peer, connection included (s); past it the chunk is read from the repository.
-        max_serving: ``FORKYARD_P2P_MAX_SERVING`` (16): chunk transfers this node serves
-            at once (all peers together); more are answered "busy" at once.
-        per_peer: ``FORKYARD_P2P_PER_PEER`` (4): chunk requests this node has in flight to
-            one peer at once.
-    """
-
-    enabled: bool = field(default_factory=lambda: _env_on("FORKYARD_P2P"))
-    bind: str = field(default_factory=lambda: _env("FORKYARD_P2P_BIND", "0.0.0.0:0").strip())
-    timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_TIMEOUT_S", "5")))
-    max_serving: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_MAX_SERVING", "16")))
-    per_peer: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_PER_PEER", "4")))
-
-
 @dataclass(frozen=True)
 class AdmissionSettings:
     """What this host admits (:class:`forkyard.orchestrator.admission.Capacity` turns these
@@ -450,160 +315,10 @@ class AdmissionSettings:
     sandbox_host_mb: int = field(default_factory=lambda: int(_env("FORKYARD_SANDBOX_HOST_MB", "64")))
 
 
-@dataclass(frozen=True)
-class ControlPlaneSettings:
-    """Timings and sizes the control plane and the node agent share, read once at import
-    by :mod:`forkyard.cluster.types`, :mod:`forkyard.cluster.scheduler` and
-    :mod:`forkyard.cluster.agent` (a process reads its environment once).
-
-    Attributes:
-        heartbeat_timeout_s: ``FORKYARD_HEARTBEAT_TIMEOUT_S`` (5): a node silent this long
-            gets no new placements, and is declared down when the control plane was
-            healthy meanwhile (:mod:`forkyard.cluster.liveness`) (s).
-        orphan_move_s: ``FORKYARD_ORPHAN_MOVE_S`` (300): a node silent this long has its
-            committed paused sandboxes moved to live nodes without waiting for a call (s).
-        volume_takeover_s: ``FORKYARD_VOLUME_TAKEOVER_S`` (300): how long after a node was
-            declared down its volume leases go to other nodes (s;
-            :mod:`forkyard.cluster.volumes`). A node process that died leaves its
-            sandboxes running on its host, still writing to the volumes they mount, until
-            the node is back (it stops them then) or the host is gone: restart or fence a
-            dead node within this time. 0: at once (a host that dies takes its sandboxes
-            with it).
-        node_max_sandboxes: ``FORKYARD_NODE_MAX_SANDBOXES`` (unset: what the node's
-            admission lets run of the default size): what a node reports as its capacity.
-        redis_max_connections: ``FORKYARD_REDIS_MAX_CONNECTIONS`` (64): Redis connections
-            one scheduler or gateway process opens at most. Each request holds one at a
-            time (a pipeline or script is one command), so 64 covers 300 nodes' 1 Hz
-            heartbeats plus hundreds of placements per second at a few ms each; more
-            requests at once wait for a connection (back-pressure) instead of failing.
-        redis_pool_wait_s: ``FORKYARD_REDIS_POOL_WAIT_S`` (5): longest wait for a free
-            connection (s); past it the call fails as "Redis unavailable" (503).
-    """
-
-    heartbeat_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEARTBEAT_TIMEOUT_S", "5")))
-    orphan_move_s: float = field(default_factory=lambda: float(_env("FORKYARD_ORPHAN_MOVE_S", "300")))
-    volume_takeover_s: float = field(default_factory=lambda: float(_env("FORKYARD_VOLUME_TAKEOVER_S", "300")))
-    node_max_sandboxes: int | None = field(
-        default_factory=lambda: max(1, int(v)) if (v := _env("FORKYARD_NODE_MAX_SANDBOXES")) else None)
-    redis_max_connections: int = field(
-        default_factory=lambda: max(1, int(_env("FORKYARD_REDIS_MAX_CONNECTIONS", "64"))))
-    redis_pool_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_REDIS_POOL_WAIT_S", "5")))
-
-
-@dataclass(frozen=True)
-class ObsSettings:
-    """Observability settings of every component (:mod:`forkyard.obs`).
-
-    Attributes:
-        log_format: ``FORKYARD_LOG_FORMAT``: ``json``, ``text`` or ``auto`` (default:
-            text on a terminal, else JSON lines).
-        tracing: ``FORKYARD_TRACING``: ``off`` (default) or ``otlp``.
-        metrics_token: ``FORKYARD_METRICS_TOKEN``: the bearer token a ``/metrics``
-            scrape may present ("" when unset).
-        metrics_token_file: ``FORKYARD_METRICS_TOKEN_FILE``: a file holding that token.
-    """
-
-    log_format: str = field(default_factory=lambda: _env("FORKYARD_LOG_FORMAT", "auto"))
-    tracing: str = field(default_factory=lambda: _env("FORKYARD_TRACING", "off"))
-    metrics_token: str = field(default_factory=lambda: _env("FORKYARD_METRICS_TOKEN"), repr=False)
-    metrics_token_file: str = field(default_factory=lambda: _env("FORKYARD_METRICS_TOKEN_FILE"))
-
-
-@dataclass(frozen=True)
-class ClientSettings:
-    """What the client and the CLI read from the environment, each variable's text ("" when
-    unset); :func:`forkyard.client.config.resolve` says in which order they count.
-
-    Attributes:
-        url: ``FORKYARD_URL``; e2b_api_url: ``E2B_API_URL``; sandbox_url:
-            ``E2B_SANDBOX_URL`` (envd traffic; default the API URL).
-        e2b_api_key: ``E2B_API_KEY``; api_key: ``FORKYARD_API_KEY``.
-        port: ``FORKYARD_PORT`` (a local server's, when nothing else names one).
-        data_dir: ``FORKYARD_DATA_DIR`` (default ``/var/lib/forkyard``): a local server's
-            key file is ``<data_dir>/api_key``.
-        config_file: ``FORKYARD_CONFIG``: the file ``forkyard auth`` writes.
-        xdg_config_home: ``XDG_CONFIG_HOME``: where that file is by default.
-    """
-
-    url: str = field(default_factory=lambda: _env("FORKYARD_URL"))
-    e2b_api_url: str = field(default_factory=lambda: _env("E2B_API_URL"))
-    sandbox_url: str = field(default_factory=lambda: _env("E2B_SANDBOX_URL"))
-    e2b_api_key: str = field(default_factory=lambda: _env("E2B_API_KEY"), repr=False)
-    api_key: str = field(default_factory=lambda: _env("FORKYARD_API_KEY"), repr=False)
-    port: str = field(default_factory=lambda: _env("FORKYARD_PORT"))
-    data_dir: str = field(default_factory=lambda: _env("FORKYARD_DATA_DIR", "/var/lib/forkyard"))
-    config_file: str = field(default_factory=lambda: _env("FORKYARD_CONFIG"))
-    xdg_config_home: str = field(default_factory=lambda: _env("XDG_CONFIG_HOME"))
-
-
-@dataclass(frozen=True)
-class ProxySettings:
-    """Bounds on client connections of every HTTP server forkyard runs (node, gateway:
-    :func:`forkyard.api.limits.uvicorn_limits`).
-
-    Attributes:
-        header_timeout_s: ``FORKYARD_HEADER_TIMEOUT_S`` (20): a request head must be
-            complete this long after the connection opened or the previous response (s;
-            nginx's ``client_header_timeout`` default is 60 s).
-        max_connections_per_client: ``FORKYARD_MAX_CONNECTIONS_PER_CLIENT`` (1024): open
-            connections one client address may hold (raise it on a node behind a busy
-            gateway, whose traffic all comes from one address).
-        max_connections: ``FORKYARD_MAX_CONNECTIONS`` (4096): open connections + running
-            requests in all; beyond it uvicorn answers 503.
-    """
-
-    header_timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_HEADER_TIMEOUT_S", "20")))
-    max_connections_per_client: int = field(
-        default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS_PER_CLIENT", "1024")))
-    max_connections: int = field(default_factory=lambda: int(_env("FORKYARD_MAX_CONNECTIONS", "4096")))
-
-
-@dataclass(frozen=True)
-class RepositorySettings:
-    """Where snapshots are committed and how big the node's cache may grow, as given in
-    the environment (:class:`forkyard.repository.config.RepoConfig` checks them and opens
-    the backend). Read from ``env`` when given (tests), else the process environment.
-
-    Attributes:
-        repo: ``FORKYARD_REPO``: a directory or ``s3://bucket/prefix`` ("" when unset:
-            the node's own ``<data>/snapshots/repository``).
-        s3_endpoint / s3_region: ``FORKYARD_S3_ENDPOINT`` / ``FORKYARD_S3_REGION``
-            (required for ``s3://``; no default region on purpose).
-        access_key / secret_key: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``
-            (required for ``s3://``; nothing else is consulted: no profiles, no instance
-            metadata).
-        cache_bytes: ``FORKYARD_CACHE_BYTES`` as given (None when unset: 10 GiB).
-        gc_grace_s: ``FORKYARD_GC_GRACE_S`` as given (None when unset: 3600 s).
-    """
-
-    repo: str = ""
-    s3_endpoint: str = ""
-    s3_region: str = ""
-    access_key: str = field(default="", repr=False)
-    secret_key: str = field(default="", repr=False)
-    cache_bytes: str | None = None
-    gc_grace_s: str | None = None
-
-    @classmethod
-    def read(cls, env: Mapping[str, str] | None = None) -> RepositorySettings:
-        """The settings in ``env`` (default: the process environment)."""
-        env = os.environ if env is None else env
-        return cls(repo=env.get("FORKYARD_REPO", ""), s3_endpoint=env.get("FORKYARD_S3_ENDPOINT", ""),
-                   s3_region=env.get("FORKYARD_S3_REGION", ""), access_key=env.get("AWS_ACCESS_KEY_ID", ""),
-                   secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""), cache_bytes=env.get("FORKYARD_CACHE_BYTES"),
-                   gc_grace_s=env.get("FORKYARD_GC_GRACE_S"))
-
-
 def api_key_from_env() -> str | None:
     """``FORKYARD_API_KEY`` as given, None when unset or empty (the node then keeps its
     key in :attr:`Settings.api_key_file`)."""
     return os.environ.get("FORKYARD_API_KEY") or None
-
-
-def user_cache_dir() -> Path:
-    """Where the CLI keeps downloads on the client's host (``forkyard template add``):
-    ``$XDG_CACHE_HOME/forkyard``, else ``~/.cache/forkyard`` (XDG Base Directory spec)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "forkyard"
 
 
 def hold_dir() -> Path | None:
