@@ -67,3 +67,14 @@ def test_every_imported_distribution_is_declared():
         if not provided_by & declared:
             missing.append(f"{top} (from {', '.join(sorted(files))}; distribution {', '.join(sorted(provided_by))})")
     assert not missing, "imported at run time but not in [project] dependencies:\n" + "\n".join(missing)
+
+
+def test_default_paths_point_into_the_checkout(monkeypatch):
+    """Defaults computed from the settings module's own place (envd's binary) name the
+    checkout's files: ``./deploy/up.sh`` builds ``envd/bin/envd`` and the server must find
+    it there without ``FORKYARD_ENVD`` (moving config.py into a package once made the
+    default ``forkyard/envd/bin/envd``, and README command 1 failed)."""
+    from forkyard.config import Settings
+
+    monkeypatch.delenv("FORKYARD_ENVD", raising=False)
+    assert Settings().envd_binary == ROOT / "envd" / "bin" / "envd"

@@ -185,7 +185,7 @@ class Settings:
     runsc: str = field(default_factory=lambda: os.environ.get("FORKYARD_RUNSC", DEFAULT_RUNSC))
     envd_binary: Path = field(
         default_factory=lambda: _env_path(
-            "FORKYARD_ENVD", str(Path(__file__).resolve().parent.parent / "envd" / "bin" / "envd")
+            "FORKYARD_ENVD", str(Path(__file__).resolve().parents[2] / "envd" / "bin" / "envd")
         )
     )
     default_vcpu: int = 2
