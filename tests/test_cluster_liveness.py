@@ -7,10 +7,12 @@ sandbox was destroyed; these tests pin the rules that prevent it."""
 
 from __future__ import annotations
 
+import asyncio
+
 from test_cluster_store import redis_url  # noqa: F401 — the real redis-server fixture
 
 from forkyard.cluster.liveness import Liveness
-from forkyard.cluster.scheduler import sweep_once
+from forkyard.cluster.scheduler import SWEEP_LEASE_S, sweep_once
 from forkyard.cluster.store import ClusterStore
 from forkyard.cluster.types import NODE_DOWN, NODE_UP, NodeInfo, NodeReport
 
@@ -218,3 +220,73 @@ async def test_a_silent_node_that_answers_its_health_check_is_not_declared(redis
         assert await store.binding("run0") is None
     finally:
         await store.aclose()
+
+
+async def test_one_replica_sweeps_and_another_takes_over_when_it_stops(redis_url):  # noqa: F811
+    """Two scheduler replicas each run the sweep loop; only the holder of the sweeper
+    lease reads the nodes (and probes and declares). When the holder stops renewing (it
+    died or stalled), the other takes the lease over once it lapses and declares a node
+    silent past the timeout: its view was kept up to date while it did not sweep."""
+    store = ClusterStore(redis_url)
+    try:
+        now = await store.now()
+        for nid in ("n0", "n1", "n2"):
+            await store.heartbeat(nid, f"http://{nid}", NodeReport(), now=now - (30 if nid == "n0" else 0))
+        await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+        clock = Clock()
+        a, b = Liveness(timeout_s=5, clock=clock), Liveness(timeout_s=5, clock=clock)
+        a.tick(now - 60)
+        b.tick(now - 60)
+        asked = []
+
+        async def answers(url):
+            asked.append(url)
+            return True
+
+        assert await sweep_once(store, a, probe=answers, replica="A") == [] and asked == ["http://n0"]
+        assert await sweep_once(store, b, probe=answers, replica="B") == [] and asked == ["http://n0"]  # not B
+        assert await sweep_once(store, a, probe=answers, replica="A") == [] and len(asked) == 2  # A renews
+        assert b.healthy_since == now - 60  # B's view is kept: trusted at once when it takes over
+
+        async def silent(url):
+            return False
+
+        await asyncio.sleep(SWEEP_LEASE_S + 0.3)  # A stops renewing
+        assert await sweep_once(store, b, probe=silent, replica="B") == ["n0"]
+        assert await store.binding("run0") is None
+        assert not (await store.sweep_lease("A", SWEEP_LEASE_S))[0]  # A, back, does not sweep beside B
+    finally:
+        await store.aclose()
+
+
+async def test_a_sweep_reads_the_nodes_only_when_one_is_silent_or_not_indexed(redis_url):  # noqa: F811
+    """With every node heard, a sweep is one script (no node hash is read: counted by
+    Redis's own command statistics); a node silent past the timeout, or registered
+    without an entry in the silence index (a record an older scheduler wrote), makes
+    the sweep read every node as before."""
+    store = ClusterStore(redis_url)
+    try:
+        for nid in ("n0", "n1"):
+            await store.heartbeat(nid, f"http://{nid}", NodeReport())
+        live = Liveness(timeout_s=5)
+        await sweep_once(store, live, replica="A")  # the first sweep of a process reads everything once
+        await store._r.config_resetstat()
+        for _ in range(3):
+            assert await sweep_once(store, live, replica="A") == []
+        stats = await store._r.info("commandstats")
+        assert not any(k in stats for k in ("cmdstat_hmget", "cmdstat_hgetall", "cmdstat_smembers")), stats
+        assert (await store.sweep_lease("A", SWEEP_LEASE_S))[2] is False
+
+        await store._r.zrem("fy:seen", "n1")  # a record without an index entry
+        assert (await store.sweep_lease("A", SWEEP_LEASE_S))[2] is True
+        await store.heartbeat("n1", "http://n1", NodeReport())  # its next heartbeat indexes it
+        assert (await store.sweep_lease("A", SWEEP_LEASE_S))[2] is False
+        now = await store.now()
+        await store.heartbeat("n1", "http://n1", NodeReport(), now=now - 30)  # silent
+        assert (await store.sweep_lease("A", SWEEP_LEASE_S))[2] is True
+        await store._r.config_resetstat()
+        await sweep_once(store, live, replica="A")
+        assert "cmdstat_hmget" in await store._r.info("commandstats")
+    finally:
+        await store.aclose()
+

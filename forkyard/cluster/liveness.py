@@ -8,8 +8,10 @@ Declaring never destroys anything: a declared-down node that comes back is told 
 its sandboxes were reported gone and stops them itself (``NodeAgent``); its paused ones
 stay bound to it unless a call (or :data:`~.scheduler.ORPHAN_MOVE_S`) moved them.
 
-The rules, per scheduler replica (each runs the sweep; the declaration itself is one
-atomic Redis script that re-checks the silence, so replicas never disagree):
+The rules, per scheduler replica (each keeps this view; one at a time, the holder of
+a sweeper lease in Redis, sweeps — another takes the lease over within
+:data:`~.scheduler.SWEEP_LEASE_S` when it dies; the declaration itself is one atomic
+Redis script that re-checks the silence, so replicas never disagree):
 
 1. **One clock.** Heartbeats are stamped, and silences measured, with Redis's own clock
    (``TIME`` inside the scripts), so a node's, scheduler's or gateway's skewed clock
@@ -38,10 +40,10 @@ atomic Redis script that re-checks the silence, so replicas never disagree):
    side): nobody is declared, and a warning says why. (Kubernetes' node lifecycle
    controller stops evictions in a fully disrupted zone for the same reason.)
 
-Cost: the sweep reads every node's hash once (O(nodes), never O(sandboxes)); only the
-declaration of a node walks that node's own sandbox set. A larger fleet (issue 26) keeps
-these semantics and can index the silence by last-heartbeat time (a sorted set) instead
-of reading every node.
+Cost: with every node heard, a sweep is one script (the lease, Redis's clock, and a
+look at ``fy:seen``, the nodes by last heartbeat); only when some node is silent past
+the timeout (or not in that index) does it read every node's liveness fields (O(nodes),
+never O(sandboxes)); only the declaration of a node walks that node's own sandbox set.
 """
 
 from __future__ import annotations

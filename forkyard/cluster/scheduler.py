@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import secrets
 import time
 from typing import Annotated
 from contextlib import asynccontextmanager
@@ -177,7 +178,12 @@ async def move_orphans(store: ClusterStore, node_id: str, all_nodes: list, now: 
     return moved
 
 
-async def sweep_once(store: ClusterStore, live: Liveness, probe=None) -> list[str]:
+#: How long a replica's sweeper lease outlives its last renewal (s): a replica that
+#: died or stalled this long hands the sweep to another (each renews every sweep).
+SWEEP_LEASE_S = 3.0
+
+
+async def sweep_once(store: ClusterStore, live: Liveness, probe=None, replica: str | None = None) -> list[str]:
     """One sweep (:mod:`forkyard.cluster.liveness`): read Redis's clock and every node,
     declare down the nodes silent past the timeout while this replica was watching that
     do not answer ``probe`` either (``async probe(url) -> bool``: their ``/health``;
@@ -185,12 +191,23 @@ async def sweep_once(store: ClusterStore, live: Liveness, probe=None) -> list[st
     move the paused sandboxes of nodes down longer than :data:`ORPHAN_MOVE_S`. Returns
     the ids of the nodes declared down now.
 
+    With ``replica`` (a scheduler replica's id) only the holder of the sweeper lease
+    (:meth:`ClusterStore.sweep_lease`, :data:`SWEEP_LEASE_S`) sweeps; the others only
+    tick ``live`` with Redis's clock, so their view is trusted at once if they take the
+    lease over. The holder reads the nodes only when the silence index says some node
+    is silent (or not indexed): with every node heard, a sweep is one script.
+
     Raises:
         ClusterStoreUnavailable: Redis failed (the caller ticks ``live`` with None).
     """
-    redis_now = await store.now()
+    if replica is None:
+        held, redis_now, full = True, await store.now(), True
+    else:
+        held, redis_now, full = await store.sweep_lease(replica, SWEEP_LEASE_S)
     live.tick(redis_now)
     try:
+        if not held or not (full or not store.indexed):
+            return []
         return await _sweep(store, live, probe, redis_now)
     finally:
         live.done()
@@ -302,10 +319,11 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     async def sweep():
         live = Liveness()
+        replica = secrets.token_hex(8)  # this process's claim on the sweeper lease
         while True:
             await asyncio.sleep(sweep_interval_s)
             try:
-                await sweep_once(store, live, probe=lambda url: _reachable(probe, url))
+                await sweep_once(store, live, probe=lambda url: _reachable(probe, url), replica=replica)
             except ClusterStoreUnavailable as e:
                 live.tick(None)
                 log.error("%s", e)

@@ -81,6 +81,7 @@ local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
            'last_seen', string.format('%.6f', now), 'tag', ARGV[9])
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
+redis.call('ZADD', 'fy:seen', now, ARGV[1])
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
 fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
 if #ARGV > 9 then
@@ -91,6 +92,35 @@ end
 fy_room(ARGV[1], rnow, tonumber(ARGV[7]), tonumber(ARGV[8]))
 return {redis.call('HGET', KEYS[2], 'status'), was_down,
         redis.call('GET', 'fy:nodedig:' .. ARGV[1]) or '0000000000000000'}
+"""
+
+# KEYS: sweeper lease, epoch, seen, nodes   ARGV: replica id, lease ttl (ms), heartbeat timeout (s)
+# One sweep's first call (forkyard.cluster.scheduler.sweep_once): takes or renews the
+# sweeper lease for this replica (only its holder sweeps: one sweep per control plane,
+# however many replicas), records the state's epoch unless set, and says whether the
+# whole sweep is needed: some node silent past the timeout by ``fy:seen`` (last heartbeat
+# per node, Redis time) or a node registered without an entry there (a record written
+# before the index, or by hand). Returns {1 if this replica holds the lease, TIME sec,
+# TIME usec, 1 if a full sweep is needed}.
+SWEEP_LEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local cur = redis.call('GET', KEYS[1])
+local held = 0
+if not cur then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]) held = 1
+elseif cur == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2]) held = 1
+end
+redis.call('SET', KEYS[2], string.format('%.6f', now), 'NX')
+local full = 0
+if held == 1 then
+  if redis.call('ZCARD', KEYS[3]) ~= redis.call('SCARD', KEYS[4]) then full = 1
+  elseif #redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', '(' .. (now - tonumber(ARGV[3])), 'LIMIT', 0, 1) > 0 then
+    full = 1
+  end
+end
+return {held, t[1], t[2], full}
 """
 
 # KEYS: node hash, nodesbx, sandboxes   ARGV: prefix, healthy_since, timeout, tombstone ttl,

@@ -18,6 +18,9 @@ gateways acting at once never see half a change):
                                one means Redis lost its data (no AOF) and nodes are still
                                publishing theirs again
 ``fy:sandboxes``               set of every bound sandbox id
+``fy:seen``                    sorted set: node id by its last heartbeat (Redis time), so a
+                               sweep finds silent nodes without reading every node
+``fy:sweeper``                 the scheduler replica that sweeps (a lease, :meth:`ClusterStore.sweep_lease`)
 ``fy:nodesbx:<node>``          set of the sandbox ids bound to that node
 ``fy:gone:<id>``               tombstone (7 days) of a sandbox reported gone with its node;
                                the node is told to destroy it if it comes back
@@ -144,6 +147,7 @@ class ClusterStore:
         self._reserve = self._r.register_script(RESERVE)
         self._index_existing = self._r.register_script(INDEX_EXISTING)
         self._redigest = self._r.register_script(scripts.REDIGEST)
+        self._sweep_lease = self._r.register_script(scripts.SWEEP_LEASE)
         self._indexed = False
         self._release = self._r.register_script(RELEASE)
         self._vacquire = self._r.register_script(scripts.VOLUME_ACQUIRE)
@@ -215,6 +219,29 @@ class ClusterStore:
         if digests is not None:
             digests[node_id] = _s(digest)
         return _s(status)
+
+    async def sweep_lease(self, replica: str, ttl_s: float) -> tuple[bool, float, bool]:
+        """Take or renew the sweeper lease for ``replica`` (held ``ttl_s`` s past this
+        call; another replica takes it over once it lapses), and record the epoch
+        (:meth:`ensure_epoch`'s key) — one script (:data:`.scripts.SWEEP_LEASE`).
+
+        Returns:
+            ``(held, Redis time s, full)``: ``full`` (only when held) is whether some
+            node has been silent past the heartbeat timeout or is not in the silence
+            index, i.e. whether the sweep must read the nodes at all.
+
+        Raises:
+            ClusterStoreUnavailable: Redis failed.
+        """
+        held, sec, usec, full = await self._call(self._sweep_lease(
+            keys=[f"{P}sweeper", f"{P}epoch", f"{P}seen", f"{P}nodes"],
+            args=[replica, str(max(1, int(ttl_s * 1000))), repr(HEARTBEAT_TIMEOUT_S)]))
+        return bool(int(held)), int(sec) + int(usec) / 1e6, bool(int(full))
+
+    @property
+    def indexed(self) -> bool:
+        """Whether :meth:`ensure_epoch` has indexed old bindings in this process."""
+        return self._indexed
 
     async def redigest(self, node_id: str) -> str:
         """Recompute the digest of ``node_id``'s binding set from the set itself
