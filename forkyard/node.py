@@ -15,6 +15,7 @@ from typing import Any
 
 from forkyard.api.app import create_app
 from forkyard.config import Settings
+from forkyard.network.firewall import NetworkError
 from forkyard.network.slots import NetnsNetwork
 from forkyard.orchestrator.manager import Orchestrator
 from forkyard.orchestrator.store import Store
@@ -35,6 +36,21 @@ class Node:
 
     orchestrator: Orchestrator
     app: Any
+
+    def preflight(self) -> None:
+        """Check the host before serving: the outer range must not overlap a host route
+        of anything but this node's own links (another forkyard node's sandboxes, a VPN,
+        Docker), which :meth:`~forkyard.network.slots.NetnsNetwork.setup_host` would
+        refuse later with a traceback in the startup log.
+
+        Raises:
+            ValueError: the range overlaps (the message names the route and the setting).
+        """
+        try:
+            self.orchestrator.network.check_host()
+        except NetworkError as e:
+            raise ValueError(f"FORKYARD_OUTER_NET: {e}; another forkyard node on this host, or other "
+                             "software, routes that range: give this node a range no host route uses") from e
 
 
 def build_orchestrator(settings: Settings) -> Orchestrator:

@@ -79,3 +79,18 @@ def test_the_data_dir_lock_ends_with_its_server(tmp_path):
         holder.wait()
     r = subprocess.run(again, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
+
+
+def test_a_server_whose_outer_range_overlaps_another_nodes_is_refused_in_one_line(server, sandbox, tmp_path):
+    """A second node with its own prefix but the first one's ``FORKYARD_OUTER_NET`` (a
+    fresh-user trial of the README's one-host cluster): refused before it serves, with
+    one line naming the setting and the route, not a traceback in the startup log."""
+    outer = server.env()["FORKYARD_OUTER_NET"]
+    env = dict(server.env(), FORKYARD_PORT=str(free_port()), FORKYARD_DATA_DIR=str(tmp_path / "data"),
+               FORKYARD_NET_PREFIX=OTHER_PREFIX)
+    r = _serve(env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FORKYARD_OUTER_NET" in r.stderr and f"outer range {outer} overlaps host route" in r.stderr, r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert _netns_of(OTHER_PREFIX) == []
+    assert sandbox.commands.run("echo still").stdout.strip() == "still"

@@ -80,9 +80,12 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     fsperms.private_umask()  # from here on every file forkyard writes is 0600 (secrets at rest)
     fsperms.lock_down(settings.data_dir)  # and an older data dir is made private too
     try:
-        application = build_node(settings).app
+        node = build_node(settings)
+        node.preflight()
+        application = node.app
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
-        fail(f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
+        fail(str(e) if str(e).startswith("FORKYARD_OUTER_NET:") else
+             f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
     except RepositoryConfigError as e:  # the message names the setting to fix
         fail(f"snapshot repository: {e}")
     url = f"http://{settings.host}:{settings.port}"

@@ -76,7 +76,7 @@ class HostFirewall:
         Raises:
             NetworkError: the outer range overlaps a host route, or iptables failed.
         """
-        self._check_no_overlap()
+        self.check_no_overlap()
         sysctl("net/ipv4/ip_forward", "1")
         outer = str(self.outer_net)
         hif = f"{self.prefix}v+"
@@ -170,7 +170,14 @@ class HostFirewall:
             iptables("-t", table, "-F", chain, check=False)
             iptables("-t", table, "-X", chain, check=False)
 
-    def _check_no_overlap(self) -> None:
+    @off_loop
+    def check_no_overlap(self) -> None:
+        """No main-table host route overlaps the outer range, except those on this
+        prefix's own links (``<prefix>v<N>``: a slot of this node, e.g. left by a crash).
+
+        Raises:
+            NetworkError: one does.
+        """
         with IPRoute() as ipr:
             for route in ipr.get_routes(family=2):
                 if route.get_attr("RTA_TABLE") != 254:

@@ -126,6 +126,15 @@ class NetnsNetwork:
         """
         self.firewall.setup_host()
 
+    def check_host(self) -> None:
+        """Check, changing nothing, that no host route outside this network's own links
+        overlaps the outer range (:meth:`HostFirewall.check_no_overlap`).
+
+        Raises:
+            NetworkError: one does (the message names it and its link).
+        """
+        self.firewall.check_no_overlap()
+
     def ensure_jumps_first(self) -> list[str]:
         """Keep forkyard's firewall jumps ahead of other software's rules
         (:meth:`HostFirewall.ensure_jumps_first`)."""
