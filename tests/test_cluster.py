@@ -431,6 +431,9 @@ def test_drain(cluster):
     import json
 
     assert {n["nodeID"]: n["status"] for n in json.loads(ls.stdout)}["node1"] == "draining"
+    piped = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "ls"], env=env,
+                           capture_output=True, text=True, timeout=60)  # as every list command: ids when piped
+    assert sorted(piped.stdout.split()) == sorted(n["nodeID"] for n in json.loads(ls.stdout)), piped.stdout
     which = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "node", "which", "--json", a.sandbox_id],
                            env=env, capture_output=True, text=True, timeout=60)
     assert json.loads(which.stdout) == [{"sandboxID": a.sandbox_id, "nodeID": c.owner(a.sandbox_id), "state": "running"}]

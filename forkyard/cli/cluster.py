@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from forkyard.cli._common import fail
+from forkyard.cli._common import fail, fitted_table, print_table
 from forkyard.cli.serve import run_node, setup_logging
 from forkyard.config import ClusterSettings
 
@@ -137,16 +137,18 @@ def ls(scheduler: str = SCHEDULER_OPT, as_json: bool = typer.Option(False, "--js
     if as_json:
         print(json.dumps(nodes, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
 
-    t = Table("node", "status", "url", "heartbeat", "running", "paused", "max", "load1")
+    rows = []
     for n in nodes:
         r = n["report"]
         status = n["status"] + (" (silent)" if n.get("silent") and n["status"] != "down" else "")
-        t.add_row(n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
-                  str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}")
-    Console().print(t)
+        rows.append([n["nodeID"], status, n["url"], f"{n['heartbeatAge']:.1f}s ago", str(r["running"]),
+                     str(r["paused"]), str(r["max_sandboxes"]), f"{r['load1']:.2f}"])
+    # as the other list commands: a table on a terminal (the node column shrinks first,
+    # never the URL), one node id a line when piped
+    t = fitted_table(["node", "status", "url", "heartbeat", "running", "paused", "max", "load1"], rows,
+                     flexible=("node", "status"))
+    print_table(t, [n["nodeID"] for n in nodes])
 
 
 @node_app.command("which")

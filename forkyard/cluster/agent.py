@@ -401,7 +401,10 @@ class NodeAgent:
             log.warning("drain: publishing failed (retried): %s", e)
         self.drain_done = True
         self._wake.set()
-        log.warning("drain finished: %d paused, %d still running (pause failed)", len(running) - failed, failed)
+        if failed:
+            log.warning("drain finished: %d paused, %d still running (their pause failed)", len(running) - failed, failed)
+        else:
+            log.info("drain finished: %d paused", len(running))
 
     async def _may_resume(self, sandbox_id: str) -> bool:
         """Whether a connect/resume may go on here: always for a running sandbox; for a
