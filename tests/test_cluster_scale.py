@@ -264,3 +264,22 @@ async def test_heartbeat_route_checks_key_size_and_body_before_redis(plane):
         r = await c.post(path, json=good, headers=key)
         assert r.status_code == 200 and r.json()["status"] == "up", r.text
         assert redis.Redis.from_url(plane.redis_url).hget(f"fy:node:{nid}", "url").decode() == url
+
+
+async def test_gateway_create_body_is_bounded_while_read(plane):
+    """The gateway reads a create's JSON body under its bound (forkyard.relay.body): a
+    streamed (chunked) body over it is a 413 with a message, before anything is placed;
+    a body that is not a JSON object is a 400."""
+    from forkyard.cluster.gateway import MAX_JSON_BODY
+
+    async def chunks():
+        for _ in range(MAX_JSON_BODY // (1 << 16) + 2):
+            yield b" " * (1 << 16)
+
+    async with httpx.AsyncClient(base_url=plane.gateway_url, headers={"X-API-Key": plane.api_key}, timeout=30,
+                                 trust_env=False) as c:
+        r = await c.post("/sandboxes", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413 and str(MAX_JSON_BODY) in r.json()["message"], r.text[:300]
+        for bad in (b"{not json", b"[1, 2]"):
+            r = await c.post("/sandboxes", content=bad, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and r.json()["message"], r.text[:300]

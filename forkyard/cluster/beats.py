@@ -30,6 +30,7 @@ from forkyard.cluster.p2p import PeerTable, valid_address
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_UP, NodeReport
 from forkyard.obs import metrics
+from forkyard.relay.body import BodyTooLarge, read_body
 
 #: The heartbeat route: node id.
 BEAT_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
@@ -100,26 +101,6 @@ async def _send(send, status: int, obj: dict) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-async def _read(receive, limit: int) -> bytes | None:
-    """The request body, at most ``limit`` bytes (None: the client went away).
-
-    Raises:
-        Refused: 413, the body is longer.
-    """
-    chunks, n = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return None
-        chunk = msg.get("body", b"")
-        n += len(chunk)
-        if n > limit:
-            raise Refused(413, f"body over {limit} bytes")
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            return b"".join(chunks)
-
-
 def _problem(e: ValidationError) -> str:
     parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
     return "invalid heartbeat: " + "; ".join(parts)
@@ -151,7 +132,10 @@ class LeanHeartbeats:
         if (bad := self.guard.refusal(scope, headers)) is not None:
             return await bad(scope, receive, send)
         try:
-            raw = await _read(receive, self.max_body)
+            try:
+                raw = await read_body(receive, self.max_body)
+            except BodyTooLarge as e:
+                raise Refused(413, str(e)) from e
             if raw is None:
                 return
             try:

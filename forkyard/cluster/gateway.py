@@ -65,6 +65,7 @@ from forkyard.obs import logs
 from forkyard.orchestrator.volumes.store import HOLDER_HEADER
 from forkyard.relay import fastpath, paths
 from forkyard.relay.errors import send_error
+from forkyard.relay.body import BodyTooLarge, read_body
 from forkyard.relay.fastpath import relay_bodyless
 from forkyard.relay.headers import HOP, HOP_OUT, WS_SKIP, client_headers, target_path
 from forkyard.relay.http import relay_http
@@ -353,19 +354,12 @@ class Gateway(Ownership):
         return headers
 
     async def _json_body(self, scope, receive) -> tuple[bytes, dict]:
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                break
-            chunk = msg.get("body", b"")
-            size += len(chunk)
-            if size > MAX_JSON_BODY:
-                raise _Fail(413, f"request body over {MAX_JSON_BODY} bytes")
-            chunks.append(chunk)
-            if not msg.get("more_body"):
-                break
-        raw = b"".join(chunks)
+        try:
+            raw = await read_body(receive, MAX_JSON_BODY)
+        except BodyTooLarge as e:
+            raise _Fail(413, str(e)) from e
+        if raw is None:  # nobody reads the answer; nothing is forwarded
+            raise _Fail(400, "the client went away before its request body was complete")
         try:
             parsed = json.loads(raw) if raw.strip() else {}
         except RecursionError:
