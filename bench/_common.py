@@ -53,8 +53,15 @@ def _kill_sandboxes(url: str, key: str) -> None:
     """Kill every sandbox of the bench server (running or paused); best effort."""
     try:
         with httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=60) as c:
-            for s in c.get("/v2/sandboxes").json():
-                c.delete(f"/sandboxes/{s['sandboxID']}")
+            ids, token = [], None
+            while True:  # every page: the list answers 100 a page by default (E2B's)
+                r = c.get("/v2/sandboxes", params={"limit": 100, **({"nextToken": token} if token else {})})
+                ids += [s["sandboxID"] for s in r.json()]
+                token = r.headers.get("x-next-token")
+                if not token:
+                    break
+            for sid in ids:
+                c.delete(f"/sandboxes/{sid}")
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         print(f"warning: could not kill the bench server's sandboxes: {e}", file=sys.stderr)
 
