@@ -13,6 +13,7 @@ discovery service, no relay.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 import time
 
@@ -20,9 +21,33 @@ from forkyard.cluster.types import NODE_DOWN, NodeInfo
 from forkyard.ids import is_name
 
 _ENDPOINT_ID = re.compile(r"[0-9a-f]{64}")
-_ADDR = re.compile(r"(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.%a-z0-9]{2,60}\]):\d{1,5}")
-#: Direct addresses kept per node; peers listed per answer; snapshots listed per peer.
+_ADDR = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):(\d{1,5})")
+#: Direct addresses looked at and kept per node; peers listed per answer; snapshots listed per peer.
 MAX_ADDRS, MAX_PEERS, MAX_SNAPSHOTS = 16, 256, 1000
+_THIS_NET = ipaddress.ip_network("0.0.0.0/8")
+
+
+def dial_address(a) -> str | None:
+    """``a`` in canonical form (``ip:port``, ``[ipv6]:port``) when it is an address a
+    member may be dialled at, else None: a port 1-65535 and a unicast IP — not
+    multicast, unspecified (``0.0.0.0``, ``::``), "this network" (``0/8``), link-local
+    (``169.254/16`` — the cloud metadata address — and ``fe80::/10``; no zone ids),
+    broadcast or otherwise reserved (``240/4``, IPv4-mapped IPv6). Loopback passes here;
+    a node dials it only when its own endpoint is bound to loopback
+    (:meth:`forkyard.repository.p2p.ChunkService.set_peers`)."""
+    m = _ADDR.fullmatch(a) if isinstance(a, str) and len(a) <= 64 else None
+    if m is None or not 0 < int(m.group(2)) <= 65535:
+        return None
+    try:
+        ip = ipaddress.ip_address(m.group(1).strip("[]"))
+    except ValueError:
+        return None
+    if (ip.version == 6) != m.group(1).startswith("["):
+        return None
+    if not ip.is_loopback and (ip.is_multicast or ip.is_unspecified or ip.is_link_local or ip.is_reserved
+                               or ip in _THIS_NET):
+        return None
+    return f"[{ip}]:{int(m.group(2))}" if ip.version == 6 else f"{ip}:{int(m.group(2))}"
 #: How long the scheduler reuses the peer table it built (s): one Redis read of every
 #: node per second per replica at most, whatever the number of P2P nodes.
 PEERS_TTL_S = 1.0
@@ -30,13 +55,15 @@ PEERS_TTL_S = 1.0
 
 def valid_address(p2p) -> dict | None:
     """``report.p2p`` as a node sent it, checked: ``{"id", "addrs"}`` or None when it is
-    absent or malformed (a node without P2P, or an unusable report)."""
+    absent or malformed (a node without P2P, or an unusable report). Of ``addrs`` the
+    first :data:`MAX_ADDRS` are looked at and those :func:`dial_address` accepts kept
+    (canonical, once each); none left: None."""
     if not isinstance(p2p, dict) or not isinstance(p2p.get("id"), str) or not _ENDPOINT_ID.fullmatch(p2p["id"]):
         return None
     addrs = p2p.get("addrs")
     if not isinstance(addrs, list):
         return None
-    addrs = [a for a in addrs[:MAX_ADDRS] if isinstance(a, str) and _ADDR.fullmatch(a)]
+    addrs = list(dict.fromkeys(d for d in map(dial_address, addrs[:MAX_ADDRS]) if d is not None))
     return {"id": p2p["id"], "addrs": addrs} if addrs else None
 
 
@@ -101,12 +128,16 @@ def start_service(snapshots):
     cfg = P2PSettings()
     if not cfg.enabled:
         return None
-    if cfg.timeout_s <= 0 or cfg.max_serving < 1 or cfg.per_peer < 1:
-        raise ValueError("FORKYARD_P2P_TIMEOUT_S must be > 0, FORKYARD_P2P_MAX_SERVING and FORKYARD_P2P_PER_PEER >= 1")
+    if not (0 < cfg.timeout_s <= 600 and 0 < cfg.slot_wait_s <= 600):
+        raise ValueError("FORKYARD_P2P_TIMEOUT_S and FORKYARD_P2P_SLOT_WAIT_S must be > 0 and <= 600 (s)")
+    if min(cfg.max_serving, cfg.max_serving_per_peer, cfg.per_peer) < 1:
+        raise ValueError("FORKYARD_P2P_MAX_SERVING, FORKYARD_P2P_MAX_SERVING_PER_PEER and FORKYARD_P2P_PER_PEER "
+                         "must be >= 1")
     from forkyard.repository.p2p import ChunkService
 
     svc = ChunkService(snapshots.cache, snapshots.repo, bind=cfg.bind, timeout_s=cfg.timeout_s,
-                       max_serving=cfg.max_serving, per_peer=cfg.per_peer)
+                       max_serving=cfg.max_serving, per_peer=cfg.per_peer,
+                       serve_per_peer=cfg.max_serving_per_peer, slot_wait_s=cfg.slot_wait_s)
     snapshots.peers = svc
     return svc
 
