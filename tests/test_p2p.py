@@ -20,8 +20,11 @@ from pathlib import Path
 
 import iroh
 import pytest
+from conftest import redis_server
 
-from forkyard.cluster.p2p import MAX_ADDRS, parse_peers, valid_address
+from forkyard.cluster.p2p import MAX_ADDRS, PeerTable, parse_peers, valid_address
+from forkyard.cluster.store import ClusterStore
+from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S, NodeReport
 from forkyard.repository import SnapshotMeta, SnapshotStore, new_snapshot_id
 from forkyard.repository.config import RepoConfig
 from forkyard.repository.p2p import ChunkService, Peer
@@ -387,3 +390,41 @@ def test_a_request_that_waits_too_long_for_a_slot_goes_elsewhere_without_blaming
     assert 0 < len(got) < len(want) and st["peer_slot_waits"] >= 1 and st["peer_failures"] == 0, st
     rest = [hn for hn in want if hn not in got][:p2psvc.BATCH]
     assert len(pb.fetch_many(meta.snapshot_id, rest)) == len(rest)
+
+
+async def test_an_endpoint_id_is_vouched_for_the_first_node_that_reported_it(tmp_path):
+    """n1 reports the endpoint id n0 reported first (real redis-server, the scheduler's
+    peer table): the scheduler keeps listing that id with n0 and its addresses — in a
+    second replica too — while n0 beats; once n0 stops, n1 gets it and keeps it while
+    it beats, n0 back or not (attack review: a member could claim another's endpoint id
+    and have the others dial its addresses for that id, or two nodes listed for one)."""
+    eid = "cd" * 32
+
+    def report(port: int) -> NodeReport:
+        return NodeReport(p2p={"id": eid, "addrs": [f"10.0.0.{port}:7800"]})
+
+    async def listed(table: PeerTable) -> list[tuple[str, str, list[str]]]:
+        return [(p["node"], p["id"], p["addrs"]) for p in await table.answer(store, "observer")]
+
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as url:
+        store = ClusterStore(url)
+        try:
+            one, two = PeerTable(ttl_s=0), PeerTable(ttl_s=0)  # two scheduler replicas
+            await store.heartbeat("n0", "http://n0", report(1))
+            assert await listed(one) == [("n0", eid, ["10.0.0.1:7800"])]
+            await store.heartbeat("n1", "http://n1", report(2))  # n1 claims n0's id
+            assert await listed(one) == [("n0", eid, ["10.0.0.1:7800"])]
+            assert await listed(two) == [("n0", eid, ["10.0.0.1:7800"])]
+            stale = await store.now() - HEARTBEAT_TIMEOUT_S - 1  # n0 stops beating
+            await store.heartbeat("n0", "http://n0", report(1), now=stale)
+            await store.heartbeat("n1", "http://n1", report(2))
+            assert await listed(two) == [("n1", eid, ["10.0.0.2:7800"])]
+            await store.heartbeat("n0", "http://n0", report(1))  # n0 beats again: n1 keeps it
+            assert await listed(one) == [("n1", eid, ["10.0.0.2:7800"])]
+            assert await store.p2p_owners() == {eid: "n1"}
+            await store.heartbeat("n1", "http://n1", NodeReport())  # n1 stops reporting it
+            await store.heartbeat("n0", "http://n0", NodeReport())
+            assert await listed(one) == [] and await store.p2p_owners() == {}
+        finally:
+            await store.aclose()

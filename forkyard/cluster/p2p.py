@@ -13,12 +13,16 @@ discovery service, no relay.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 import re
 import time
 
 from forkyard.cluster.types import NODE_DOWN, NodeInfo
 from forkyard.ids import is_name
+
+log = logging.getLogger("forkyard.cluster.p2p")
 
 _ENDPOINT_ID = re.compile(r"[0-9a-f]{64}")
 _ADDR = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3}|\[[0-9a-fA-F:.]{2,45}\]):(\d{1,5})")
@@ -67,10 +71,10 @@ def valid_address(p2p) -> dict | None:
     return {"id": p2p["id"], "addrs": addrs} if addrs else None
 
 
-def peers_of(nodes: list[NodeInfo], now: float | None = None) -> list[dict]:
+def peers_of(nodes: list[NodeInfo], now: float | None = None, limit: int | None = MAX_PEERS) -> list[dict]:
     """The P2P members among ``nodes`` (as the scheduler read them: binding tags
     checked): alive, not declared down, with a valid address. Each ``{"node", "id",
-    "addrs", "snapshots"}``, at most :data:`MAX_PEERS`."""
+    "addrs", "snapshots"}``, at most ``limit`` (None: all)."""
     now = time.time() if now is None else now
     out = []
     for n in nodes:
@@ -78,23 +82,81 @@ def peers_of(nodes: list[NodeInfo], now: float | None = None) -> list[dict]:
         if addr is None or n.status == NODE_DOWN or not n.alive(now):
             continue
         out.append({"node": n.node_id, **addr, "snapshots": list(n.report.cached_snapshots[:MAX_SNAPSHOTS])})
-    return out[:MAX_PEERS]
+    return out[:limit]
+
+
+def one_per_id(peers: list[dict], owners: dict[str, str]) -> tuple[list[dict], dict[str, tuple[str, str]]]:
+    """``peers`` (:func:`peers_of`) with each endpoint id listed for one node only, and
+    the owner changes that takes: ``(kept, {endpoint id: (owner before, owner after)})``
+    ("" for none).
+
+    An id stays with the node ``owners`` names while that node still reports it and
+    beats (another node claiming it is left out); an id no owner reports goes to its only
+    claimant, or to none while several claim it at once; an id nobody reports any more
+    is forgotten. A member's endpoint key is made at its start and first shown in its
+    own heartbeat, so a claim copied from a peer list always comes second."""
+    by_id: dict[str, list[dict]] = {}
+    for p in peers:
+        by_id.setdefault(p["id"], []).append(p)
+    kept, changes = [], {}
+    for eid, claims in by_id.items():
+        owner = owners.get(eid, "")
+        mine = [p for p in claims if p["node"] == owner]
+        if mine:
+            kept.append(mine[0])
+        elif len(claims) == 1:
+            kept.append(claims[0])
+            changes[eid] = (owner, claims[0]["node"])
+        elif owner:
+            changes[eid] = (owner, "")
+    changes.update({eid: (owner, "") for eid, owner in owners.items() if eid not in by_id})
+    return kept, changes
 
 
 class PeerTable:
-    """The scheduler's memo of :func:`peers_of` (rebuilt at most every
-    :data:`PEERS_TTL_S`), so heartbeats of P2P nodes cost one node listing per second."""
+    """The scheduler's memo of :func:`peers_of` (rebuilt at most every ``ttl_s``,
+    :data:`PEERS_TTL_S`), so heartbeats of P2P nodes cost one node listing per second,
+    with each endpoint id vouched for one node only (:func:`one_per_id`; the owners are
+    kept in Redis, ``fy:p2powners``, so every scheduler replica vouches alike)."""
 
-    def __init__(self):
+    def __init__(self, ttl_s: float = PEERS_TTL_S):
+        self.ttl_s = ttl_s
         self._at = -1e9
         self._peers: list[dict] = []
+        self._warned: set[tuple[str, str]] = set()
+        self._lock = asyncio.Lock()
 
     async def answer(self, store, node_id: str) -> list[dict]:
-        """The peers to send ``node_id`` (every P2P member but itself)."""
-        if time.monotonic() - self._at > PEERS_TTL_S:
-            self._peers = peers_of(await store.nodes())
-            self._at = time.monotonic()
+        """The peers to send ``node_id`` (every P2P member but itself). Heartbeats that
+        find the memo old at once wait for one rebuild.
+
+        Raises:
+            ClusterStoreUnavailable: Redis failed (the heartbeat answers 503).
+        """
+        if time.monotonic() - self._at > self.ttl_s:
+            async with self._lock:
+                if time.monotonic() - self._at > self.ttl_s:
+                    self._peers = await self._rebuild(store)
+                    self._at = time.monotonic()
         return [p for p in self._peers if p["node"] != node_id]
+
+    async def _rebuild(self, store) -> list[dict]:
+        claims = peers_of(await store.nodes(), limit=None)
+        kept, changes = one_per_id(claims, await store.p2p_owners())
+        for eid, (before, after) in changes.items():
+            now = await store.set_p2p_owner(eid, before, after)
+            if now != after:  # another scheduler changed it first: its choice stands
+                kept = [p for p in kept if p["id"] != eid]
+                kept += [p for p in claims if p["id"] == eid and p["node"] == now][:1]
+        vouched = {(p["id"], p["node"]) for p in kept}
+        for p in claims:
+            if (p["id"], p["node"]) not in vouched and (p["id"], p["node"]) not in self._warned:
+                if len(self._warned) >= 4096:
+                    self._warned.clear()
+                self._warned.add((p["id"], p["node"]))
+                log.warning("P2P: node %s reports endpoint id %s, which is vouched for another node or claimed "
+                            "by several at once: not listed", p["node"], p["id"][:16])
+        return kept[:MAX_PEERS]
 
 
 def parse_peers(raw) -> list:

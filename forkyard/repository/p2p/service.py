@@ -162,7 +162,10 @@ class ChunkService:
         at their next request (:meth:`_serve_conn` checks every one). Of each member's
         ``addrs`` (checked as :func:`forkyard.cluster.p2p.valid_address` does) at most
         :data:`MAX_ADDRS` are kept, loopback ones only when :attr:`dials_loopback`."""
-        table = {p.endpoint_id: self._dialable(p) for p in peers if p.endpoint_id != self.endpoint_id}
+        table: dict[str, Peer] = {}
+        for p in peers:  # one node per endpoint id (the scheduler sends no more): the first
+            if p.endpoint_id != self.endpoint_id and p.endpoint_id not in table:
+                table[p.endpoint_id] = self._dialable(p)
         with self._lock:
             gone = [eid for eid in self._peers if eid not in table]
             self._peers = table
