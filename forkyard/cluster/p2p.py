@@ -6,9 +6,11 @@ A node with ``FORKYARD_P2P=on`` reports its iroh address in every heartbeat
 only with that node's own key (:mod:`.nodekeys`), so the endpoint ids in its node
 records are the members'. It answers each P2P node's heartbeat with ``peers``: the
 other live members that run P2P, their address and the snapshots whose image they cache
-(:func:`peers_of`). The node installs that list (:func:`parse_peers`) as the only
-endpoints it serves and the ones it asks — the scheduler's word is the membership; no
-discovery service, no relay.
+(:func:`peers_of`), each endpoint id for one node only — the first that reported it,
+while it beats (:func:`one_per_id`) — and only the addresses :func:`dial_address`
+accepts. The node installs that list (:func:`parse_peers`) as the only endpoints it
+serves and the ones it asks — the scheduler's word is the membership; no discovery
+service, no relay.
 """
 
 from __future__ import annotations
