@@ -254,9 +254,11 @@ def _raw(client: ChunkService, server: ChunkService, payloads: list[bytes]) -> l
 
 def test_one_member_flooding_a_node_leaves_serving_slots_to_the_others(nodes, tmp_path):
     """c (a member) holds a's serving slots with requests whose answers it never reads,
-    over two connections; a serves at most ``serve_per_peer`` of them, so b's restore
-    still gets every chunk from a instead of "busy" (attack review: serving was bounded
-    per node only; one member could take every slot)."""
+    over two connections (each answer is ~4 MiB, past QUIC's per-stream flow-control
+    window, so a's write of it blocks until a's timeout); a serves at most
+    ``serve_per_peer`` of them, so b's restore still gets every chunk from a instead of
+    "busy" (attack review: serving was bounded per node only; one member could take
+    every slot — here 8 of 8 before)."""
     hold = {"timeout_s": 20.0, "max_serving": 8, "serve_per_peer": 4}  # c's answers block this long
     (a, pa), (b, pb), (c, pc) = nodes(3, per={0: hold})
     pb.set_peers([p for p in pb.peers() if p.endpoint_id == pa.endpoint_id])  # b asks a only
