@@ -56,7 +56,7 @@ class P2PSettings:
         timeout_s: ``FORKYARD_P2P_TIMEOUT_S`` (5): longest wait for the answer to one
             request (of up to 16 chunks) to one peer, from the moment it is sent (s);
             past it those chunks are read from the repository and the peer is skipped
-            for 30 s. Four answers in a row slower than half of it skip the peer too.
+            for 30 s. Eight answers in a row slower than half of it skip the peer too.
         slot_wait_s: ``FORKYARD_P2P_SLOT_WAIT_S`` (5): longest wait of a request for one
             of the ``per_peer`` slots to a peer before it is sent (s); past it its chunks
             go to the next peer or the repository (the peer is not skipped for it).

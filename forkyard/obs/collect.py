@@ -121,7 +121,7 @@ def node_families(orch) -> list:
             c("forkyard_p2p_peer_failures", "Peer requests that failed (connection, timeout, corrupt chunk).",
               p2p.get("peer_failures")),
             c("forkyard_p2p_peer_corrupt_chunks", "Chunks from peers that failed verification.", p2p.get("peer_corrupt")),
-            c("forkyard_p2p_peer_slow_answers", "Peer answers slower than half FORKYARD_P2P_TIMEOUT_S (4 in a row "
+            c("forkyard_p2p_peer_slow_answers", "Peer answers slower than half FORKYARD_P2P_TIMEOUT_S (8 in a row "
               "skip the peer).", p2p.get("peer_slow")),
             c("forkyard_p2p_slot_waits", "Peer requests not sent: no per-peer slot within FORKYARD_P2P_SLOT_WAIT_S.",
               p2p.get("peer_slot_waits")),

@@ -74,7 +74,7 @@ ACCEPT_S = 5.0
 #: Longest wait for one dial of a peer (s), and dials per connection at most.
 CONNECT_S, CONNECT_TRIES = 2.0, 2
 #: Answers in a row slower than half the timeout after which a peer is skipped.
-SLOW_STREAK = 4
+SLOW_STREAK = 8
 #: Addresses of one member dialled at most.
 MAX_ADDRS = 16
 
