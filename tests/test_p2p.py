@@ -9,32 +9,44 @@ No sandbox here (tests/test_p2p_cluster.py resumes real sandboxes across nodes).
 
 from __future__ import annotations
 
+import asyncio
 import filecmp
 import os
+import struct
 import shutil
 import threading
 import time
 from pathlib import Path
 
+import iroh
 import pytest
+from conftest import redis_server
 
+from forkyard.cluster.p2p import MAX_ADDRS, PeerTable, parse_peers, valid_address
+from forkyard.cluster.store import ClusterStore
+from forkyard.cluster.types import HEARTBEAT_TIMEOUT_S, NodeReport
 from forkyard.repository import SnapshotMeta, SnapshotStore, new_snapshot_id
 from forkyard.repository.config import RepoConfig
 from forkyard.repository.p2p import ChunkService, Peer
+from forkyard.repository.p2p import service as p2psvc
+from forkyard.repository.p2p import transport as tp
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def nodes(tmp_path):
-    """``nodes(n) -> [(store, service)]``: stores sharing one repository, each with a
-    P2P service; every service lists the others as members. Closed at the end."""
+    """``nodes(n, timeout_s, per={i: {...}}) -> [(store, service)]``: stores sharing one
+    repository, each with a P2P service on 127.0.0.1 (``per[i]`` overrides node i's
+    :class:`ChunkService` arguments; its ``cls`` the class); every service lists the
+    others as members. Closed at the end."""
     made: list[tuple[SnapshotStore, ChunkService]] = []
 
-    def make(n: int = 2, timeout_s: float = 3.0) -> list[tuple[SnapshotStore, ChunkService]]:
+    def make(n: int = 2, timeout_s: float = 10.0, per: dict | None = None) -> list[tuple[SnapshotStore, ChunkService]]:
         for i in range(n):
             st = SnapshotStore(tmp_path / f"n{i}", RepoConfig(url=str(tmp_path / "repository")), auto_gc=False)
-            svc = ChunkService(st.cache, st.repo, bind="127.0.0.1:0", timeout_s=timeout_s)
+            kw = {"bind": "127.0.0.1:0", "timeout_s": timeout_s, **(per or {}).get(i, {})}
+            svc = kw.pop("cls", ChunkService)(st.cache, st.repo, **kw)
             st.peers = svc
             made.append((st, svc))
         members = [Peer(f"n{i}", svc.endpoint_id, tuple(svc.address()["addrs"])) for i, (_, svc) in enumerate(made)]
@@ -189,3 +201,232 @@ def test_without_p2p_nothing_changes(tmp_path):
     finally:
         a.close()
         b.close()
+
+
+# ---- hardening (attack review, issue 24) ----------------------------------------------
+
+class SlowService(ChunkService):
+    """A real chunk service that waits ``delay_s`` before answering each request (a
+    loaded or hostile member answering just in time)."""
+
+    delay_s = 0.0
+
+    async def _serve_stream(self, bi, rid):
+        await asyncio.sleep(self.delay_s)
+        await super()._serve_stream(bi, rid)
+
+
+def _want(store: SnapshotStore, sid: str) -> list[tuple[str, int]]:
+    """Every distinct (hash, raw length) of ``sid``'s manifest, in file order."""
+    return list(dict.fromkeys(hn for f in store.repo.manifest(sid).files for hn in f.chunks))
+
+
+async def _connect(client: ChunkService, server: ChunkService):
+    addr = iroh.EndpointAddr(iroh.EndpointId.from_string(server.endpoint_id), None, list(server.address()["addrs"]))
+    return await asyncio.wait_for(client.transport.endpoint.connect(addr, tp.ALPN), 10)
+
+
+async def _send(conn, payload: bytes):
+    bi = await conn.open_bi()
+    send = bi.send()
+    await send.write_all(payload)
+    await send.finish()
+    return bi
+
+
+def _raw(client: ChunkService, server: ChunkService, payloads: list[bytes]) -> list[list[tuple[int, bytes]]]:
+    """Send each of ``payloads`` (request bytes, as a member may frame them) from
+    ``client``'s endpoint to ``server`` on its own stream: the parsed answers."""
+    async def go():
+        conn = await _connect(client, server)
+        out = []
+        for p in payloads:
+            data = await asyncio.wait_for((await _send(conn, p)).recv().read_to_end(1 << 26), 20)
+            items, at = [], 0
+            while at < len(data):
+                (size,) = struct.unpack(">I", data[at + 1:at + 5])
+                items.append((data[at], data[at + 5:at + 5 + size]))
+                at += 5 + size
+            out.append(items)
+        return out
+    return client.transport.call(go(), 60)
+
+
+def test_one_member_flooding_a_node_leaves_serving_slots_to_the_others(nodes, tmp_path):
+    """c (a member) holds a's serving slots with requests whose answers it never reads,
+    over two connections (each answer is ~4 MiB, past QUIC's per-stream flow-control
+    window, so a's write of it blocks until a's timeout); a serves at most
+    ``serve_per_peer`` of them, so b's restore still gets every chunk from a instead of
+    "busy" (attack review: serving was bounded per node only; one member could take
+    every slot — here 8 of 8 before)."""
+    hold = {"timeout_s": 20.0, "max_serving": 8, "serve_per_peer": 4}  # c's answers block this long
+    (a, pa), (b, pb), (c, pc) = nodes(3, per={0: hold})
+    pb.set_peers([p for p in pb.peers() if p.endpoint_id == pa.endpoint_id])  # b asks a only
+    big = _commit(a, _image(tmp_path / "big", mb=8))
+    flood = tp.encode_request(big.snapshot_id, _want(a, big.snapshot_id)[:tp.MAX_BATCH])  # ~4 MiB to send each
+
+    async def open_flood():
+        streams = []
+        for _ in range(2):
+            conn = await _connect(pc, pa)
+            streams += [(conn, await _send(conn, flood)) for _ in range(6)]
+        return streams
+
+    streams = pc.transport.call(open_flood(), 30)  # kept referenced: the streams stay open, unread
+    deadline = time.monotonic() + 15
+    while pa.stats()["serving"] + pa.stats()["served_busy"] < 12 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = pa.stats()
+    assert st["serving"] == 4 and st["served_busy"] == 8, st  # c got its share, no more
+    src = _image(tmp_path / "small")
+    meta = _commit(a, src)
+    busy = pa.stats()["served_busy"]
+    assert _same(b.image(meta.snapshot_id), src)
+    assert pb.stats()["chunks_from_peers"] == _chunks(a, meta.snapshot_id), pb.stats()
+    assert pa.stats()["served_busy"] == busy  # b was never answered busy
+    assert len(streams) == 12
+
+
+def test_a_request_naming_one_hash_many_times_is_refused(nodes, tmp_path):
+    """A member's request naming one chunk 64 times (one read, 64 sends: amplification)
+    is answered BAD_REQUEST with nothing served; the same chunk named once is served;
+    a requester asks for a hash once even when its caller lists it twice."""
+    (a, pa), (b, pb) = nodes(2)
+    meta = _commit(a, _image(tmp_path))
+    sid = meta.snapshot_id
+    h, n = _want(a, sid)[0]
+    dup, once = _raw(pb, pa, [tp.encode_request(sid, [(h, n)] * tp.MAX_BATCH), tp.encode_request(sid, [(h, n)])])
+    assert dup == [(tp.BAD_REQUEST, b"")]
+    assert [s for s, _ in once] == [tp.OK]
+    assert pa.stats()["served_chunks"] == 1
+    got = pb.fetch_many(sid, [(h, n), (h, n + 1), (h, n)])  # (h, n + 1) cannot be right: never asked
+    assert list(got) == [(h, n)]
+    assert pa.stats()["served_chunks"] == 2 and pb.stats()["peer_corrupt"] == 0 and pb.stats()["peer_failures"] == 0
+
+
+def test_advertised_addresses_that_are_not_unicast_ip_port_are_ignored():
+    """Of a member's advertised addresses only unicast ``ip:port`` are kept (canonical,
+    once), from the first MAX_ADDRS looked at: multicast, unspecified, broadcast,
+    link-local (the metadata address), "this network", port 0, names and junk are
+    dropped, by the scheduler (valid_address) and again on receipt (parse_peers)."""
+    eid = "ab" * 32
+    bad = ["224.0.0.1:5000", "[ff02::1]:5000", "0.0.0.0:5000", "[::]:5000", "255.255.255.255:5000",
+           "169.254.169.254:80", "[fe80::1]:5000", "[fe80::1%eth0]:5000", "0.1.2.3:5000", "10.0.0.1:0",
+           "10.0.0.1:70000", "999.1.1.1:5000", "[::ffff:10.0.0.1]:5000", "[10.0.0.1]:5000", "host.example:5000",
+           "10.0.0.1", 7, None, "10.0.0.1:5000 ", "x" * 100000]
+    good = ["10.0.0.1:5000", "[2001:DB8::1]:7800", "127.0.0.1:6000", "10.0.0.1:5000"]
+    got = valid_address({"id": eid, "addrs": bad[:10] + good + bad[10:]})
+    assert got == {"id": eid, "addrs": ["10.0.0.1:5000", "[2001:db8::1]:7800", "127.0.0.1:6000"]}
+    assert valid_address({"id": eid, "addrs": bad}) is None
+    many = [f"10.0.{i // 250}.{i % 250 + 1}:5000" for i in range(1000)]
+    assert valid_address({"id": eid, "addrs": many})["addrs"] == many[:MAX_ADDRS]
+    assert valid_address({"id": eid, "addrs": bad[:MAX_ADDRS] + good}) is None  # only the first MAX_ADDRS
+    (peer,) = parse_peers([{"node": "n1", "id": eid, "addrs": bad[:4] + good + bad[4:]}])
+    assert peer.addrs == ("10.0.0.1:5000", "[2001:db8::1]:7800", "127.0.0.1:6000")
+
+
+def test_a_node_not_bound_to_loopback_does_not_dial_a_members_loopback_address(nodes, tmp_path):
+    """b's endpoint is bound to 0.0.0.0: a member advertising 127.0.0.1 would make b send
+    QUIC packets to a port of b's own host, so b drops that address (a member left with
+    no address is still served, never asked) and reads the repository; a node bound to
+    loopback (every other test here: a one-host cluster) dials it."""
+    (a, pa), (b, pb) = nodes(2, per={1: {"bind": "0.0.0.0:0"}})
+    assert pa.dials_loopback and not pb.dials_loopback
+    (seen,) = pb.peers()
+    assert seen.endpoint_id == pa.endpoint_id and seen.addrs == ()
+    src = _image(tmp_path)
+    meta = _commit(a, src)
+    assert _same(b.image(meta.snapshot_id), src)
+    assert pb.stats()["chunks_from_peers"] == 0 and pb.stats()["peer_failures"] == 0
+    assert b.metrics()["restore"]["chunks_fetched"] == _chunks(a, meta.snapshot_id)
+    assert pa.stats()["served_chunks"] == 0
+
+
+def test_a_peer_answering_just_under_the_timeout_is_skipped_like_a_failing_one(nodes, tmp_path):
+    """a answers every request after 2.6 s, under b's 4 s timeout but over half of it:
+    after SLOW_STREAK such answers b skips a for the backoff, like a failing peer — the
+    rest of that restore and the next one read the repository instead of waiting on a
+    (attack review: a peer just under the timeout was never skipped)."""
+    (a, pa), (b, pb) = nodes(2, timeout_s=4.0, per={0: {"cls": SlowService}})
+    pa.delay_s = 2.6
+    src = _image(tmp_path / "one", mb=12)  # 3 restore batches of 64 chunks: 12 requests, 8 slow skip a
+    meta = _commit(a, src)
+    assert _same(b.image(meta.snapshot_id), src)
+    st = pb.stats()
+    assert st["peer_slow"] >= p2psvc.SLOW_STREAK and st["peer_failures"] >= 1, st
+    assert 0 < st["chunks_from_peers"] < _chunks(a, meta.snapshot_id), st
+    served = pa.stats()["served_chunks"]
+    again = _commit(a, _image(tmp_path / "two"))
+    assert _same(b.image(again.snapshot_id), tmp_path / "two" / "src-image")
+    assert pa.stats()["served_chunks"] == served  # skipped: not asked at all
+
+
+def test_the_timeout_counts_from_sending_not_from_waiting_for_a_slot(nodes, tmp_path):
+    """b asks a for ~20 requests' worth of chunks with one request in flight at a time;
+    a answers each in 0.5 s (well within half b's 4 s timeout). The queue behind the slot
+    takes ~10 s, longer than the whole old bound (timeout + dials): every chunk still
+    comes from a and a is not blamed (before: the call timed out, a was marked failed
+    and skipped for 30 s — the suspected flaky first dial of test_p2p_cluster)."""
+    (a, pa), (b, pb) = nodes(2, timeout_s=4.0, per={0: {"cls": SlowService}, 1: {"per_peer": 1, "slot_wait_s": 60}})
+    pa.delay_s = 0.5
+    meta = _commit(a, _image(tmp_path, mb=20))
+    want = _want(a, meta.snapshot_id)
+    assert len(want) > 18 * p2psvc.BATCH
+    t0 = time.monotonic()
+    got = pb.fetch_many(meta.snapshot_id, want)
+    assert time.monotonic() - t0 > 4.0 + p2psvc.CONNECT_S * p2psvc.CONNECT_TRIES
+    st = pb.stats()
+    assert len(got) == len(want) and st["peer_failures"] == 0 and st["peer_slot_waits"] == 0, st
+
+
+def test_a_request_that_waits_too_long_for_a_slot_goes_elsewhere_without_blaming_the_peer(nodes, tmp_path):
+    """Same queue, but b waits at most 1 s for a slot: the requests still queued then go
+    to the repository (counted in ``peer_slot_waits``), a is not marked failed and the
+    next fetch asks it again."""
+    (a, pa), (b, pb) = nodes(2, timeout_s=4.0, per={0: {"cls": SlowService}, 1: {"per_peer": 1, "slot_wait_s": 1.0}})
+    pa.delay_s = 0.5
+    meta = _commit(a, _image(tmp_path, mb=6))
+    want = _want(a, meta.snapshot_id)
+    got = pb.fetch_many(meta.snapshot_id, want)
+    st = pb.stats()
+    assert 0 < len(got) < len(want) and st["peer_slot_waits"] >= 1 and st["peer_failures"] == 0, st
+    rest = [hn for hn in want if hn not in got][:p2psvc.BATCH]
+    assert len(pb.fetch_many(meta.snapshot_id, rest)) == len(rest)
+
+
+async def test_an_endpoint_id_is_vouched_for_the_first_node_that_reported_it(tmp_path):
+    """n1 reports the endpoint id n0 reported first (real redis-server, the scheduler's
+    peer table): the scheduler keeps listing that id with n0 and its addresses — in a
+    second replica too — while n0 beats; once n0 stops, n1 gets it and keeps it while
+    it beats, n0 back or not (attack review: a member could claim another's endpoint id
+    and have the others dial its addresses for that id, or two nodes listed for one)."""
+    eid = "cd" * 32
+
+    def report(port: int) -> NodeReport:
+        return NodeReport(p2p={"id": eid, "addrs": [f"10.0.0.{port}:7800"]})
+
+    async def listed(table: PeerTable) -> list[tuple[str, str, list[str]]]:
+        return [(p["node"], p["id"], p["addrs"]) for p in await table.answer(store, "observer")]
+
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as url:
+        store = ClusterStore(url)
+        try:
+            one, two = PeerTable(ttl_s=0), PeerTable(ttl_s=0)  # two scheduler replicas
+            await store.heartbeat("n0", "http://n0", report(1))
+            assert await listed(one) == [("n0", eid, ["10.0.0.1:7800"])]
+            await store.heartbeat("n1", "http://n1", report(2))  # n1 claims n0's id
+            assert await listed(one) == [("n0", eid, ["10.0.0.1:7800"])]
+            assert await listed(two) == [("n0", eid, ["10.0.0.1:7800"])]
+            stale = await store.now() - HEARTBEAT_TIMEOUT_S - 1  # n0 stops beating
+            await store.heartbeat("n0", "http://n0", report(1), now=stale)
+            await store.heartbeat("n1", "http://n1", report(2))
+            assert await listed(two) == [("n1", eid, ["10.0.0.2:7800"])]
+            await store.heartbeat("n0", "http://n0", report(1))  # n0 beats again: n1 keeps it
+            assert await listed(one) == [("n1", eid, ["10.0.0.2:7800"])]
+            assert await store.p2p_owners() == {eid: "n1"}
+            await store.heartbeat("n1", "http://n1", NodeReport())  # n1 stops reporting it
+            await store.heartbeat("n0", "http://n0", NodeReport())
+            assert await listed(one) == [] and await store.p2p_owners() == {}
+        finally:
+            await store.aclose()

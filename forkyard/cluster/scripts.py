@@ -225,3 +225,13 @@ for i = 3, #ARGV do
 end
 return out
 """
+# KEYS: p2powners   ARGV: endpoint id, expected owner ('' none), new owner ('' none)
+# The node a P2P endpoint id is vouched for (:class:`~forkyard.cluster.p2p.PeerTable`),
+# changed only while it is still ``expected`` (two schedulers at once: one wins).
+# Returns the owner after ('' none).
+P2P_OWNER = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1]) or ''
+if cur ~= ARGV[2] then return cur end
+if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+return ARGV[3]
+"""

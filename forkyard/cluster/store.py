@@ -37,6 +37,9 @@ gateways acting at once never see half a change):
                                not declared down, and :data:`VOLUME_TAKEOVER_S` after
 ``fy:vname:<volume name>``     the volume id of that name last leased (placement looks
                                names up)
+``fy:p2powners``               hash P2P endpoint id → the node it is vouched for: the
+                               first live node that reported it, while it beats
+                               (:class:`~.p2p.PeerTable`)
 =============================  ==========================================================
 
 Durability is Redis's: run it with ``appendonly yes`` (deploy/ does) so a Redis restart
@@ -153,6 +156,7 @@ class ClusterStore:
         self._vacquire = self._r.register_script(scripts.VOLUME_ACQUIRE)
         self._vrelease = self._r.register_script(scripts.VOLUME_RELEASE)
         self._vholders = self._r.register_script(scripts.VOLUME_HOLDERS)
+        self._p2p_owner = self._r.register_script(scripts.P2P_OWNER)
         #: set by the scheduler and gateway (the master): node records are then written
         #: with their binding tag and read only when it checks (:mod:`.nodekeys`)
         self.keys: NodeKeys | None = keys
@@ -191,6 +195,19 @@ class ClusterStore:
             return bool(await self._r.ping())
         except (RedisError, OSError):
             return False
+
+    # ---- P2P endpoint ids (.p2p) -----------------------------------------------------
+    async def p2p_owners(self) -> dict[str, str]:
+        """``{endpoint id: node id}``: the node each P2P endpoint id is vouched for (one
+        entry per id a live P2P node reports: bounded by the fleet)."""
+        raw = await self._call(self._r.hgetall(f"{P}p2powners"))
+        return {_s(k): _s(v) for k, v in raw.items()}
+
+    async def set_p2p_owner(self, endpoint_id: str, expected: str, new: str) -> str:
+        """Vouch ``endpoint_id`` for node ``new`` ("": for none) if it is still vouched for
+        ``expected`` ("": none); returns the owner after (another scheduler may have
+        changed it first)."""
+        return _s(await self._call(self._p2p_owner(keys=[f"{P}p2powners"], args=[endpoint_id, expected, new])))
 
     # ---- nodes ----------------------------------------------------------------------
     async def now(self) -> float:

@@ -53,10 +53,18 @@ class P2PSettings:
         bind: ``FORKYARD_P2P_BIND`` (``0.0.0.0:0``): the UDP address the endpoint binds
             (``host:port``; port 0 picks one); its direct addresses are advertised in the
             node's heartbeat (no relay, no discovery service).
-        timeout_s: ``FORKYARD_P2P_TIMEOUT_S`` (5): longest wait for one chunk from one
-            peer, connection included (s); past it the chunk is read from the repository.
+        timeout_s: ``FORKYARD_P2P_TIMEOUT_S`` (5): longest wait for the answer to one
+            request (of up to 16 chunks) to one peer, from the moment it is sent (s);
+            past it those chunks are read from the repository and the peer is skipped
+            for 30 s. Eight answers in a row slower than half of it skip the peer too.
+        slot_wait_s: ``FORKYARD_P2P_SLOT_WAIT_S`` (5): longest wait of a request for one
+            of the ``per_peer`` slots to a peer before it is sent (s); past it its chunks
+            go to the next peer or the repository (the peer is not skipped for it).
         max_serving: ``FORKYARD_P2P_MAX_SERVING`` (16): chunk transfers this node serves
             at once (all peers together); more are answered "busy" at once.
+        max_serving_per_peer: ``FORKYARD_P2P_MAX_SERVING_PER_PEER`` (4): of those, at most
+            this many to one member (by endpoint id, all its connections together), so a
+            member flooding this node cannot take every slot from the others.
         per_peer: ``FORKYARD_P2P_PER_PEER`` (4): chunk requests this node has in flight to
             one peer at once.
     """
@@ -65,6 +73,9 @@ class P2PSettings:
     bind: str = field(default_factory=lambda: _env("FORKYARD_P2P_BIND", "0.0.0.0:0").strip())
     timeout_s: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_TIMEOUT_S", "5")))
     max_serving: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_MAX_SERVING", "16")))
+    max_serving_per_peer: int = field(
+        default_factory=lambda: int(_env("FORKYARD_P2P_MAX_SERVING_PER_PEER", "4")))
+    slot_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_SLOT_WAIT_S", "5")))
     per_peer: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_PER_PEER", "4")))
 
 

@@ -121,7 +121,13 @@ def node_families(orch) -> list:
             c("forkyard_p2p_peer_failures", "Peer requests that failed (connection, timeout, corrupt chunk).",
               p2p.get("peer_failures")),
             c("forkyard_p2p_peer_corrupt_chunks", "Chunks from peers that failed verification.", p2p.get("peer_corrupt")),
+            c("forkyard_p2p_peer_slow_answers", "Peer answers slower than half FORKYARD_P2P_TIMEOUT_S (8 in a row "
+              "skip the peer).", p2p.get("peer_slow")),
+            c("forkyard_p2p_slot_waits", "Peer requests not sent: no per-peer slot within FORKYARD_P2P_SLOT_WAIT_S.",
+              p2p.get("peer_slot_waits")),
             c("forkyard_p2p_served_chunks", "Chunks this node served to peers.", p2p.get("served_chunks")),
+            c("forkyard_p2p_served_busy", "Peer requests answered busy (FORKYARD_P2P_MAX_SERVING or "
+              "FORKYARD_P2P_MAX_SERVING_PER_PEER reached).", p2p.get("served_busy")),
             c("forkyard_p2p_served_bytes", "Stored bytes this node served to peers.", p2p.get("served_bytes")),
             c("forkyard_p2p_refused_connections", "Connections refused: the endpoint is no member the scheduler "
               "lists.", p2p.get("refused_connections")),

@@ -16,16 +16,30 @@ located through that snapshot's committed manifest and compressed on the way out
 requester verifies every chunk against its BLAKE3 name (:func:`~..chunks.decode`), so a
 peer can make a chunk fail over to the repository but never change what is restored.
 
-**Bounds.** At most ``max_serving`` transfers served at once (more: answered BUSY at
-once), ``per_peer`` requests (of at most :data:`BATCH` chunks) in flight to one peer,
-``timeout_s`` per request, responses at most the chunks' sizes plus 1 KiB each
-(:func:`~.transport.response_bound`); a peer that failed (connection, timeout, corrupt
-chunk) is not asked again for :data:`BACKOFF_S`.
+**Bounds.** Serving: at most ``max_serving`` transfers at once, and at most
+``serve_per_peer`` of them for one member (counted by endpoint id over all its
+connections), so one member flooding a node leaves the others served; more are answered
+BUSY at once. A request names at most :data:`~.transport.MAX_BATCH` chunks, no hash
+twice. Fetching: ``per_peer`` requests (of at most :data:`BATCH` chunks) in flight to
+one peer; a request waits at most ``slot_wait_s`` for one of those slots (past it its
+chunks go to the next peer or the repository; the peer is not blamed), a dial at most
+:data:`CONNECT_S` (:data:`CONNECT_TRIES` times), and then ``timeout_s`` from the moment
+it is sent to its answer's end; responses at most the chunks' sizes plus 1 KiB each
+(:func:`~.transport.response_bound`). A peer that failed (connection, timeout, corrupt
+chunk) or gave :data:`SLOW_STREAK` answers in a row slower than half ``timeout_s`` is
+not asked again for :data:`BACKOFF_S`.
+
+**Whom it dials.** A member's advertised addresses are checked by the scheduler and on
+receipt (:func:`forkyard.cluster.p2p.valid_address`: unicast ``ip:port``); a loopback
+address is dialled only when this node's own endpoint is bound to a loopback address
+(a one-host cluster: tests, development) — else a member could make every node send
+QUIC packets to a UDP port on that node's own host. At most :data:`MAX_ADDRS` per member.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import random
@@ -59,6 +73,26 @@ INDEX_CACHE = 32
 ACCEPT_S = 5.0
 #: Longest wait for one dial of a peer (s), and dials per connection at most.
 CONNECT_S, CONNECT_TRIES = 2.0, 2
+#: Answers in a row slower than half the timeout after which a peer is skipped.
+SLOW_STREAK = 8
+#: Addresses of one member dialled at most.
+MAX_ADDRS = 16
+
+
+class SlotWait(Exception):
+    """No per-peer request slot came free within ``slot_wait_s``: those chunks go
+    elsewhere; not the peer's fault."""
+
+
+def _loopback(hostport: str) -> bool:
+    """Whether ``ip:port`` / ``[ip]:port`` names a loopback IP (False when unparsable)."""
+    host = hostport.rsplit(":", 1)[0].strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
 
 
 @dataclass(frozen=True)
@@ -78,17 +112,21 @@ class ChunkService:
     Args:
         cache: this node's cache (what is served); repo: the repository (manifests, to
             find a chunk inside a cached image).
-        bind: UDP address of the endpoint; timeout_s, max_serving, per_peer: the bounds
-            of the module doc (``forkyard.config.P2PSettings``).
+        bind: UDP address of the endpoint (``host:port``); a loopback host lets this node
+            dial members' loopback addresses (module doc). timeout_s, slot_wait_s (s),
+            max_serving, serve_per_peer, per_peer (counts): the bounds of the module doc
+            (``forkyard.config.P2PSettings``); counts below 1 are taken as 1.
 
     Raises:
         RuntimeError: the endpoint could not be bound.
     """
 
     def __init__(self, cache: NodeCache, repo: Repository, bind: str = "0.0.0.0:0", timeout_s: float = 5.0,
-                 max_serving: int = 16, per_peer: int = 4):
+                 max_serving: int = 16, per_peer: int = 4, serve_per_peer: int = 4, slot_wait_s: float = 5.0):
         self.cache, self.repo = cache, repo
         self.timeout_s, self.per_peer = float(timeout_s), max(1, int(per_peer))
+        self.slot_wait_s = float(slot_wait_s)
+        self.dials_loopback = _loopback(bind)
         self.transport = tp.Transport(bind)
         self._peers: dict[str, Peer] = {}  # endpoint id -> peer
         self._lock = threading.Lock()
@@ -99,10 +137,13 @@ class ChunkService:
         self._dial: dict[str, asyncio.Lock] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._serving = 0
+        self._serving_to: dict[str, int] = {}  # endpoint id -> transfers served to it now
+        self._slow: dict[str, int] = {}  # endpoint id -> slow answers in a row
         self.max_serving = max(1, int(max_serving))
+        self.serve_per_peer = max(1, int(serve_per_peer))
         self.counters = {"chunks_from_peers": 0, "bytes_from_peers": 0, "peer_misses": 0, "peer_failures": 0,
-                         "peer_corrupt": 0, "served_chunks": 0, "served_bytes": 0, "served_not_held": 0,
-                         "served_busy": 0, "refused_connections": 0}
+                         "peer_corrupt": 0, "peer_slow": 0, "peer_slot_waits": 0, "served_chunks": 0,
+                         "served_bytes": 0, "served_not_held": 0, "served_busy": 0, "refused_connections": 0}
         self._accept_task = asyncio.run_coroutine_threadsafe(self._accept_loop(), self.transport.loop)
 
     # ---- membership -------------------------------------------------------------------
@@ -118,13 +159,26 @@ class ChunkService:
     def set_peers(self, peers: list[Peer]) -> None:
         """Replace the members this node serves and asks (this node's own id is ignored);
         this node's connections to members no longer listed are closed, and theirs to it
-        at their next request (:meth:`_serve_conn` checks every one)."""
-        table = {p.endpoint_id: p for p in peers if p.endpoint_id != self.endpoint_id}
+        at their next request (:meth:`_serve_conn` checks every one). Of each member's
+        ``addrs`` (checked as :func:`forkyard.cluster.p2p.valid_address` does) at most
+        :data:`MAX_ADDRS` are kept, loopback ones only when :attr:`dials_loopback`."""
+        table: dict[str, Peer] = {}
+        for p in peers:  # one node per endpoint id (the scheduler sends no more): the first
+            if p.endpoint_id != self.endpoint_id and p.endpoint_id not in table:
+                table[p.endpoint_id] = self._dialable(p)
         with self._lock:
             gone = [eid for eid in self._peers if eid not in table]
             self._peers = table
+            for eid in gone:  # what is kept per peer stays bounded by the members
+                self._slow.pop(eid, None)
+                self._down.pop(eid, None)
+            self._lacks = {k: t for k, t in self._lacks.items() if k[0] in table and t > time.monotonic()}
         for eid in gone:
             self.transport.loop.call_soon_threadsafe(self._drop_conn, eid, b"no longer a cluster member")
+
+    def _dialable(self, p: Peer) -> Peer:
+        addrs = tuple(dict.fromkeys(a for a in p.addrs if self.dials_loopback or not _loopback(a)))[:MAX_ADDRS]
+        return p if addrs == p.addrs else Peer(p.node, p.endpoint_id, addrs, p.snapshots)
 
     def peers(self) -> list[Peer]:
         """The members known now."""
@@ -184,13 +238,16 @@ class ChunkService:
                 log.warning("P2P: closed the connection of endpoint %s: no longer a member", rid[:16])
                 conn.close(tp.CLOSE_UNAUTHORIZED, b"no longer a member of this cluster")
                 return
-            asyncio.get_running_loop().create_task(self._serve_stream(bi))
+            asyncio.get_running_loop().create_task(self._serve_stream(bi, rid))
 
     @staticmethod
     async def _handshake(inc):
         return await (await inc.accept()).connect()
 
-    async def _serve_stream(self, bi) -> None:
+    async def _serve_stream(self, bi, rid: str) -> None:
+        """Answer one request of member ``rid`` (endpoint id) on stream ``bi``: BUSY for
+        every chunk when this node serves ``max_serving`` transfers, or ``serve_per_peer``
+        to ``rid``, already."""
         send = bi.send()
         try:
             req = await asyncio.wait_for(tp.read_request(bi.recv()), self.timeout_s)
@@ -198,9 +255,11 @@ class ChunkService:
                 return await tp.write_response(send, [tp.encode_item(tp.BAD_REQUEST)])
             sid, want = req
             with self._lock:
-                busy = self._serving >= self.max_serving
+                mine = self._serving_to.get(rid, 0)
+                busy = self._serving >= self.max_serving or mine >= self.serve_per_peer
                 if not busy:
                     self._serving += 1
+                    self._serving_to[rid] = mine + 1
             if busy:
                 self._count(served_busy=1)
                 return await tp.write_response(send, [tp.encode_item(tp.BUSY)] * len(want))
@@ -221,6 +280,9 @@ class ChunkService:
             finally:
                 with self._lock:
                     self._serving -= 1
+                    left = self._serving_to.pop(rid) - 1
+                    if left:
+                        self._serving_to[rid] = left
         except Exception as e:  # noqa: BLE001 — one stream; the requester falls back
             log.debug("P2P: serving chunks failed: %s", e)
 
@@ -269,10 +331,11 @@ class ChunkService:
     # ---- fetching ---------------------------------------------------------------------
     def _candidates(self, sid: str) -> list[Peer]:
         """Peers to ask for a chunk of ``sid``: those caching its image first, then the
-        others (the table may be a heartbeat old); none in backoff or known to lack it."""
+        others (the table may be a heartbeat old); none without a dialable address, in
+        backoff or known to lack it."""
         now = time.monotonic()
         with self._lock:
-            ok = [p for p in self._peers.values() if self._down.get(p.endpoint_id, 0) <= now
+            ok = [p for p in self._peers.values() if p.addrs and self._down.get(p.endpoint_id, 0) <= now
                   and self._lacks.get((p.endpoint_id, sid), 0) <= now]
         random.shuffle(ok)
         ok.sort(key=lambda p: sid not in p.snapshots)
@@ -282,26 +345,34 @@ class ChunkService:
         """Chunks ``want`` (``[(hash, raw length)]``) of snapshot ``sid`` from peers,
         verified: ``{(hash, length): (stored blob, raw bytes)}`` for those a peer gave
         intact in time; the caller reads the others from the repository. Asks in requests
-        of :data:`BATCH` chunks, up to ``per_peer`` at once; what one peer lacks or
-        botches goes to the next (at most :data:`MAX_TRIES`). Blocking; never raises for
-        a peer's fault."""
+        of :data:`BATCH` chunks (a hash once: a repeat is left to the repository), up to
+        ``per_peer`` at once; what one peer lacks or botches goes to the next (at most
+        :data:`MAX_TRIES`). Blocking, at most about ``slot_wait_s`` + 2 dials +
+        ``timeout_s`` per peer asked; never raises for a peer's fault."""
         got: dict[tuple[str, int], tuple[bytes, bytes]] = {}
-        left = list(dict.fromkeys(want))
+        seen: set[str] = set()
+        left = [(h, n) for h, n in want if not (h in seen or seen.add(h))]  # each hash once, first length
+        bound = self.slot_wait_s + 2 * CONNECT_S * CONNECT_TRIES + self.timeout_s + 1.0
         for peer in self._candidates(sid):
             if not left:
                 break
             parts = [left[i:i + BATCH] for i in range(0, len(left), BATCH)]
             try:
-                answers = self.transport.call(self._ask_all(peer, sid, parts), self.timeout_s + CONNECT_S * CONNECT_TRIES)
+                answers = self.transport.call(self._ask_all(peer, sid, parts), bound)
             except Exception as e:  # noqa: BLE001 — any failure of the peer: next one / repository
                 self._fail(peer, f"{type(e).__name__}: {e}")
                 continue
-            corrupt = misses = 0
+            corrupt = misses = waits = 0
             for part, answer in zip(parts, answers):
+                if isinstance(answer, SlotWait):
+                    waits += 1
+                    continue
                 if isinstance(answer, BaseException):
                     self._fail(peer, f"{type(answer).__name__}: {answer}")
                     continue
-                for (h, n), (status, blob) in zip(part, answer):
+                items, took = answer
+                self._timed(peer, took)
+                for (h, n), (status, blob) in zip(part, items):
                     if status != tp.OK:
                         misses += 1
                         continue
@@ -311,7 +382,7 @@ class ChunkService:
                         corrupt += 1
             served = [hn for hn in left if hn in got]
             self._count(chunks_from_peers=len(served), bytes_from_peers=sum(len(got[hn][0]) for hn in served),
-                        peer_misses=misses, peer_corrupt=corrupt)
+                        peer_misses=misses, peer_corrupt=corrupt, peer_slot_waits=waits)
             if corrupt:
                 self._fail(peer, f"{corrupt} chunk(s) of {sid} failed verification")
             elif misses and not served:
@@ -360,15 +431,54 @@ class ChunkService:
                 self._conns[eid] = conn
             return conn
 
-    async def _ask(self, peer: Peer, sid: str, want: list[tuple[str, int]]) -> list[tuple[int, bytes]]:
+    async def _ask(self, peer: Peer, sid: str, want: list[tuple[str, int]]) -> tuple[list[tuple[int, bytes]], float]:
+        """One request to ``peer``: ``([(status, blob)] in ``want``'s order, seconds from
+        sending it to its answer's end)``.
+
+        Raises:
+            SlotWait: no per-peer slot within ``slot_wait_s`` (nothing was sent).
+            TimeoutError: no connection (:meth:`_conn`), or no full answer within
+                ``timeout_s`` of sending.
+            IrohError, ValueError: the stream failed, or the answer is malformed.
+        """
         slots = self._slots.setdefault(peer.endpoint_id, asyncio.Semaphore(self.per_peer))
-        async with slots:
-            conn = await self._conn(peer)
-            bi = await conn.open_bi()
-            send = bi.send()
-            await send.write_all(tp.encode_request(sid, want))
-            await send.finish()
-            return await asyncio.wait_for(tp.read_response(bi.recv(), want), self.timeout_s)
+        try:
+            await asyncio.wait_for(slots.acquire(), self.slot_wait_s)
+        except asyncio.TimeoutError:
+            raise SlotWait(f"no request slot for {peer.node} within {self.slot_wait_s:.1f} s") from None
+        try:
+            conn = await self._conn(peer)  # its own bound: CONNECT_S x CONNECT_TRIES
+            t0 = time.monotonic()
+
+            async def exchange():
+                bi = await conn.open_bi()
+                send = bi.send()
+                await send.write_all(tp.encode_request(sid, want))
+                await send.finish()
+                return await tp.read_response(bi.recv(), want)
+
+            try:
+                items = await asyncio.wait_for(exchange(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"no answer from {peer.node} within {self.timeout_s:.1f} s") from None
+            return items, time.monotonic() - t0
+        finally:
+            slots.release()
+
+    def _timed(self, peer: Peer, took: float) -> None:
+        """Count an answer that took ``took`` seconds: :data:`SLOW_STREAK` in a row slower
+        than half ``timeout_s`` skip ``peer`` like a failure; a faster one resets the count."""
+        eid = peer.endpoint_id
+        with self._lock:
+            if took <= self.timeout_s / 2:
+                self._slow.pop(eid, None)
+                return
+            self.counters["peer_slow"] += 1
+            streak = self._slow[eid] = self._slow.get(eid, 0) + 1
+            if streak >= SLOW_STREAK:
+                del self._slow[eid]
+        if streak >= SLOW_STREAK:
+            self._fail(peer, f"{streak} answers in a row slower than {self.timeout_s / 2:.1f} s (last {took:.1f} s)")
 
     async def _ask_all(self, peer: Peer, sid: str, parts: list[list[tuple[str, int]]]) -> list:
         return await asyncio.gather(*(self._ask(peer, sid, p) for p in parts), return_exceptions=True)

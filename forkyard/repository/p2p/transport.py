@@ -17,7 +17,9 @@ Wire format of one request (one bidirectional QUIC stream per request; the ALPN 
               | count × (32-byte BLAKE3 hash | u32 raw length)
     response  count × (u8 status | u32 len(blob) | blob)   (status OK: blob is the zstd frame)
 
-All integers big-endian; ``count`` is 1…:data:`MAX_BATCH`. Status :data:`OK`,
+All integers big-endian; ``count`` is 1…:data:`MAX_BATCH` and no hash appears twice in
+one request (a repeated hash made one request read and send one chunk up to 64 times:
+such a request is malformed, answered :data:`BAD_REQUEST`). Status :data:`OK`,
 :data:`NOT_HELD` (this node's cache has neither the chunk nor the snapshot's image),
 :data:`BUSY` (at its transfer bound) or :data:`BAD_REQUEST`. Batching matters: each
 await on the binding costs Python-side work, so one stream per chunk was measured ~3×
@@ -77,7 +79,9 @@ def encode_request(sid: str, want: list[tuple[str, int]]) -> bytes:
 
 async def read_request(recv) -> tuple[str, list[tuple[str, int]]] | None:
     """``(sid, [(hash hex, raw length)])`` read from a stream (to its end, at most
-    :data:`MAX_REQUEST` bytes), None when malformed."""
+    :data:`MAX_REQUEST` bytes), None when malformed: wrong magic, sid length or encoding,
+    ``count`` outside 1…:data:`MAX_BATCH`, a body that is not ``count`` entries, or a
+    hash named twice."""
     data = await recv.read_to_end(MAX_REQUEST)
     if len(data) < 7 or data[:4] != MAGIC or not 0 < data[4] <= MAX_SID:
         return None
@@ -90,6 +94,8 @@ async def read_request(recv) -> tuple[str, list[tuple[str, int]]] | None:
     body = data[at + 2:]
     if not 0 < count <= MAX_BATCH or len(body) != 36 * count:
         return None
+    if len({body[i:i + 32] for i in range(0, len(body), 36)}) != count:
+        return None  # a hash named twice: one chunk read and sent many times for one request
     return sid, [(body[i:i + 32].hex(), struct.unpack(">I", body[i + 32:i + 36])[0]) for i in range(0, len(body), 36)]
 
 
