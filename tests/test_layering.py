@@ -71,15 +71,10 @@ def test_a_circle_closed_by_a_function_level_import_is_found(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
 
 
-#: ``os.environ`` reads outside forkyard/config/ that are still to move there (issue 20
-#: step 2, "settings": after the runtime, cluster and request-path work lands), per file.
-#: cli/, client/ and obs/ read none any more. A new read anywhere else fails the test
+#: ``os.environ`` reads outside forkyard/config/ (issue 20: every setting is read there),
+#: per file, each with why it is not a setting. A new read anywhere else fails the test
 #: below; so does a count that went down without this list following.
 ENV_READS_TO_MOVE = {
-    # the control plane's config module (its secret file, a node's key file, whether a node
-    # was given the secret, Redis and scheduler URLs, each also taken from a given
-    # mapping): stays, config/cluster.py's ClusterSettings says so
-    "cluster/config.py": 5,
     "runtime/gvisor/reaper.py": 1,    # not a setting: hands the environment to the daemon it spawns
 }
 

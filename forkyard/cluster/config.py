@@ -28,7 +28,6 @@ CLI options override).
 
 from __future__ import annotations
 
-import os
 import stat
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -43,6 +42,7 @@ PLACEMENT_HEADER = "x-forkyard-placement"
 DRAINING_HEADER = "x-forkyard-draining"
 from forkyard.api.auth import cluster_secret_ok as secret_ok  # noqa: F401 — re-exported
 from forkyard.cluster.nodekeys import NODE_KEY_PREFIX
+from forkyard.config import ControlPlaneEnv
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_SCHEDULER_URL = "http://127.0.0.1:9090"
@@ -52,15 +52,14 @@ class ClusterConfigError(Exception):
     """A cluster setting is missing or unsafe; the message says which and what to do."""
 
 
-def _value_or_private_file(env, name: str) -> str:
-    """``env[name]``, else the content of the file ``env[name + "_FILE"]`` names, which
-    must be private (no group/other bits); "" when neither is set.
+def _value_or_private_file(value: str, path: str, name: str) -> str:
+    """``value`` (the variable ``name``), else the content of the file ``path`` (the
+    variable ``name + "_FILE"``), which must be private (no group/other bits); "" when
+    neither is set.
 
     Raises:
         ClusterConfigError: the file is unreadable or readable by other users.
     """
-    value = env.get(name, "").strip()
-    path = env.get(f"{name}_FILE", "").strip()
     return value or (_read_private(f"{name}_FILE", path) if path else "")
 
 
@@ -89,7 +88,8 @@ def load_secret(env: dict[str, str] | None = None) -> str:
         ClusterConfigError: neither is set, the file is missing/empty, readable by group
             or others, or the secret is shorter than 16 characters.
     """
-    value = _value_or_private_file(os.environ if env is None else env, "FORKYARD_CLUSTER_SECRET")
+    given = ControlPlaneEnv.read(env)
+    value = _value_or_private_file(given.cluster_secret, given.cluster_secret_file, "FORKYARD_CLUSTER_SECRET")
     if not value:
         raise ClusterConfigError("a cluster needs a shared secret: set FORKYARD_CLUSTER_SECRET_FILE to a 0600 file "
                                  "(e.g. `openssl rand -hex 32 > /etc/forkyard/cluster_secret`) or "
@@ -109,7 +109,8 @@ def load_node_key(env: dict[str, str] | None = None) -> str:
             unreadable or readable by group/others, or the value is not a node key
             (e.g. the cluster's master secret, which a node must not hold).
     """
-    value = _value_or_private_file(os.environ if env is None else env, "FORKYARD_NODE_KEY")
+    given = ControlPlaneEnv.read(env)
+    value = _value_or_private_file(given.node_key, given.node_key_file, "FORKYARD_NODE_KEY")
     if not value:
         raise ClusterConfigError("a cluster node needs its own key: on a host holding the cluster secret run "
                                  "`forkyard cluster node-key NODE_ID --url ADVERTISE_URL --out node.key`, copy the file "
@@ -124,8 +125,8 @@ def load_node_key(env: dict[str, str] | None = None) -> str:
 def cluster_secret_given(env: dict[str, str] | None = None) -> bool:
     """Whether ``FORKYARD_CLUSTER_SECRET`` or ``FORKYARD_CLUSTER_SECRET_FILE`` is set (a
     node warns: it must not hold it)."""
-    env = os.environ if env is None else env
-    return bool(env.get("FORKYARD_CLUSTER_SECRET") or env.get("FORKYARD_CLUSTER_SECRET_FILE"))
+    given = ControlPlaneEnv.read(env)
+    return bool(given.cluster_secret or given.cluster_secret_file)
 
 
 def redis_url(env: dict[str, str] | None = None, url: str | None = None) -> str:
@@ -137,9 +138,9 @@ def redis_url(env: dict[str, str] | None = None, url: str | None = None) -> str:
         ClusterConfigError: the password file is unreadable, empty, or readable by
             group or others.
     """
-    env = os.environ if env is None else env
-    url = url or env.get("FORKYARD_REDIS_URL") or DEFAULT_REDIS_URL
-    path = env.get("FORKYARD_REDIS_PASSWORD_FILE", "").strip()
+    given = ControlPlaneEnv.read(env)
+    url = url or given.redis_url or DEFAULT_REDIS_URL
+    path = given.redis_password_file
     if not path:
         return url
     password = _read_private("FORKYARD_REDIS_PASSWORD_FILE", path)
@@ -166,8 +167,7 @@ def redacted_url(url: str) -> str:
 def scheduler_url(env: dict[str, str] | None = None) -> str:
     """``FORKYARD_SCHEDULER_URL`` or the default (no trailing slash): all of it, which
     may list several replicas separated by commas (:func:`scheduler_urls`)."""
-    env = os.environ if env is None else env
-    return ",".join(scheduler_urls(env.get("FORKYARD_SCHEDULER_URL") or DEFAULT_SCHEDULER_URL))
+    return ",".join(scheduler_urls(ControlPlaneEnv.read(env).scheduler_url or DEFAULT_SCHEDULER_URL))
 
 
 def scheduler_urls(value: str) -> list[str]:

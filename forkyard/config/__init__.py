@@ -12,7 +12,8 @@ In :mod:`.node`: a node's own settings —
 In :mod:`.cluster`: the cluster —
 
 * :class:`ClusterSettings`: how ``forkyard node`` joins a cluster;
-  :class:`ControlPlaneSettings`: timings the control plane and the node agent share.
+  :class:`ControlPlaneSettings`: timings the control plane and the node agent share;
+  :class:`ControlPlaneEnv`: its credentials and addresses as given.
 * :class:`P2PSettings`: the peer-to-peer chunk transport between cluster nodes.
 
 In :mod:`.process`: what every kind of process reads —
@@ -28,7 +29,7 @@ Every name is importable from ``forkyard.config`` itself; the readers of single
 variables are in :mod:`._env`.
 """
 
-from forkyard.config.cluster import ClusterSettings, ControlPlaneSettings, P2PSettings
+from forkyard.config.cluster import ClusterSettings, ControlPlaneEnv, ControlPlaneSettings, P2PSettings
 from forkyard.config.node import (
     DEFAULT_POOL,
     DEFAULT_RUNSC,
@@ -49,7 +50,7 @@ from forkyard.config.process import ClientSettings, ObsSettings, ProxySettings, 
 
 __all__ = [
     "DEFAULT_POOL", "DEFAULT_RUNSC", "ENVD_PORT", "ENVD_VERSION", "GUEST_GATEWAY", "GUEST_IP", "GUEST_PREFIXLEN",
-    "POOL_MAX_PER_TEMPLATE", "AdmissionSettings", "ClientSettings", "ClusterSettings", "ControlPlaneSettings",
+    "POOL_MAX_PER_TEMPLATE", "AdmissionSettings", "ClientSettings", "ClusterSettings", "ControlPlaneEnv", "ControlPlaneSettings",
     "GVisorSettings", "ObsSettings", "P2PSettings", "ProxySettings", "RepositorySettings", "Settings",
     "api_key_from_env", "hold_dir", "parse_pool", "user_cache_dir",
 ]

@@ -4,6 +4,8 @@ transport (:class:`P2PSettings`)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from forkyard.config._env import _env, _env_on
@@ -12,7 +14,8 @@ from forkyard.config._env import _env, _env_on
 @dataclass(frozen=True)
 class ClusterSettings:
     """How ``forkyard node`` joins a cluster; unset values mean the node runs alone (the
-    control plane's own settings are read in :mod:`forkyard.cluster.config`).
+    control plane's credentials and addresses: :class:`ControlPlaneEnv`, checked in
+    :mod:`forkyard.cluster.config`).
 
     Attributes:
         scheduler_url: ``FORKYARD_SCHEDULER_URL``: join the cluster of this scheduler.
@@ -117,3 +120,37 @@ class ControlPlaneSettings:
     redis_max_connections: int = field(
         default_factory=lambda: max(1, int(_env("FORKYARD_REDIS_MAX_CONNECTIONS", "64"))))
     redis_pool_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_REDIS_POOL_WAIT_S", "5")))
+
+
+@dataclass(frozen=True)
+class ControlPlaneEnv:
+    """The control plane's credentials and addresses as the environment gives them, each
+    variable's text ("" when unset); :mod:`forkyard.cluster.config` checks them (private
+    files, lengths, URLs) and says what to fix. Read from ``env`` when given (tests,
+    the CLI's options), else the process environment.
+
+    Attributes:
+        cluster_secret / cluster_secret_file: ``FORKYARD_CLUSTER_SECRET`` / ``…_FILE``.
+        node_key / node_key_file: ``FORKYARD_NODE_KEY`` / ``…_FILE``.
+        redis_url: ``FORKYARD_REDIS_URL``; redis_password_file: ``FORKYARD_REDIS_PASSWORD_FILE``.
+        scheduler_url: ``FORKYARD_SCHEDULER_URL`` (one or several, comma-separated).
+    """
+
+    cluster_secret: str = field(default="", repr=False)
+    cluster_secret_file: str = ""
+    node_key: str = field(default="", repr=False)
+    node_key_file: str = ""
+    redis_url: str = field(default="", repr=False)
+    redis_password_file: str = ""
+    scheduler_url: str = ""
+
+    @classmethod
+    def read(cls, env: Mapping[str, str] | None = None) -> "ControlPlaneEnv":
+        """The values in ``env`` (default: the process environment), stripped."""
+        env = os.environ if env is None else env
+        get = lambda name: (env.get(name) or "").strip()  # noqa: E731
+        return cls(cluster_secret=get("FORKYARD_CLUSTER_SECRET"), cluster_secret_file=get("FORKYARD_CLUSTER_SECRET_FILE"),
+                   node_key=get("FORKYARD_NODE_KEY"), node_key_file=get("FORKYARD_NODE_KEY_FILE"),
+                   redis_url=get("FORKYARD_REDIS_URL"), redis_password_file=get("FORKYARD_REDIS_PASSWORD_FILE"),
+                   scheduler_url=get("FORKYARD_SCHEDULER_URL"))
+
