@@ -20,7 +20,7 @@ process) measured in the same run:
   be 0).
 
 Usage: ``python bench/bench_control_plane.py --nodes 100 --sandboxes 10000
-[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000]``.
+[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000] [--redis-unix]``.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ async def timed_gets(c: httpx.AsyncClient, path: str, n: int, **params) -> tuple
 
 async def main(a) -> int:
     root = Path(a.root or tempfile.mkdtemp(prefix="fy-cpbench-"))
-    cp = ControlPlane(root, schedulers=a.schedulers)
+    cp = ControlPlane(root, schedulers=a.schedulers, unix_socket=a.redis_unix)
     # Capacity: the seeded sandboxes + both placement phases fill the nodes; the last fill takes the rest.
     room = math.ceil((a.sandboxes + 2 * a.placements) / a.nodes)
     fleet = Fleet(a.nodes, room, cp.scheduler_urls, cp.secret)
@@ -196,5 +196,6 @@ if __name__ == "__main__":
     ap.add_argument("--list-sizes", default="1000", help="comma-separated sandbox counts to measure listing at")
     ap.add_argument("--reps", type=int, default=10, help="GETs per listing measurement")
     ap.add_argument("--cpu-seconds", type=float, default=10.0)
+    ap.add_argument("--redis-unix", action="store_true", help="the control plane reaches Redis over a Unix socket")
     ap.add_argument("--root", help="state directory (default: a new temporary one; removed at the end)")
     sys.exit(asyncio.run(main(ap.parse_args())))

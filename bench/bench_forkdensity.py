@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import start_server, stop_server, templates_dir  # noqa: E402
-from bench_forkmem import ASK, HOLDER, TEMPLATE, meminfo_kib, pss_total_mib, sandbox_pss_mib  # noqa: E402
+from bench_forkmem import ASK, TEMPLATE, meminfo_kib, pss_total_mib, sandbox_pss_mib, start_holder  # noqa: E402
 
 
 def main() -> int:
@@ -64,16 +64,8 @@ def main() -> int:
         Template.build(Template().from_template("base").run_cmd("true"), TEMPLATE, memory_mb=a.template_mb)
         print(f"template {TEMPLATE} ({a.template_mb} MiB) built in {time.perf_counter() - t:.1f} s; sharing "
               f"{a.sharing}; load {os.getloadavg()[0]:.1f}", flush=True)
-        sbx = Sandbox.create(TEMPLATE, timeout=3600)
+        sbx, want = start_holder(a.size)
         sid = sbx.sandbox_id
-        sbx.files.write("/tmp/holder.py", HOLDER)
-        sbx.commands.run(f"python3 /tmp/holder.py {a.size}", background=True, timeout=0)
-        deadline = time.time() + 120
-        while not sbx.files.exists("/tmp/holder.sum"):
-            if time.time() > deadline:
-                raise SystemExit("holder did not start")
-            time.sleep(0.2)
-        want = sbx.files.read("/tmp/holder.sum").strip()
 
         def ask(child: str) -> str:
             try:

@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DATA, pct, row, start_server, stop_server, templates_dir  # noqa: E402
+from _common import pct, row, start_server, stop_server, templates_dir  # noqa: E402
 from bench_lifecycle import Raw, server_timing  # noqa: E402
 
 from forkyard.runtime.base import SandboxSpec  # noqa: E402
@@ -93,6 +93,26 @@ del b
 open("/tmp/free.done", "w").close()
 time.sleep(3600)
 """
+
+
+def start_holder(size_mib: int):
+    """A new sandbox of :data:`TEMPLATE` whose :data:`HOLDER` keeps ``size_mib`` MiB;
+    returns ``(sandbox, the SHA-1 of the buffer)`` once the holder has written it.
+
+    Raises:
+        SystemExit: the holder did not start within 120 s.
+    """
+    from e2b import Sandbox
+
+    sbx = Sandbox.create(TEMPLATE, timeout=3600)
+    sbx.files.write("/tmp/holder.py", HOLDER)
+    sbx.commands.run(f"python3 /tmp/holder.py {size_mib}", background=True, timeout=0)
+    deadline = time.time() + 120
+    while not sbx.files.exists("/tmp/holder.sum"):
+        if time.time() > deadline:
+            raise SystemExit("holder did not start")
+        time.sleep(0.2)
+    return sbx, sbx.files.read("/tmp/holder.sum").strip()
 
 
 def meminfo_kib(key: str) -> int:
@@ -236,16 +256,8 @@ def main() -> None:
         print(f"template {TEMPLATE} ({args.template_mb} MiB) built in {time.perf_counter() - t:.1f} s; "
               f"runsc {build}; load {os.getloadavg()[0]:.1f}", flush=True)
         for size in sizes:
-            sbx = Sandbox.create(TEMPLATE, timeout=3600)
+            sbx, want = start_holder(size)
             sid = sbx.sandbox_id
-            sbx.files.write("/tmp/holder.py", HOLDER)
-            sbx.commands.run(f"python3 /tmp/holder.py {size}", background=True, timeout=0)
-            deadline = time.time() + 120
-            while not sbx.files.exists("/tmp/holder.sum"):
-                if time.time() > deadline:
-                    raise SystemExit("holder did not start")
-                time.sleep(0.2)
-            want = sbx.files.read("/tmp/holder.sum").strip()
             got = ask_sum(sid)
             if got != want:
                 raise SystemExit(f"size {size}: the holder answered {got!r}, its sum file says {want!r}")

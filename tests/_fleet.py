@@ -50,7 +50,8 @@ class ControlPlane:
         procs: every subprocess (``redis``, ``scheduler``…, ``gateway``) by name.
     """
 
-    def __init__(self, root: Path, schedulers: int = 2, env: dict[str, str] | None = None, aof: bool = True):
+    def __init__(self, root: Path, schedulers: int = 2, env: dict[str, str] | None = None, aof: bool = True,
+                 unix_socket: bool = False):
         import os
 
         self.root = root
@@ -61,7 +62,9 @@ class ControlPlane:
         self.secret = secrets.token_hex(24)
         rport, gport = free_port(), free_port()
         sports = [free_port() for _ in range(schedulers)]
-        self.redis_url = f"redis://127.0.0.1:{rport}/0"
+        sock = root / "redis" / "redis.sock"
+        # over a Unix socket (unix_socket) or loopback TCP: the bench compares the two
+        self.redis_url = f"unix://{sock}?db=0" if unix_socket else f"redis://127.0.0.1:{rport}/0"
         self.scheduler_urls = [f"http://127.0.0.1:{p}" for p in sports]
         self.gateway_url = f"http://127.0.0.1:{gport}"
         base = {k: v for k, v in os.environ.items() if not k.startswith(("FORKYARD_", "E2B_"))}
@@ -72,7 +75,9 @@ class ControlPlane:
         self.procs: dict[str, Proc] = {
             "redis": Proc("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--dir",
                                     str(root / "redis"), "--appendonly", "yes" if aof else "no",
-                                    "--appendfsync", "everysec", "--save", ""], base, root / "redis.log", None)}
+                                    "--appendfsync", "everysec", "--save", "",
+                                    *(["--unixsocket", str(sock), "--unixsocketperm", "700"] if unix_socket else [])],
+                          base, root / "redis.log", None)}
         for i, p in enumerate(sports):
             self.procs[f"scheduler{i}"] = Proc(f"scheduler{i}", cli + ["scheduler", "--port", str(p),
                                                                        "--log-level", "warning"],

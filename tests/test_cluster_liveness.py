@@ -31,6 +31,16 @@ def node(nid: str, silent_s: float, now: float = T, status: str = NODE_UP) -> No
     return NodeInfo(node_id=nid, url=f"http://{nid}", status=status, last_seen=now - silent_s, report=NodeReport())
 
 
+def _answering(asked: list[str]):
+    """A health probe that answers (alive) and records the URLs it was asked."""
+
+    async def probe(url):
+        asked.append(url)
+        return True
+
+    return probe
+
+
 def watch(live: Liveness, clock: Clock, start: float, seconds: float) -> float:
     """Tick once a second for ``seconds`` with Redis up; returns Redis time at the end."""
     now = start
@@ -205,10 +215,7 @@ async def test_a_silent_node_that_answers_its_health_check_is_not_declared(redis
         live = Liveness(timeout_s=5, clock=clock)
         live.tick(now - 60)  # watching for a minute
         asked = []
-
-        async def answers(url):
-            asked.append(url)
-            return True
+        answers = _answering(asked)
 
         assert await sweep_once(store, live, probe=answers) == [] and asked == ["http://n0"]
         assert (await store.binding("run0")) is not None
@@ -238,10 +245,7 @@ async def test_one_replica_sweeps_and_another_takes_over_when_it_stops(redis_url
         a.tick(now - 60)
         b.tick(now - 60)
         asked = []
-
-        async def answers(url):
-            asked.append(url)
-            return True
+        answers = _answering(asked)
 
         assert await sweep_once(store, a, probe=answers, replica="A") == [] and asked == ["http://n0"]
         assert await sweep_once(store, b, probe=answers, replica="B") == [] and asked == ["http://n0"]  # not B
