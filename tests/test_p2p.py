@@ -430,3 +430,34 @@ async def test_an_endpoint_id_is_vouched_for_the_first_node_that_reported_it(tmp
             assert await listed(one) == [] and await store.p2p_owners() == {}
         finally:
             await store.aclose()
+
+
+async def test_an_endpoint_id_written_into_redis_by_another_hand_is_not_vouched_for(tmp_path):
+    """A node's endpoint id is tagged under the master secret beside its report
+    (nodekeys.NodeKeys.p2p_tag): a Redis writer who swaps its own endpoint id and address
+    into n0's report gets nothing listed — n0 stays a node (its binding tag holds), only
+    its P2P address is dropped — until n0's next heartbeat writes its own again (attack
+    review: the scheduler would have vouched for the writer's endpoint)."""
+    import json
+
+    from forkyard.cluster.nodekeys import NodeKeys
+
+    eid, theirs = "ab" * 32, "ef" * 32
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis") as url:
+        store = ClusterStore(url, keys=NodeKeys("m" * 32))
+        try:
+            table = PeerTable(ttl_s=0)
+            mine = NodeReport(p2p={"id": eid, "addrs": ["10.0.0.1:7800"]})
+            await store.heartbeat("n0", "http://n0", mine)
+            assert [(p["node"], p["id"]) for p in await table.answer(store, "observer")] == [("n0", eid)]
+            row = json.loads(await store._r.hget("fy:node:n0", "report"))
+            row["p2p"] = {"id": theirs, "addrs": ["10.9.9.9:7800"]}
+            await store._r.hset("fy:node:n0", "report", json.dumps(row))  # the tag is left as it was
+            assert await table.answer(store, "observer") == []
+            assert [n.node_id for n in await store.nodes()] == ["n0"]  # still a node, without its P2P address
+            await store.heartbeat("n0", "http://n0", mine)
+            assert [(p["node"], p["id"], p["addrs"]) for p in await table.answer(store, "observer")] == \
+                [("n0", eid, ["10.0.0.1:7800"])]
+        finally:
+            await store.aclose()

@@ -39,6 +39,7 @@ NODE_KEY_PREFIX = "fynk_"
 NODE_URL_HEADER = "x-forkyard-node-url"
 _KEY_LABEL = b"forkyard-node-key\0"
 _TAG_LABEL = b"forkyard-node-binding"
+_P2P_LABEL = b"forkyard-p2p-endpoint\0"
 
 
 def normal_url(url: str) -> str:
@@ -76,6 +77,16 @@ class NodeKeys:
     def tag_ok(self, node_id: str, url: str, tag: str | None) -> bool:
         """Whether ``tag`` (as read from Redis) binds ``node_id`` to ``url`` (constant time)."""
         return bool(tag) and hmac.compare_digest(tag.encode(), self.tag(node_id, url).encode())
+
+    def p2p_tag(self, node_id: str, endpoint_id: str) -> str:
+        """HMAC-SHA256 under the master of ``node_id``'s P2P endpoint id (64 hex chars),
+        stored beside its report: a Redis writer cannot swap in an endpoint of its own."""
+        return hmac.new(self._master.encode(), _P2P_LABEL + node_id.encode() + b"\0" + endpoint_id.encode(),
+                        hashlib.sha256).hexdigest()
+
+    def p2p_tag_ok(self, node_id: str, endpoint_id: str, tag: str | None) -> bool:
+        """Whether ``tag`` (as read from Redis) binds ``endpoint_id`` to ``node_id``."""
+        return bool(tag) and hmac.compare_digest(tag.encode(), self.p2p_tag(node_id, endpoint_id).encode())
 
     def check(self, node_id: str, url: str | None, got: str | None) -> tuple[int, str] | None:
         """Check a node's credential ``got`` for ``node_id`` at ``url``. Returns None when

@@ -66,6 +66,7 @@ NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) + tonumber(t[2]) 
 
 # KEYS: nodes, node hash   ARGV: id, url, report, boot, the node's own status, stamp ('' = Redis time),
 #                           heartbeat timeout, placement TTL, binding tag (forkyard.cluster.nodekeys),
+#                           P2P tag (of the report's endpoint id, '' without one),
 #                           then the placement ids it acknowledges
 # Records a heartbeat (the node is heard: no longer declared down). The status is the
 # operator's (drain/undrain); a node registering anew (or after Redis lost its data)
@@ -79,13 +80,13 @@ if ARGV[6] ~= '' then now = tonumber(ARGV[6]) end
 redis.call('SADD', KEYS[1], ARGV[1])
 local was_down = redis.call('HEXISTS', KEYS[2], 'down_at')
 redis.call('HSET', KEYS[2], 'url', ARGV[2], 'report', ARGV[3], 'boot', ARGV[4],
-           'last_seen', string.format('%.6f', now), 'tag', ARGV[9])
+           'last_seen', string.format('%.6f', now), 'tag', ARGV[9], 'p2ptag', ARGV[10])
 redis.call('HDEL', KEYS[2], 'down_at', 'grace_until')
 redis.call('ZADD', 'fy:seen', now, ARGV[1])
 redis.call('HSETNX', KEYS[2], 'status', ARGV[5])
 fy_index_report(ARGV[1], cjson.decode(ARGV[3]))
-if #ARGV > 9 then
-  local ids = {unpack(ARGV, 10)}
+if #ARGV > 10 then
+  local ids = {unpack(ARGV, 11)}
   redis.call('ZREM', 'fy:placing:' .. ARGV[1], unpack(ids))
   redis.call('HDEL', 'fy:placingn:' .. ARGV[1], unpack(ids))
 end

@@ -8,9 +8,9 @@ gateways acting at once never see half a change):
 ``fy:node:<id>``               hash: ``url``, ``tag`` (HMAC binding id and url,
                                :mod:`.nodekeys`), ``status`` (up/draining: the operator's),
                                ``last_seen`` (Redis time), ``boot``, ``report`` (JSON
-                               :class:`~.types.NodeReport`), ``down_at`` while declared
-                               down (:mod:`.liveness`; cleared by its next heartbeat),
-                               ``grace_until`` after it announced a restart
+                               :class:`~.types.NodeReport`; ``p2ptag`` tags its P2P id),
+                               ``down_at`` while declared down (:mod:`.liveness`; cleared
+                               by its next heartbeat), ``grace_until`` after a restart notice
 ``fy:sbx:<id>``                hash: ``node``, ``state``, ``record`` (JSON), ``updated``,
                                ``committed`` (0 while a paused sandbox's image is not
                                in the shared repository yet: it cannot move)
@@ -177,6 +177,9 @@ class ClusterStore:
         if n is not None and self.keys is not None and not self.keys.tag_ok(node_id, n.url, _s(row.get(b"tag"))):
             self._untrusted(node_id, n.url)
             return None
+        if n is not None and self.keys is not None and isinstance(p2p := n.report.p2p, dict) and not \
+                self.keys.p2p_tag_ok(node_id, str(p2p.get("id")), _s(row.get(b"p2ptag"))):
+            n.report.p2p = None  # an endpoint id no scheduler wrote for this node: not vouched for
         return n
 
     async def aclose(self) -> None:
@@ -225,12 +228,14 @@ class ClusterStore:
         indexed again (:mod:`.rooms`), all in one script. Returns the status; when
         ``digests`` (a dict) is given, ``digests[node_id]`` is set to the digest of the
         node's binding set (:data:`.scripts.LUA_DIGEST`)."""
+        p2p = report.p2p  # its endpoint id is tagged too (nodekeys.NodeKeys.p2p_tag), checked by _info
+        p2ptag = self.keys.p2p_tag(node_id, str(p2p.get("id"))) if self.keys and isinstance(p2p, dict) else ""
         status, was_down, digest = await self._call(self._heartbeat(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,
                   "" if now is None else repr(now), repr(HEARTBEAT_TIMEOUT_S), repr(PLACING_TTL_S),
-                  self.keys.tag(node_id, url) if self.keys else "", *acked]))
+                  self.keys.tag(node_id, url) if self.keys else "", p2ptag, *acked]))
         if int(was_down):
             log.warning("node %s is heard again after it was declared down", node_id)
         if digests is not None:
