@@ -31,6 +31,16 @@ def node(nid: str, silent_s: float, now: float = T, status: str = NODE_UP) -> No
     return NodeInfo(node_id=nid, url=f"http://{nid}", status=status, last_seen=now - silent_s, report=NodeReport())
 
 
+async def _n0_silent_for_30_s(store: ClusterStore) -> float:
+    """Nodes n0-n2, n0's last heartbeat 30 s ago and running ``run0``; returns Redis's
+    time (s)."""
+    now = await store.now()
+    for nid in ("n0", "n1", "n2"):
+        await store.heartbeat(nid, f"http://{nid}", NodeReport(), now=now - (30 if nid == "n0" else 0))
+    await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+    return now
+
+
 def _answering(asked: list[str]):
     """A health probe that answers (alive) and records the URLs it was asked."""
 
@@ -207,10 +217,7 @@ async def test_a_silent_node_that_answers_its_health_check_is_not_declared(redis
     asks the node before declaring it; only one that does not answer is declared."""
     store = ClusterStore(redis_url)
     try:
-        now = await store.now()
-        for nid in ("n0", "n1", "n2"):
-            await store.heartbeat(nid, f"http://{nid}", NodeReport(), now=now - (30 if nid == "n0" else 0))
-        await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+        now = await _n0_silent_for_30_s(store)
         clock = Clock()
         live = Liveness(timeout_s=5, clock=clock)
         live.tick(now - 60)  # watching for a minute
@@ -236,10 +243,7 @@ async def test_one_replica_sweeps_and_another_takes_over_when_it_stops(redis_url
     silent past the timeout: its view was kept up to date while it did not sweep."""
     store = ClusterStore(redis_url)
     try:
-        now = await store.now()
-        for nid in ("n0", "n1", "n2"):
-            await store.heartbeat(nid, f"http://{nid}", NodeReport(), now=now - (30 if nid == "n0" else 0))
-        await store.publish("n0", [{"id": "run0", "state": "running"}], [])
+        now = await _n0_silent_for_30_s(store)
         clock = Clock()
         a, b = Liveness(timeout_s=5, clock=clock), Liveness(timeout_s=5, clock=clock)
         a.tick(now - 60)
