@@ -203,6 +203,18 @@ def test_npm_sdk_smoke(code_interpreter):
     assert json.loads(p.stdout.strip().splitlines()[-1]) == {"ok": True}
 
 
+def test_the_package_cache_is_private(code_interpreter):
+    """The downloads, the build context and the inputs stamp that ``prepare_context``
+    keeps (here the session's cache, reused or filled) are the user's own: directories
+    0700, files 0600 — nothing in them for other local users."""
+    import stat
+
+    root = TEST_ROOT / "code-interpreter-context"
+    open_to_others = [str(p) for p in [root, *root.rglob("*")]
+                      if not p.is_symlink() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
+    assert open_to_others == []
+
+
 def test_cli_add_refuses_what_it_cannot_build(tmp_path):
     """``forkyard template add``: an unknown name, and a host without npm, fail with a
     message (exit 1, no traceback) before anything is downloaded or built."""

@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forkyard import fsperms
+
 NAME = "code-interpreter-v1"
 #: ``base`` is Debian bookworm: CPython 3.11, glibc 2.36, x86_64.
 PYTHON_VERSION = "3.11"
@@ -133,12 +135,32 @@ def prepare_context(root: Path, extra: list[str] = (), log=print) -> Path:
     os.chmod(root, 0o700)  # the cache is the user's own: nothing in it for other local users
     ctx = root / "code-interpreter"
     stamp = root / "inputs.sha256"
+    # what this writes is 0600/0700 (the umask below; install.sh sets the modes inside the
+    # template), and so is an older cache's (only our own two entries: root may be the
+    # user's --cache-dir)
+    if ctx.is_dir() and not ctx.is_symlink():
+        fsperms.lock_down(ctx)
+    if stamp.is_file() and not stamp.is_symlink():
+        stamp.chmod(0o600)
     digest = inputs_hash(extra)
     if stamp.exists() and stamp.read_text() == digest and (ctx / "install.sh").exists():
         log(f"using the packages fetched before ({ctx})")
         return ctx
     if shutil.which("npm") is None:
         raise PrepareError("npm is not installed on this host (needed to fetch Deno, the JavaScript kernel)")
+    old = fsperms.private_umask()
+    try:
+        _fill(ctx, extra, log)
+        fsperms.lock_down(ctx)  # pip and npm may set modes of their own on what they write
+        stamp.write_text(digest)
+    finally:
+        os.umask(old)
+    return ctx
+
+
+def _fill(ctx: Path, extra: list[str], log) -> None:
+    """Download the wheels and Deno into ``ctx`` (made anew) and write the kernels, the
+    server and install.sh beside them. Raises PrepareError."""
     shutil.rmtree(ctx, ignore_errors=True)
     (ctx / "wheels").mkdir(parents=True)
     (ctx / "npm").mkdir()
@@ -157,8 +179,6 @@ def prepare_context(root: Path, extra: list[str] = (), log=print) -> Path:
     for f in ("server.py", "ipython_startup.py"):
         shutil.copy(GUEST / f, ctx / f)
     (ctx / "install.sh").write_text(INSTALL_SH)
-    stamp.write_text(digest)
-    return ctx
 
 
 def make_template(root: Path):
