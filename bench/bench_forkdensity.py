@@ -37,7 +37,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import start_server, stop_server, templates_dir  # noqa: E402
-from bench_forkmem import ASK, TEMPLATE, meminfo_kib, pss_total_mib, sandbox_pss_mib, start_holder  # noqa: E402
+from bench_forkmem import TEMPLATE, ask_sum, meminfo_kib, pss_total_mib, sandbox_pss_mib, start_holder  # noqa: E402
 
 
 def main() -> int:
@@ -54,7 +54,7 @@ def main() -> int:
     os.environ["FORKYARD_SHARE_RESTORED_PAGES"] = "1" if a.sharing == "on" else "0"
     os.environ["FORKYARD_MEMORY_OVERCOMMIT"] = a.overcommit
     proc, url, key = start_server(templates_dir())
-    from e2b import Sandbox, Template
+    from e2b import Template
 
     api = httpx.Client(base_url=url, headers={"X-API-Key": key}, timeout=900)
     kids: list[str] = []
@@ -66,13 +66,6 @@ def main() -> int:
               f"{a.sharing}; load {os.getloadavg()[0]:.1f}", flush=True)
         sbx, want = start_holder(a.size)
         sid = sbx.sandbox_id
-
-        def ask(child: str) -> str:
-            try:
-                r = Sandbox.connect(child).commands.run(ASK.format(port=7000), timeout=300)
-                return r.stdout.strip().split()[0] if r.stdout.strip() else "empty"
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                return f"error: {type(e).__name__}: {e}"[:200]
 
         time.sleep(1)
         src = sandbox_pss_mib(sid)
@@ -94,7 +87,7 @@ def main() -> int:
                 stopped = f"fork of {k} answered {r.status_code}: {[x for x in errs if x][:1]}"
             if made:
                 with ThreadPoolExecutor(min(len(made), 8)) as ex:
-                    sums = list(ex.map(ask, made))
+                    sums = list(ex.map(ask_sum, made))
                 bad = [s for s in sums if s != want]
                 bad_total += len(bad)
                 added = pss_total_mib([sid, *kids]) - src
@@ -105,7 +98,7 @@ def main() -> int:
             if len(made) < k:
                 break
         with ThreadPoolExecutor(8) as ex:
-            still = sum(1 for s in ex.map(ask, kids) if s == want)
+            still = sum(1 for s in ex.map(ask_sum, kids) if s == want)
         print(f"\nsharing {a.sharing}, source {a.size} MiB (PSS {src:.0f}), template {a.template_mb} MiB, "
               f"batches of {a.batch}: {len(kids)} children ran; {still} of them answered the source's checksum "
               f"at the end ({bad_total} wrong answers on the way); host MemAvailable {avail0:.0f} → "

@@ -95,6 +95,20 @@ time.sleep(3600)
 """
 
 
+def ask_sum(sid: str, port: int = 7000) -> str:
+    """The holder's SHA-1 as a process in sandbox ``sid`` reads it (or what went
+    wrong); on ports 7001/7002 the holder first writes a byte every 2 MiB / 4 KiB and
+    answers ``SUM MS`` (the new sum, how long the writes took)."""
+    from e2b import Sandbox
+
+    try:
+        r = Sandbox.connect(sid).commands.run(ASK.format(port=port), timeout=300)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return f"error: {type(e).__name__}: {e}"[:300]
+    out = r.stdout.strip()
+    return (out.split()[0] if port == 7000 else out) if out else f"empty (stderr {r.stderr.strip()[:200]!r})"
+
+
 def start_holder(size_mib: int):
     """A new sandbox of :data:`TEMPLATE` whose :data:`HOLDER` keeps ``size_mib`` MiB;
     returns ``(sandbox, the SHA-1 of the buffer)`` once the holder has written it.
@@ -232,17 +246,6 @@ def main() -> None:
 
     def add(k: str, v: float) -> None:
         res.setdefault(k, []).append(v)
-
-    def ask_sum(sid: str, port: int = 7000) -> str:
-        """The holder's SHA-1 as a process in sandbox ``sid`` reads it (or what went
-        wrong); on ports 7001/7002 the holder first writes a byte every 2 MiB / 4 KiB and
-        answers ``SUM MS`` (the new sum, how long the writes took)."""
-        try:
-            r = Sandbox.connect(sid).commands.run(ASK.format(port=port), timeout=300)
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            return f"error: {type(e).__name__}: {e}"[:300]
-        out = r.stdout.strip()
-        return (out.split()[0] if port == 7000 else out) if out else f"empty (stderr {r.stderr.strip()[:200]!r})"
 
     def settle() -> None:
         deadline = time.time() + 30

@@ -81,13 +81,15 @@ def run_node(host: str | None, port: int | None, data_dir: Path | None, build_ba
     fsperms.lock_down(settings.data_dir)  # and an older data dir is made private too
     try:
         node = build_node(settings)
-        node.preflight()
-        application = node.app
     except ValueError as e:  # e.g. a malformed FORKYARD_NET_PREFIX / FORKYARD_OUTER_NET
-        fail(str(e) if str(e).startswith("FORKYARD_OUTER_NET:") else
-             f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
+        fail(f"{e} (check FORKYARD_NET_PREFIX: 2-4 lower-case letters; FORKYARD_OUTER_NET: an IPv4 range)")
     except RepositoryConfigError as e:  # the message names the setting to fix
         fail(f"snapshot repository: {e}")
+    try:
+        node.preflight()
+    except ValueError as e:  # the message names the route and the setting
+        fail(str(e))
+    application = node.app
     url = f"http://{settings.host}:{settings.port}"
     if cluster is not None:
         from forkyard.cluster.agent import NodeAgent

@@ -206,7 +206,7 @@ async def sweep_once(store: ClusterStore, live: Liveness, probe=None, replica: s
         held, redis_now, full = await store.sweep_lease(replica, SWEEP_LEASE_S)
     live.tick(redis_now)
     try:
-        if not held or not (full or not store.indexed):
+        if not held or (not full and store.indexed):  # another replica sweeps, or nothing to read
             return []
         return await _sweep(store, live, probe, redis_now)
     finally:

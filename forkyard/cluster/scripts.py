@@ -103,9 +103,7 @@ return {redis.call('HGET', KEYS[2], 'status'), was_down,
 # per node, Redis time) or a node registered without an entry there (a record written
 # before the index, or by hand). Returns {1 if this replica holds the lease, TIME sec,
 # TIME usec, 1 if a full sweep is needed}.
-SWEEP_LEASE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+SWEEP_LEASE = NOW + """
 local cur = redis.call('GET', KEYS[1])
 local held = 0
 if not cur then
