@@ -15,10 +15,10 @@ fi
 # checks the host is left as it was (skipped where dockerd is missing).
 # docker-registry: Debian's distribution registry, which tests/test_template_registry.py
 # starts on loopback (never as a service) to push images to and pull templates from.
-# faketime: libfaketime, which the chaos suite preloads to skew a process's clock
-# (tests/chaos/_faults.py).
+# gcc: builds tests/chaos/wallclock.c, the preload shim the chaos suite skews a process's
+# wall clock with (tests/chaos/_faults.py).
 obs_pkgs=()
-[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || obs_pkgs+=(faketime)
+command -v gcc >/dev/null || obs_pkgs+=(gcc libc6-dev)
 command -v prometheus >/dev/null || obs_pkgs+=(prometheus)
 command -v docker-registry >/dev/null || obs_pkgs+=(docker-registry)
 command -v chromium >/dev/null || obs_pkgs+=(chromium)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -42,12 +43,16 @@ class Proc:
         os.fchmod(logf.fileno(), 0o600)  # an older log may predate this
         procs = str(self.cgroup / "cgroup.procs") if self.cgroup else None
 
-        def enter_cgroup():  # in the child, before exec: every socket it opens is in the group
-            with open(procs, "w") as f:
-                f.write(str(os.getpid()))
+        def in_child():  # before exec: no core file from the SIGABRT of stop(); every socket in the group
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            if procs:
+                with open(procs, "w") as f:
+                    f.write(str(os.getpid()))
 
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=enter_cgroup if procs else None)
+        # PYTHONFAULTHANDLER: a SIGABRT (stop() of a process that ignores SIGTERM) writes every
+        # thread's stack to the log first.
+        self.proc = subprocess.Popen(self.argv, env=dict(self.env, PYTHONFAULTHANDLER="1"), stdout=logf,
+                                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=in_child)
         deadline = time.time() + wait_s
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -78,9 +83,14 @@ class Proc:
             self.proc.send_signal(signal.SIGKILL if sig_kill else signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            except subprocess.TimeoutExpired:  # hung: its stacks into the log (PYTHONFAULTHANDLER), then gone
+                print(f"{self.name} ignored SIGTERM for 60 s; SIGABRT (stacks in {self.log}), then SIGKILL")
+                self.proc.send_signal(signal.SIGABRT)
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         self.proc = None
 
 
@@ -316,12 +326,18 @@ CGROUP2 = Path("/sys/fs/cgroup/unified") if Path("/sys/fs/cgroup/unified/cgroup.
 
 
 def _remove_cgroup(group: Path) -> None:
-    """Move what is left in ``group`` back to the root group, then remove it."""
+    """Kill what is left in ``group`` (its node is stopped and wiped: anything there is a
+    leak, say a child that would hold the node's network prefix), then remove it."""
     for pid in (group / "cgroup.procs").read_text().split():
         try:
-            (CGROUP2 / "cgroup.procs").write_text(pid)
-        except OSError:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:150]
+            print(f"left in {group.name}: pid {pid} ({cmd.decode(errors='replace')}): killed")
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
             pass
+    deadline = time.time() + 10
+    while (group / "cgroup.procs").read_text().split() and time.time() < deadline:
+        time.sleep(0.1)
     try:
         group.rmdir()
     except OSError:

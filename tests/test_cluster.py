@@ -664,7 +664,8 @@ def test_a_create_a_node_refuses_for_memory_goes_to_another_node(base_template):
 
 def test_a_reused_net_prefix_is_refused():
     """Two nodes on one host with the same FORKYARD_NET_PREFIX would remove each other's
-    network slots: the second is refused at start with a message naming the setting."""
+    network slots: the second is refused at start with a message naming the setting and
+    the process that holds the prefix."""
     hold = subprocess.Popen([sys.executable, "-c", "from forkyard.cli.serve import lock_net_prefix as l; "
                              "l('zzq'); print('held', flush=True); import time; time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)
@@ -673,6 +674,7 @@ def test_a_reused_net_prefix_is_refused():
         out = subprocess.run([sys.executable, "-c", "from forkyard.cli.serve import lock_net_prefix as l; l('zzq')"],
                              capture_output=True, text=True, timeout=30)
         assert out.returncode == 1 and "FORKYARD_NET_PREFIX" in out.stderr + out.stdout
+        assert f"held by pid {hold.pid} (" in out.stderr + out.stdout, out.stderr
     finally:
         hold.kill()
         hold.wait()

@@ -189,14 +189,34 @@ def lock_net_prefix(prefix: str) -> None:
 
     global _NET_LOCK
     os.makedirs("/run/forkyard", mode=0o700, exist_ok=True)
-    fd = os.open(f"/run/forkyard/net-{prefix}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    path = f"/run/forkyard/net-{prefix}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        fail(f"another forkyard node on this host already uses network prefix {prefix!r}; give this one its own "
-             "FORKYARD_NET_PREFIX (2-4 lower-case letters) and a FORKYARD_OUTER_NET that does not overlap")
+        held = "; ".join(_holders(path)) or "a process this one cannot see"
+        fail(f"another forkyard node on this host already uses network prefix {prefix!r} (held by {held}); give "
+             "this one its own FORKYARD_NET_PREFIX (2-4 lower-case letters) and a FORKYARD_OUTER_NET that does not "
+             "overlap")
     _NET_LOCK = fd
+
+
+def _holders(path: str) -> list[str]:
+    """``["pid 123 (forkyard node ...)", ...]``: the processes with ``path`` open (from
+    ``/proc/<pid>/fd``), for the message that names who holds a network prefix."""
+    import os
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == path for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                found.append(f"pid {pid} ({cmd[:120]})")
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
 
 
 def setup_logging(log_level: str, component: str = "node") -> None:

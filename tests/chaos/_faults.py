@@ -5,21 +5,24 @@ of one node from the control plane, clock skew, a full disk.
   and iptables drops its packets to the scheduler replicas' and Redis's ports
   (``-m cgroup --path``), so the node cannot reach the control plane while the gateway
   (and so every client) still reaches the node. Its sandboxes (runsc) are untouched.
-* **Clock skew** (:func:`skewed_env`): libfaketime (Debian ``faketime``) preloaded into
-  a process with an offset; monotonic clocks stay true (event loops keep working).
+* **Clock skew** (:func:`skewed_env`): ``wallclock.c`` (built here with gcc) preloaded
+  into a process shifts its wall clock only; monotonic clocks, sleeps and timed waits stay
+  true. (libfaketime broke sleeps and waits in CPython: see ``wallclock.c``.)
 * **Disk full** (:func:`fill`): one file taking all but ``leave_mb`` of a filesystem.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from pathlib import Path
 
 from _cluster import CGROUP2, Cluster
+from conftest import TEST_ROOT
 
 _CHAIN = "FYCHAOS"
-FAKETIME_LIB = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+_WALLCLOCK_C = Path(__file__).with_name("wallclock.c")
 
 
 def _ipt(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,13 +52,25 @@ def unpartition(c: Cluster) -> None:
         _ipt("-X", _CHAIN, check=False)
 
 
+def wallclock_lib() -> Path:
+    """The wall-clock shim (``wallclock.c``) as a shared object, built with gcc once per
+    source version under ``TEST_ROOT/bin``."""
+    src = _WALLCLOCK_C.read_bytes()
+    lib = TEST_ROOT / "bin" / f"wallclock-{hashlib.sha256(src).hexdigest()[:12]}.so"
+    if not lib.exists():
+        lib.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".tmp{os.getpid()}")
+        subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(tmp), str(_WALLCLOCK_C), "-ldl"],
+                       check=True)
+        os.replace(tmp, lib)
+    return lib
+
+
 def skewed_env(env: dict[str, str], offset_s: int) -> dict[str, str]:
-    """``env`` with libfaketime preloaded: the wall clock ``offset_s`` seconds off
-    (monotonic clocks untouched)."""
-    if not FAKETIME_LIB.exists():
-        raise RuntimeError(f"{FAKETIME_LIB} missing: apt-get install faketime (deploy/test.sh installs it)")
-    return dict(env, LD_PRELOAD=str(FAKETIME_LIB), FAKETIME=f"{offset_s:+d}s", FAKETIME_DONT_FAKE_MONOTONIC="1",
-                FAKETIME_NO_CACHE="1")
+    """``env`` with the wall-clock shim preloaded: the process's wall clock (and its
+    children's, dynamically linked ones) ``offset_s`` seconds off; monotonic clocks,
+    sleeps and timed waits untouched."""
+    return dict(env, LD_PRELOAD=str(wallclock_lib()), FY_WALLCLOCK_OFFSET_S=str(int(offset_s)))
 
 
 def fill(path: Path) -> list[Path]:
