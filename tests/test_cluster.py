@@ -444,6 +444,33 @@ def test_drain(cluster):
         s.kill()
 
 
+def test_a_node_undrained_since_its_last_heartbeat_serves_a_wake_the_gateway_sends(cluster):
+    """A node hears of an undrain at its next heartbeat (up to 1 s later); a connect the
+    gateway sent in between was refused 409 "draining" on every retry (the gateway, which
+    read the node as up, kept it there: test_p2p_cluster failed so in CI). The gateway
+    sends the status it read and the node, told ``0`` while it believes it drains, asks
+    the scheduler at once: the paused sandbox resumes on its node. Three rounds, so the
+    old race shows in nearly every run."""
+    c = cluster
+    with only_on(c, "node0"):
+        boxes = [Sandbox.create("base", timeout=300, **c.sdk) for _ in range(3)]
+    for i, s in enumerate(boxes):
+        with_counter(c, s, 30 + i)
+        s.pause()
+    log = c.root / "node0.log"
+    for i, s in enumerate(boxes):
+        heard = log.read_text().count("draining: pausing")
+        with c.sched() as sc:
+            assert sc.post("/v1/nodes/node0/drain").status_code == 200
+        wait_for(lambda: log.read_text().count("draining: pausing") > heard, 10, "node0 to hear of its drain")
+        with c.sched() as sc:
+            assert sc.post("/v1/nodes/node0/undrain").status_code == 200
+        back = Sandbox.connect(s.sandbox_id, timeout=300, **c.sdk)  # before node0's next heartbeat
+        assert c.owner(back.sandbox_id) == "node0"
+        assert counter(c, back) == 30 + i
+        back.kill()
+
+
 def test_two_schedulers_move_a_paused_sandbox_once(cluster):
     """Two scheduler replicas asked at once to place the paused sandbox of a dead node
     agree on one node and move it exactly once."""

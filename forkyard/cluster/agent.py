@@ -421,11 +421,25 @@ class NodeAgent:
             return False
         return True
 
-    def _told_draining(self, scope) -> bool:
-        """The gateway says this node is draining (it read the status before this node's
-        next heartbeat could): :data:`~.config.DRAINING_HEADER` with the cluster secret."""
+    async def _drains_for(self, scope) -> bool:
+        """Whether a connect/resume is refused because this node drains. The gateway
+        sends the node's status as it read it from the cluster store a moment ago
+        (:data:`~.config.DRAINING_HEADER` ``1``/``0``, with the cluster secret): ``1``
+        is a drain this node has not heard of yet (its next heartbeat tells it); ``0``
+        while this node believes it drains is an undrain it has not heard of — a
+        heartbeat is sent now (at most :data:`HEARTBEAT_CALL_S` + 0.5 s) and its
+        answer decides, so a wake is never refused on a stale view, nor served on the
+        gateway's word alone."""
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        return headers.get(DRAINING_HEADER) == "1" and cluster_secret_ok(headers, self.secret)
+        told = headers.get(DRAINING_HEADER) if cluster_secret_ok(headers, self.secret) else None
+        if told == "1":
+            return True
+        if told == "0" and self.status == NODE_DRAINING:
+            try:
+                await asyncio.wait_for(self._beat(), timeout=HEARTBEAT_CALL_S + 0.5)
+            except Exception as e:  # noqa: BLE001 — keep this node's own view
+                log.warning("heartbeat to check an undrain the gateway saw failed: %r", e)
+        return self.status == NODE_DRAINING
 
     def _still_running(self, sandbox_id: str) -> bool:
         rec = self.orch.record(sandbox_id)
@@ -488,7 +502,7 @@ class NodeAgent:
             if scope["method"] not in ("POST", "PUT", "DELETE", "PATCH"):
                 return await app(scope, receive, send)
             if scope["method"] == "POST" and (m := _WAKE.match(scope["path"])):
-                if agent.status == NODE_DRAINING or agent._told_draining(scope):
+                if await agent._drains_for(scope):
                     return await agent._refuse_wake(m.group(1), scope, receive, send, app)
                 if not await agent._may_resume(m.group(1)):
                     body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler, so it "

@@ -442,7 +442,7 @@ class Gateway(Ownership):
         for attempt in range(WAKE_ATTEMPTS):
             node = await self.owner(sandbox_id, fresh=True)
             self._owners.pop(sandbox_id, None)
-            # The gateway may learn of a drain before the node's next heartbeat does: tell it.
+            # The gateway may learn of a drain (or an undrain) before the node's next heartbeat does: tell it.
             r = await self._call_as_client(node, scope, raw, None, draining=node.status == NODE_DRAINING)
             if r.status_code != 409 or DRAINING_HEADER not in r.headers:
                 break
@@ -474,15 +474,16 @@ class Gateway(Ownership):
         await send({"type": "http.response.body", "body": body})
 
     async def _call_as_client(self, node: NodeInfo, scope, body: bytes, placement: str | None,
-                              connect_error: bool = False, draining: bool = False) -> httpx.Response:
+                              connect_error: bool = False, draining: bool | None = None) -> httpx.Response:
         """The client's REST call (``body`` read already) sent to ``node`` as
         :meth:`_forward` sends it, answer buffered (small JSON answers only). Raises
         _Fail(502) when the node cannot be reached (``connect_error``: httpx.ConnectError
         itself when the connection could not be opened, so nothing reached the node).
-        ``draining``: the node is draining (:data:`~.config.DRAINING_HEADER` sent along)."""
+        ``draining``: whether the node is draining as the cluster store said just now
+        (:data:`~.config.DRAINING_HEADER` ``1``/``0`` sent along; None: not sent)."""
         headers = self._node_headers(node, scope, placement)
-        if draining:
-            headers.append((DRAINING_HEADER.encode(), b"1"))
+        if draining is not None:
+            headers.append((DRAINING_HEADER.encode(), b"1" if draining else b"0"))
         try:
             return await self._client(node).request(scope["method"], node.url + target_path(scope),
                                                     headers=headers, content=body,
