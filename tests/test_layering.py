@@ -1,6 +1,8 @@
 """The package's layering (issue 20): the import-linter contracts in pyproject.toml hold,
 and the contract type that forbids circles sees imports made inside functions.
 
+Modules stay within a length bound too.
+
 No server, no sandbox: these read source files only (a few seconds).
 """
 
@@ -108,3 +110,16 @@ def test_every_package_is_a_regular_package():
     missing = [str(d.relative_to(root)) for d in [root, *root.rglob("*")]
                if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py")) and not (d / "__init__.py").exists()]
     assert missing == []
+
+
+#: Issue 20's bound on a module's length (lines), so no module again mixes many concerns.
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_is_over_the_length_bound():
+    """Every module of forkyard/ has at most :data:`MAX_MODULE_LINES` lines (split by
+    concern, as ``cluster/agent.py`` and ``cluster/node_routes.py`` were, rather than
+    raising the bound)."""
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / "forkyard").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

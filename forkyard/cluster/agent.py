@@ -21,7 +21,7 @@
 * **P2P** (``FORKYARD_P2P=on``, :mod:`.p2p`): runs the node's iroh chunk service,
   reports its address in every heartbeat and installs the members the scheduler answers
   with as the only endpoints it serves and asks;
-* **internal routes** under ``/cluster`` (this node's own key only, :mod:`.nodekeys`): ``adopt`` a paused
+* **internal routes** under ``/cluster`` (:mod:`.node_routes`; this node's own key only, :mod:`.nodekeys`): ``adopt`` a paused
   sandbox from a dead or draining node, fork with an exported image, start fork
   children from another node's image, delete an exported fork image.
 """
@@ -34,27 +34,22 @@ import os
 import re
 import secrets
 import time
-from dataclasses import fields
 
-from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, StrictInt
 
 from forkyard.api.auth import cluster_secret_ok
-from forkyard.api.routes_lifecycle import fork_results
 from forkyard.cluster import p2p
-from forkyard.cluster.config import DRAINING_HEADER, PLACEMENT_HEADER
+from forkyard.cluster.config import DRAINING_HEADER
 from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
+from forkyard.cluster.node_routes import PlacementAck, internal_router, record_from_published
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.schedclient import SchedulerClient
 from forkyard.cluster.types import HEARTBEAT_INTERVAL_S, NODE_DRAINING, NODE_UP, NodeReport
 from forkyard.cluster.volumes import SchedulerLeases
 from forkyard.config import ClusterSettings, ControlPlaneSettings
-from forkyard.ids import SANDBOX_ID, is_name, is_sandbox_id
-from forkyard.orchestrator import timing
+from forkyard.ids import SANDBOX_ID
 from forkyard.orchestrator.errors import OrchestratorError
-from forkyard.orchestrator.store import SandboxRecord
 from forkyard.routing import route_of
 
 log = logging.getLogger("forkyard.node")
@@ -71,8 +66,9 @@ PUBLISH_CALL_S = 5.0
 LINK_LOG_S = 30.0
 #: ``connect``/``resume`` on a draining node: longest wait for the sandbox's pause (s).
 DRAIN_WAKE_WAIT_S = 120.0
+#: Placement ids waiting for their acknowledgement, at most (beyond: they expire in Redis).
+_MAX_ACKED = 10_000
 _WAKE = re.compile(rf"^/(?:v2/)?sandboxes/({SANDBOX_ID})/(?:connect|resume)$")
-_RECORD_FIELDS = {f.name for f in fields(SandboxRecord)}
 
 
 def default_max_sandboxes() -> int:
@@ -98,20 +94,6 @@ def _memory_mb() -> int:
     except OSError:
         pass
     return 0
-
-
-class ForkExport(BaseModel):
-    count: StrictInt = Field(ge=0, le=100)
-    timeout: StrictInt = Field(default=15, ge=1, le=86400)
-
-
-class ForkChildren(BaseModel):
-    image: str = Field(min_length=1, max_length=64)
-    count: StrictInt = Field(ge=1, le=100)
-    timeout: StrictInt = Field(default=15, ge=1, le=86400)
-    auto_pause: bool = Field(default=True, alias="autoPause")
-    #: the source's egress policy (forkyard.network.egress), so children stay filtered
-    egress: dict | None = None
 
 
 class NodeAgent:
@@ -162,11 +144,11 @@ class NodeAgent:
         self._acked: set[str] = set()
         #: whether heartbeats list the held ids or only their digest
         self._held = HeldSync()
-        self.app.add_middleware(_PlacementAck, agent=self)
+        self.app.add_middleware(PlacementAck, secret=secret, on_ended=self._placement_ended)
         self.app.state.cluster_secret = secret
         self.app.state.on_start.append(self.start)
         self.app.state.on_stop.insert(0, self.stop)
-        self.app.include_router(self._router())
+        self.app.include_router(internal_router(self.orch))
         self.orch.on_record_change(self._changed)
         # E2B volumes are mounted here only while this node holds their leases (.volumes)
         self.orch.volumes.leases = SchedulerLeases(scheduler_url, secret, node_id, self.url)
@@ -210,6 +192,13 @@ class NodeAgent:
 
     def _changed(self, sandbox_id: str) -> None:
         self._dirty.add(sandbox_id)
+
+    def _placement_ended(self, placement_id: str) -> None:
+        """A call placed by the scheduler has ended here: acknowledge it in a heartbeat
+        sent now, so the placement is not counted twice for long (:class:`.node_routes.PlacementAck`)."""
+        if len(self._acked) < _MAX_ACKED:  # beyond: they expire in Redis
+            self._acked.add(placement_id)
+            self._wake.set()
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._wake.set)
 
@@ -328,7 +317,7 @@ class NodeAgent:
         """Adopt a paused sandbox the scheduler moved here (heartbeat answer); errors are
         logged (the next heartbeat asks again while the move stands)."""
         try:
-            rec = await self.orch.adopt(_record(body))
+            rec = await self.orch.adopt(record_from_published(body))
             self._dirty.add(rec.id)  # publishing it clears the binding's "moved" mark
         except Exception as e:  # noqa: BLE001
             log.warning("adopting moved sandbox %s failed: %s", body.get("id"), e)
@@ -522,92 +511,3 @@ class NodeAgent:
 
         middleware.fastapi = getattr(app, "fastapi", None)
         return middleware
-
-    def _router(self) -> APIRouter:
-        router = APIRouter(prefix="/cluster")
-        orch = self.orch
-
-        @router.post("/adopt")
-        async def adopt(request: Request):
-            body = await request.json()
-            if not isinstance(body, dict) or not isinstance(body.get("id"), str):
-                raise HTTPException(400, "body must be a sandbox record with an id")
-            try:
-                rec = _record(body)
-            except TypeError as e:
-                raise HTTPException(400, f"not a sandbox record: {e}") from e
-            rec = await orch.adopt(rec)
-            return {"sandboxID": rec.id, "state": rec.state}
-
-        @router.post("/sandboxes/{sandbox_id}/fork")
-        async def fork_export(sandbox_id: str, body: ForkExport):
-            phases = timing.start()
-            results, image = await orch.fork_export(sandbox_id, body.count, body.timeout)
-            return JSONResponse({"results": fork_results(results), "image": image},
-                                headers=timing.header(phases))
-
-        @router.post("/fork-children")
-        async def fork_children(body: ForkChildren):
-            phases = timing.start()
-            results = await orch.fork_children(body.image, body.count, body.timeout, body.auto_pause, body.egress)
-            return JSONResponse({"results": fork_results(results)}, headers=timing.header(phases))
-
-        @router.delete("/images/{snapshot_id}", status_code=204)
-        async def delete_image(snapshot_id: str):
-            if not await orch.delete_image(snapshot_id):
-                raise HTTPException(404, f"fork image {snapshot_id!r} not found")
-            return Response(status_code=204)
-
-        return router
-
-
-def _record(body: dict) -> SandboxRecord:
-    """A :class:`SandboxRecord` from its published dict (unknown keys ignored), checked
-    before anything uses it: its id names host paths (work dir, runsc state) and its
-    sizes become limits, so only the shapes forkyard itself writes pass.
-
-    Raises:
-        TypeError: required fields missing or malformed (the routes answer 400).
-    """
-    rec = SandboxRecord(**{k: v for k, v in body.items() if k in _RECORD_FIELDS})
-    ints = {"vcpus": (1, 64), "memory_mb": (64, 1 << 20), "disk_mb": (0, 1 << 24)}
-    if not isinstance(rec.id, str) or not is_sandbox_id(rec.id):
-        raise TypeError(f"id must be 1-64 lower-case letters and digits, got {str(rec.id)[:80]!r}")
-    if rec.image_id is not None and (not isinstance(rec.image_id, str) or not is_name(rec.image_id)):
-        raise TypeError("image_id is not a snapshot id")
-    if not isinstance(rec.template_id, str) or len(rec.template_id) > 128:
-        raise TypeError("template_id must be a string of at most 128 characters")
-    for name, (lo, hi) in ints.items():
-        v = getattr(rec, name)
-        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-            raise TypeError(f"{name} must be an integer between {lo} and {hi}")
-    return rec
-
-
-_PLACEMENT_ID = re.compile(r"[0-9a-f]{16}")
-_MAX_ACKED = 10_000
-
-
-class _PlacementAck:
-    """ASGI middleware on the node: a call that carries the scheduler's placement id
-    (:data:`~forkyard.cluster.config.PLACEMENT_HEADER`, with the cluster secret) is
-    acknowledged in a heartbeat sent as soon as it has ended — answered or failed — so the
-    scheduler counts the placement until the node's report shows its sandboxes, never
-    both gone (a placement made while a report was in flight used to be lost)."""
-
-    def __init__(self, app, agent: "NodeAgent"):
-        self.app, self.agent = app, agent
-
-    async def __call__(self, scope, receive, send):
-        pid = None
-        if scope["type"] == "http":
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            got = headers.get(PLACEMENT_HEADER)
-            if got and _PLACEMENT_ID.fullmatch(got) and cluster_secret_ok(headers, self.agent.secret):
-                pid = got
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            if pid and len(self.agent._acked) < _MAX_ACKED:  # beyond: they expire in Redis
-                self.agent._acked.add(pid)
-                self.agent._wake.set()  # a heartbeat now, so the placement is not counted twice for long
