@@ -494,7 +494,7 @@ class NodeAgent:
                 if await agent._drains_for(scope):
                     return await agent._refuse_wake(m.group(1), scope, receive, send, app)
                 if not await agent._may_resume(m.group(1)):
-                    body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler, so it "
+                    body = {"code": 503, "message": f"node {agent.node_id} cannot reach the cluster's scheduler (or the scheduler its Redis), so it "
                                                     f"cannot record that sandbox {m.group(1)} resumes: retry shortly "
                                                     "(running sandboxes are not affected)"}
                     return await JSONResponse(body, status_code=503)(scope, receive, send)
