@@ -112,6 +112,12 @@ def _log(root: Path, name: str) -> str:
     return (root / "logs" / f"{name}.log").read_text(errors="replace")
 
 
+def _upstream_bytes(lines: list[str]) -> int:
+    """Bytes squid fetched from upstream for these access-log lines (those it answered
+    from its cache have hierarchy code HIER_NONE)."""
+    return sum(int(line.split()[4]) for line in lines if "HIER_DIRECT" in line or "FIRSTUP_PARENT" in line)
+
+
 @pytest.mark.usefixtures("cache_on")
 class TestPackageCache:
     figures: dict[str, float] = {}
@@ -196,6 +202,8 @@ class TestPackageCache:
         finally:
             a.kill()
         n = len(_log(root, "squid").splitlines())
+        self.figures["apt first, MB from upstream"] = _upstream_bytes(
+            [line for line in _log(root, "squid").splitlines() if " http://deb.debian.org/" in line]) / 1e6
         debs = [line for line in _log(root, "squid").splitlines() if f"/{DEB}_" in line and ".deb" in line]
         assert len(debs) == 1 and "TCP_MISS/200" in debs[0], debs
         b = Sandbox.create("base", timeout=300)
@@ -204,6 +212,7 @@ class TestPackageCache:
         finally:
             b.kill()
         second = _log(root, "squid").splitlines()[n:]
+        self.figures["apt cached, MB from upstream"] = _upstream_bytes(second) / 1e6
         fetched = [line for line in second if ("/by-hash/" in line or ".deb " in line) and "HIER_DIRECT" in line]
         assert not fetched, fetched  # package lists and the package: no upstream download
         assert any(f"/{DEB}_" in line and "HIT/200" in line for line in second), second
@@ -290,9 +299,25 @@ class TestPackageCache:
         finally:
             sbx.kill()
 
+    def test_a_service_that_dies_is_started_again(self, cache_on):
+        """squid killed: the node says so in one log line and starts it again; sandboxes
+        created meanwhile are not pointed at the services that are down."""
+        server, root = cache_on
+        pc = _node(server)["packageCache"]["services"]["squid"]
+        os.kill(pc["pid"], 9)
+        deadline = time.time() + 60
+        while True:
+            now = _node(server)["packageCache"]["services"]["squid"]
+            if now["ready"] and now["starts"] == pc["starts"] + 1:
+                break
+            assert time.time() < deadline, now
+            time.sleep(0.2)
+        lines = [ln for ln in server.log.read_text(errors="replace").splitlines() if "package cache: squid stopped" in ln]
+        assert lines and "starting it again" in lines[-1], lines
+
     def test_figures(self, cache_on):
         """Report first vs cached install times (seconds; printed with -s)."""
-        print({k: round(v, 1) for k, v in sorted(self.figures.items())})
+        print({k: round(v, 2) for k, v in sorted(self.figures.items())})
 
 
 def test_template_built_with_cache_keeps_none_of_it(server):
@@ -306,3 +331,24 @@ def test_template_built_with_cache_keeps_none_of_it(server):
         sbx.kill()
         with server.api() as c:
             c.delete(f"/templates/{BUILT}")
+
+
+def test_missing_part_stops_the_server_with_one_line(tmp_path):
+    """With the cache on and its squid missing the server does not start, and says what
+    to do in one line."""
+    import sys
+
+    from conftest import free_port
+
+    from _slot import LETTER
+
+    env = dict(os.environ, FORKYARD_PACKAGE_CACHE="on", FORKYARD_SQUID=str(tmp_path / "no-squid"),
+               FORKYARD_DATA_DIR=str(tmp_path / "data"), FORKYARD_PORT=str(free_port()),
+               FORKYARD_NET_PREFIX=f"pk{LETTER}", FORKYARD_OUTER_NET=f"10.{112 + SLOT}.0.0/16",
+               FORKYARD_API_KEY="e2b_" + "0" * 40)
+    p = subprocess.run([sys.executable, "-m", "forkyard.cli.main", "serve", "--no-build-base"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "squid" in ln]
+    assert len(lines) == 1 and "package cache: squid not found" in lines[0] and "apt-get install" in lines[0], \
+        p.stdout + p.stderr
