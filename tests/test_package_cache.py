@@ -92,12 +92,16 @@ def cache_on(server):
     """The session server restarted with the package cache on (a 512 MiB bound) until
     the class's tests are done; then restarted without it, and checked to have left
     no cache process nor its address behind."""
-    env = dict(FORKYARD_PACKAGE_CACHE="on", FORKYARD_PACKAGE_CACHE_ADDR=ADDR, FORKYARD_PACKAGE_CACHE_MB="512")
+    # A warm pool of one: the first sandbox is a hand-out, later ones cold creates (both
+    # are pointed at the cache).
+    env = dict(FORKYARD_PACKAGE_CACHE="on", FORKYARD_PACKAGE_CACHE_ADDR=ADDR, FORKYARD_PACKAGE_CACHE_MB="512",
+               FORKYARD_POOL="base:1")
     with server.restarted_with(**env):
         deadline = time.time() + 90
         while True:
-            pc = _node(server)["packageCache"]
-            if all(s["ready"] for s in pc["services"].values()):
+            node = _node(server)
+            pc = node["packageCache"]
+            if all(s["ready"] for s in pc["services"].values()) and node["pool"]["base"]["ready"] >= 1:
                 break
             assert time.time() < deadline, pc
             time.sleep(0.5)
@@ -143,6 +147,7 @@ class TestPackageCache:
               "'import six, markupsafe; print(markupsafe.escape(\"<x>\"))'"
         a = Sandbox.create("base", timeout=300)
         try:
+            assert _node(cache_on[0])["pool"]["base"]["hits"] == 1  # a pooled sandbox's hand-out
             rc, conf = _sh(a, f"cat {PIP_CONF}")
             assert rc == 0 and f"http://{ADDR}:{PYPI}/index/" in conf
             self.figures["pip first"] = _timed(a, cmd)
