@@ -100,6 +100,7 @@ httpd_suppress_version_string on
 via off
 forwarded_for delete
 client_db off
+pinger_enable off
 pid_filename none
 coredump_dir none
 cache_log /dev/stderr
@@ -123,6 +124,7 @@ acl port80 port 80
 acl fetch_methods method GET HEAD
 always_direct allow apt_port
 
+http_access deny manager
 http_access deny CONNECT
 http_access deny !fetch_methods
 http_access deny to_localhost

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import pwd
@@ -172,8 +173,9 @@ class _Service:
         if self.prepare is not None:
             prep, pump = await self._spawn(self.prepare)
             try:
-                rc = await asyncio.wait_for(prep.wait(), 120)
+                rc = await asyncio.wait_for(asyncio.shield(prep.wait()), 120)
             finally:
+                await self._kill(prep)  # stopped or timed out meanwhile: nothing is left
                 await asyncio.gather(pump, return_exceptions=True)
             if rc != 0:
                 raise RuntimeError(f"preparing it failed with exit code {rc}: {self.log.tail()}")
@@ -260,8 +262,6 @@ class PackageCache:
         for tool in ("unshare", "setpriv"):
             if shutil.which(tool) is None:
                 raise conf.PackageCacheError(f"package cache: {tool} not found (util-linux), {off}")
-        import importlib.util
-
         for module, dist in (("proxpi", "proxpi"), ("gunicorn", "gunicorn")):
             if importlib.util.find_spec(module) is None:
                 raise conf.PackageCacheError(f"package cache: Python package {dist!r} is missing from "
