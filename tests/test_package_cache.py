@@ -105,11 +105,19 @@ def cache_on(server):
                 break
             assert time.time() < deadline, pc
             time.sleep(0.5)
-        pids = [s["pid"] for s in pc["services"].values()]
         yield server, Path(pc["dir"])
-    for pid in pids:
-        assert not Path(f"/proc/{pid}").exists(), f"cache process {pid} outlived its server"
+        groups = [s["pid"] for s in _node(server)["packageCache"]["services"].values()]
+    # every process of each server's group (gunicorn's worker too) is gone with the server
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) in groups]
+    assert not left, f"cache processes outlived their server: {left}"
     assert ADDR not in _on_lo()
+
+
+def _pgid(proc: Path) -> int | None:
+    try:
+        return int((proc / "stat").read_text().rpartition(")")[2].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _log(root: Path, name: str) -> str:
