@@ -176,7 +176,7 @@ class _Service:
                 rc = await asyncio.wait_for(asyncio.shield(prep.wait()), 120)
             finally:
                 await self._kill(prep)  # stopped or timed out meanwhile: nothing is left
-                await asyncio.gather(pump, return_exceptions=True)
+                await self._drain(pump)
             if rc != 0:
                 raise RuntimeError(f"preparing it failed with exit code {rc}: {self.log.tail()}")
         proc, pump = await self._spawn(self.argv)
@@ -199,7 +199,18 @@ class _Service:
             self.error = f"exit code {rc}: {self.log.tail()}"
         finally:
             await self._kill(proc)
-            await asyncio.gather(pump, return_exceptions=True)
+            await self._drain(pump)
+
+    @staticmethod
+    async def _drain(pump: asyncio.Task) -> None:
+        """Let ``pump`` copy what is left of the output, at most 5 s (a process that left
+        the service's group could hold the pipe open)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), 5.0)
+        except TimeoutError:
+            pump.cancel()
+        except Exception:  # noqa: BLE001 — a log write failing is no reason to stop
+            pass
 
     async def _kill(self, proc: asyncio.subprocess.Process) -> None:
         """SIGTERM the service's process group, SIGKILL it after :data:`STOP_TIMEOUT_S`."""
