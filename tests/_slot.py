@@ -12,7 +12,8 @@ Outer address ranges by user (S = slot; keep new ones clear of these and of the
 default 10.209.0.0/16): tests/_hostutil 10.(144+S); test_egress 10.(160+S);
 test_fidelity 10.(176+S) and 10.(128+S); test_repository 10.(192+S) and 10.212.16S/20; test_network
 10.211.16S/20; workloads/test_workloads 10.213.16S/20; test_readme_claims 10.214.16S/20; test_deploy 10.219.16S/20;
-conftest 10.(220+S); tests/_cluster 10.(240+S). TEST-NET "public" servers: test_egress 198.51.100.8S/29,
+conftest 10.(220+S); tests/_cluster 10.(240+S); test_package_cache 10.(112+S) (prefix pk<letter>,
+never built: its server stops at preflight) and cache address 169.254.(100+S).1. TEST-NET "public" servers: test_egress 198.51.100.8S/29,
 workloads/test_workloads 203.0.113.8S/29.
 """
 

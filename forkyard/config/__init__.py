@@ -8,6 +8,7 @@ In :mod:`.node`: a node's own settings —
 
 * :class:`Settings`: a node (the server); :class:`AdmissionSettings`: what its host admits.
 * :class:`GVisorSettings`: the gVisor driver's tunables; envd's port and version, the guest's addresses.
+* :class:`PackageCacheSettings`: the node's package cache for sandboxes (pip, npm, apt).
 
 In :mod:`.cluster`: the cluster —
 
@@ -41,6 +42,7 @@ from forkyard.config.node import (
     POOL_MAX_PER_TEMPLATE,
     AdmissionSettings,
     GVisorSettings,
+    PackageCacheSettings,
     Settings,
     api_key_from_env,
     hold_dir,
@@ -51,6 +53,6 @@ from forkyard.config.process import ClientSettings, ObsSettings, ProxySettings, 
 __all__ = [
     "DEFAULT_POOL", "DEFAULT_RUNSC", "ENVD_PORT", "ENVD_VERSION", "GUEST_GATEWAY", "GUEST_IP", "GUEST_PREFIXLEN",
     "POOL_MAX_PER_TEMPLATE", "AdmissionSettings", "ClientSettings", "ClusterSettings", "ControlPlaneEnv", "ControlPlaneSettings",
-    "GVisorSettings", "ObsSettings", "P2PSettings", "ProxySettings", "RepositorySettings", "Settings",
+    "GVisorSettings", "ObsSettings", "PackageCacheSettings", "P2PSettings", "ProxySettings", "RepositorySettings", "Settings",
     "api_key_from_env", "hold_dir", "parse_pool", "user_cache_dir",
 ]

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkyard.config._env import _env, _env_bool, _env_cidrs, _env_path
+from forkyard.config._env import _env, _env_bool, _env_cidrs, _env_on, _env_path
 from forkyard.ids import NAME
 
 #: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
@@ -373,3 +373,54 @@ class GVisorSettings:
     reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")
     share_restored_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_RESTORED_PAGES", "0") == "1")
     share_saved_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_SAVED_PAGES", "1") != "0")
+
+
+#: Default upstreams of the package cache (its allowlist): PyPI's simple index, the npm
+#: registry, and the Debian hosts apt may fetch from (main archive and security).
+DEFAULT_PYPI_INDEX = "https://pypi.org/simple/"
+DEFAULT_NPM_REGISTRY = "https://registry.npmjs.org"
+DEFAULT_APT_HOSTS = ("deb.debian.org", "security.debian.org")
+
+
+@dataclass(frozen=True)
+class PackageCacheSettings:
+    """The node's package cache for sandboxes (:mod:`forkyard.pkgcache`; beyond E2B, off
+    by default).
+
+    Attributes:
+        enabled: ``FORKYARD_PACKAGE_CACHE`` (``off``; ``on``): the node runs the cache
+            services and configures ``pip``, ``npm`` and ``apt`` in every sandbox it
+            creates (template builds included) to fetch through them.
+        address: ``FORKYARD_PACKAGE_CACHE_ADDR`` (``169.254.77.1``): the IPv4 address the
+            services listen on, put on a dummy interface of the host; sandboxes reach it
+            through their slot (the same address on every node, so a paused sandbox
+            resumes anywhere). Two nodes on one host need different addresses.
+        size_mb: ``FORKYARD_PACKAGE_CACHE_MB`` (10240): the most disk the cached files
+            take (MiB), half for Python packages, half for npm and apt; the least used
+            go first.
+        user: ``FORKYARD_PACKAGE_CACHE_USER`` (``forkyard-cache``): the unprivileged
+            account the services run as (``deploy/install.sh`` creates it).
+        squid: ``FORKYARD_SQUID`` (``/usr/sbin/squid``): the squid binary (npm and apt).
+        pypi_index: ``FORKYARD_PACKAGE_CACHE_PYPI`` (:data:`DEFAULT_PYPI_INDEX`): the one
+            Python package index fetched from.
+        npm_registry: ``FORKYARD_PACKAGE_CACHE_NPM`` (:data:`DEFAULT_NPM_REGISTRY`): the
+            one npm registry fetched from (``https://HOST[:PORT]``).
+        apt_hosts: ``FORKYARD_PACKAGE_CACHE_APT_HOSTS`` (comma-separated,
+            :data:`DEFAULT_APT_HOSTS`): the hosts apt may fetch from over HTTP.
+        host_proxy: the node's own ``http_proxy``/``https_proxy``/``no_proxy`` (any
+            case), passed to the services: a host that reaches the registries through a
+            proxy of its own.
+    """
+
+    enabled: bool = field(default_factory=lambda: _env_on("FORKYARD_PACKAGE_CACHE"))
+    address: str = field(default_factory=lambda: _env("FORKYARD_PACKAGE_CACHE_ADDR", "169.254.77.1"))
+    size_mb: int = field(default_factory=lambda: int(_env("FORKYARD_PACKAGE_CACHE_MB", "10240")))
+    user: str = field(default_factory=lambda: _env("FORKYARD_PACKAGE_CACHE_USER", "forkyard-cache"))
+    squid: str = field(default_factory=lambda: _env("FORKYARD_SQUID", "/usr/sbin/squid"))
+    pypi_index: str = field(default_factory=lambda: _env("FORKYARD_PACKAGE_CACHE_PYPI", DEFAULT_PYPI_INDEX))
+    npm_registry: str = field(default_factory=lambda: _env("FORKYARD_PACKAGE_CACHE_NPM", DEFAULT_NPM_REGISTRY))
+    apt_hosts: tuple[str, ...] = field(default_factory=lambda: tuple(
+        h.strip().lower() for h in _env("FORKYARD_PACKAGE_CACHE_APT_HOSTS", ",".join(DEFAULT_APT_HOSTS)).split(",")
+        if h.strip()))
+    host_proxy: dict[str, str] = field(default_factory=lambda: {
+        k: v for k, v in os.environ.items() if k.lower() in ("http_proxy", "https_proxy", "no_proxy")}, repr=False)

@@ -248,10 +248,11 @@ async def run(
     timeout_s: float | None = 600.0,
     background: bool = False,
     port: int = ENVD_PORT,
+    access_token: str | None = None,
 ) -> int:
     """Run ``command`` with ``/bin/sh -c`` inside the sandbox whose envd listens on
     ``host:port`` as ``user``, with ``envs`` added and working directory ``cwd``
-    (Connect ``process.Process/Start``).
+    (Connect ``process.Process/Start``), proving ``access_token`` when the sandbox has one.
 
     Output lines go to ``on_line(stream, line)``. With ``background`` the call returns
     0 as soon as envd reports the process started (the process keeps running: envd
@@ -274,6 +275,8 @@ async def run(
         "Connect-Protocol-Version": "1",
         **_auth(user),
     }
+    if access_token:
+        headers["X-Access-Token"] = access_token
     if not background and timeout_s is not None:
         headers["Connect-Timeout-Ms"] = str(int(timeout_s * 1000))
     out, err = _Lines("stdout", on_line), _Lines("stderr", on_line)

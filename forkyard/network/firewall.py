@@ -2,8 +2,11 @@
 and the check that the outer range steals no host route.
 
 Chains (``FORKYARD-*``, or ``FORKYARD-<PREFIX>-*`` for a server with its own prefix):
-``FORKYARD-INPUT`` (drop everything from ``<prefix>v+`` except replies: sandboxes cannot
-reach host services, the API port or a slot's host address), ``FORKYARD-FORWARD`` (no
+``FORKYARD-INPUT`` (drop everything from ``<prefix>v+`` except replies and the host
+services opened to sandboxes (:class:`HostServices`: the package cache's address and
+TCP ports, nothing else): sandboxes cannot reach other host services, the API port or a
+slot's host address; that address is refused from anywhere but sandboxes and the host
+itself), ``FORKYARD-FORWARD`` (no
 slot-to-slot traffic, no private/link-local/metadata addresses but the host's resolvers,
 no new connections from outside into slots, egress allowed), ``FORKYARD-OUTPUT`` (only
 root on the host connects to a slot: other local users are refused) and nat
@@ -16,8 +19,10 @@ import ipaddress
 import logging
 import re
 import subprocess
+from dataclasses import dataclass
 
 from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
 
 from forkyard.guest.files import host_nameservers
 from forkyard.network.netns import off_loop, sysctl
@@ -32,6 +37,23 @@ BLOCKED_EGRESS = [
     "172.16.0.0/12", "192.0.0.0/24", "192.0.2.0/24", "192.168.0.0/16", "198.18.0.0/15",
     "198.51.100.0/24", "203.0.113.0/24", "224.0.0.0/3",
 ]
+
+
+@dataclass(frozen=True)
+class HostServices:
+    """Services on the host that this node's sandboxes may reach (the package cache,
+    :mod:`forkyard.pkgcache`): TCP ``ports`` on ``address``, an IPv4 address the host
+    puts on ``lo`` (a /32, labelled ``lo:<prefix>svc``) when it sets up its network. It
+    lies outside the outer range and is the same on every node, so a sandbox reaches it
+    wherever it was restored; packets to it leave a slot by its default route.
+
+    Attributes:
+        address: the services' IPv4 address.
+        ports: the TCP ports open to sandboxes there.
+    """
+
+    address: str
+    ports: tuple[int, ...]
 
 
 class NetworkError(Exception):
@@ -58,13 +80,16 @@ class HostFirewall:
         chain_prefix: its chains' name prefix (``FORKYARD-`` or ``FORKYARD-<PREFIX>-``).
         outer_net: its outer range (one /30 per slot).
         blocked_egress: destinations no sandbox may reach.
+        services: host services opened to sandboxes (None: none).
     """
 
-    def __init__(self, prefix: str, chain_prefix: str, outer_net: ipaddress.IPv4Network, blocked_egress: list[str]):
+    def __init__(self, prefix: str, chain_prefix: str, outer_net: ipaddress.IPv4Network, blocked_egress: list[str],
+                 services: HostServices | None = None):
         self.prefix = prefix
         self.chain_prefix = chain_prefix
         self.outer_net = outer_net
         self.blocked_egress = blocked_egress
+        self.services = services
         self._if_re = re.compile(rf"^{prefix}v(\d+)$")
 
     @off_loop
@@ -80,10 +105,22 @@ class HostFirewall:
         sysctl("net/ipv4/ip_forward", "1")
         outer = str(self.outer_net)
         hif = f"{self.prefix}v+"
+        svc = self.services
+        opened: list[list[str]] = []
+        if svc is not None:
+            self._service_address(add=True)
+            opened = [
+                # exactly these TCP ports at that address, from this node's sandboxes ...
+                ["-i", hif, "-d", svc.address, "-p", "tcp", "-m", "multiport",
+                 "--dports", ",".join(str(p) for p in svc.ports), "-j", "ACCEPT"],
+            ]
         rules: dict[tuple[str, str], list[list[str]]] = {
             ("filter", "INPUT"): [
                 ["-i", hif, "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"],
+                *opened,
                 ["-i", hif, "-j", "DROP"],
+                # ... and from the host itself; nobody else (other interfaces) reaches it.
+                *([["-d", svc.address, "!", "-i", "lo", "-j", "DROP"]] if svc is not None else []),
             ],
             ("filter", "FORWARD"): [
                 ["-i", hif, "-o", hif, "-j", "DROP"],
@@ -102,6 +139,11 @@ class HostFirewall:
             # local users must not reach envd or user ports directly at a slot's outer
             # address, around the proxy's tokens (a pooled sandbox has none yet).
             ("filter", "OUTPUT"): [
+                # (the host services' answers on connections sandboxes opened to them:
+                # they run as an unprivileged account)
+                *([["-o", hif, "-s", svc.address, "-p", "tcp", "-m", "multiport",
+                    "--sports", ",".join(str(p) for p in svc.ports), "-m", "conntrack", "--ctstate",
+                    "ESTABLISHED", "-j", "ACCEPT"]] if svc is not None else []),
                 ["-o", hif, "-m", "owner", "!", "--uid-owner", "0", "-j", "REJECT",
                  "--reject-with", "icmp-admin-prohibited"],
             ],
@@ -169,6 +211,29 @@ class HostFirewall:
                 pass
             iptables("-t", table, "-F", chain, check=False)
             iptables("-t", table, "-X", chain, check=False)
+        if self.services is not None:
+            self._service_address(add=False)
+
+    def _service_address(self, add: bool) -> None:
+        """Put :attr:`services`' address on ``lo`` (``add``, idempotent) or take it off
+        (missing: nothing to do).
+
+        Raises:
+            NetworkError: netlink refused (adding only).
+        """
+        address = self.services.address
+        with IPRoute() as ipr:
+            lo = ipr.link_lookup(ifname="lo")[0]
+            present = address in [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=lo, family=2)]
+            try:
+                if add and not present:
+                    ipr.addr("add", index=lo, address=address, prefixlen=32, label=f"lo:{self.prefix}svc")
+                elif not add and present:
+                    ipr.addr("del", index=lo, address=address, prefixlen=32)
+            except NetlinkError as exc:
+                if add:
+                    raise NetworkError(f"adding the host services' address {address} to lo: {exc}") from exc
+                log.warning("removing the host services' address %s from lo: %s", address, exc)
 
     @off_loop
     def check_no_overlap(self) -> None:

@@ -36,7 +36,7 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from forkyard.config import GUEST_GATEWAY, GUEST_IP, GUEST_PREFIXLEN, Settings
 from forkyard.network.base import NetnsAttachment, Slot
-from forkyard.network.firewall import BLOCKED_EGRESS, CHAIN_PREFIX, HostFirewall, NetworkError
+from forkyard.network.firewall import BLOCKED_EGRESS, CHAIN_PREFIX, HostFirewall, HostServices, NetworkError
 from forkyard.network.netns import (NETNS_DIR, create_netns, disable_ipv6_defaults, enable_ipv6_loopback,
                                     enter_netns, in_thread, is_nsfs, netns_in_use, off_loop, remove_netns,
                                     sysctl)
@@ -68,13 +68,16 @@ class NetnsNetwork:
             ``fyv<N>``). A second instance on the same host (tests) uses its own prefix
             *and* outer range, and gets its own iptables chains
             (``FORKYARD-<PREFIX>-*``), so neither reconciles away the other's slots.
+        services: host services this node's sandboxes may reach (the package cache),
+            or None.
     """
 
     #: Its slots attach a runtime by network namespace.
     attachment = NetnsAttachment
 
     def __init__(
-        self, settings: Settings | None = None, outer_net: str = OUTER_NET, prefix: str = PREFIX
+        self, settings: Settings | None = None, outer_net: str = OUTER_NET, prefix: str = PREFIX,
+        services: HostServices | None = None,
     ):
         if not re.fullmatch(r"[a-z]{2,4}", prefix):
             raise ValueError(f"prefix must be 2-4 lower-case letters, not {prefix!r}")
@@ -89,7 +92,9 @@ class NetnsNetwork:
         self.chain_prefix = CHAIN_PREFIX if prefix == PREFIX else f"{CHAIN_PREFIX}{prefix.upper()}-"
         self._ns_re = re.compile(rf"^{prefix}(\d+)s?$")
         self._if_re = re.compile(rf"^{prefix}v(\d+)$")
-        self.firewall = HostFirewall(prefix, self.chain_prefix, self.outer_net, self.blocked_egress)
+        if services is not None and ipaddress.IPv4Address(services.address) in self.outer_net:
+            raise ValueError(f"the host services' address {services.address} lies in the outer range {self.outer_net}")
+        self.firewall = HostFirewall(prefix, self.chain_prefix, self.outer_net, self.blocked_egress, services)
 
     def _host_if(self, index: int | str) -> str:
         return f"{self.prefix}v{index}"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from forkyard.config import Settings
+from forkyard.config import ENVD_PORT, Settings
 from forkyard.guest import envd
 from forkyard.ids import new_sandbox_id
 from forkyard.network.base import Network
@@ -31,6 +31,7 @@ from forkyard.orchestrator.start import ENVD_READY_TIMEOUT_S, HOSTNAME, Starter
 from forkyard.orchestrator.state import SandboxTable
 from forkyard.orchestrator.store import SandboxRecord
 from forkyard.orchestrator.teardown import Teardown
+from forkyard.pkgcache import install_script
 from forkyard.repository.snapshots import SnapshotStore
 from forkyard.runtime.base import RuntimeDriver, SandboxSpec
 
@@ -204,6 +205,7 @@ class Creator:
                 await self._handout(rec, pooled)
                 self.pool.record(tmpl.template_id, hit=True)
                 timing.record("pool", (time.perf_counter() - t0) * 1000)
+                await self._configure_packages(rec)
                 return rec
             except CreateFailed:
                 store.delete(rec.id)  # cold below, under a new id
@@ -222,7 +224,36 @@ class Creator:
             raise
         for name, ms in phases.items():  # (observed in Prometheus by the start)
             timing.add(name, ms)
+        await self._configure_packages(rec)
         return rec
+
+    #: The node's package cache (:class:`forkyard.pkgcache.PackageCache`) when it runs
+    #: one (``FORKYARD_PACKAGE_CACHE=on``), set by the orchestrator; None: off.
+    package_cache = None
+
+    async def _configure_packages(self, rec: SandboxRecord) -> None:
+        """Point ``pip``, ``npm`` and ``apt`` of new sandbox ``rec`` at the package cache
+        (its configuration files, :func:`forkyard.pkgcache.install_script`, for the
+        services that answer now): one root command through envd. Nothing with the cache
+        off. A failure is logged, not raised: the sandbox works, fetching as without the
+        cache."""
+        cache = self.package_cache
+        if cache is None:
+            return
+        files = cache.guest_files()
+        if not files:
+            return
+        tail: list[str] = []
+        try:
+            host, _ = self.table.target(rec.id, ENVD_PORT)
+            rc = await envd.run(self.http, host, install_script(files), user="root", cwd="/", timeout_s=30,
+                                access_token=rec.envd_access_token, on_line=lambda s, line: tail.append(line))
+        except Exception as e:  # noqa: BLE001 — the sandbox itself is fine
+            log.warning("package cache: configuring sandbox %s failed: %s", rec.id, e)
+            return
+        if rc != 0:
+            log.warning("package cache: configuring sandbox %s failed (exit code %s): %s", rec.id, rc,
+                        tail[-1][:200] if tail else "")
 
     #: E2B volumes (:class:`forkyard.orchestrator.volumes.store.Volumes`), set by the orchestrator.
     volumes = None

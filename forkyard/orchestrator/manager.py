@@ -77,9 +77,12 @@ class Orchestrator:
             blocking calls, run in threads).
         store: SQLite store.
         snapshots: the snapshot repository and this node's staging and cache.
+        package_cache: the node's package cache (:class:`forkyard.pkgcache.PackageCache`;
+            it starts and stops with the app, not here), or None when it is off: every
+            sandbox created is pointed at it.
 
     Attributes:
-        settings, driver, network, store, snapshots: as given.
+        settings, driver, network, store, snapshots, package_cache: as given.
         capacity: what this node may hand out (:mod:`forkyard.orchestrator.admission`).
         tombstones: why sandboxes that died by themselves died (told to clients who ask
             later).
@@ -92,8 +95,10 @@ class Orchestrator:
     FIREWALL_CHECK_S = 5.0
 
     def __init__(self, settings: Settings, driver: RuntimeDriver, network: Network, store: Store,
-                 snapshots: SnapshotStore):
+                 snapshots: SnapshotStore, package_cache=None):
         self.settings = settings
+        #: The node's package cache (:class:`forkyard.pkgcache.PackageCache`), None when off.
+        self.package_cache = package_cache
         self.driver = driver
         self.network = network
         self.store = store
@@ -128,6 +133,7 @@ class Orchestrator:
         self.volumes = Volumes(settings.volumes_root, settings.volumes_dir, settings.max_volumes,
                                settings.volume_size_mb, legacy_db=settings.db_path)
         starter.volumes = creator.volumes = self.volumes
+        creator.package_cache = package_cache
         self._ttl_task: asyncio.Task | None = None
         self._firewall_task: asyncio.Task | None = None
 
@@ -223,7 +229,8 @@ class Orchestrator:
         ``FORKYARD_SPARE_DISKS``; memory in use: MiB the running sandboxes hold that the
         host cannot take back, as an overcommitted node's admission counts it,
         :meth:`Capacity.in_use_mb`; shares restored pages: restored sandboxes share their
-        image's unchanged pages, :attr:`RuntimeDriver.shares_restored_pages`)."""
+        image's unchanged pages, :attr:`RuntimeDriver.shares_restored_pages`; package
+        cache: :meth:`forkyard.pkgcache.PackageCache.describe`, None when it is off)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
             if r.state in counts:
@@ -235,7 +242,8 @@ class Orchestrator:
                 "pausesInFlight": len(self._table.pending), "hotPaused": len(self._table.hot),
                 "gcInFlight": self._gc.in_flight,
                 "pool": self.pool.describe(), "poolSlots": sorted(self.pool.slot_indexes()),
-                "poolSandboxes": self.pool.ids(), "spareDisks": self.driver.spare_mounts()}
+                "poolSandboxes": self.pool.ids(), "spareDisks": self.driver.spare_mounts(),
+                "packageCache": self.package_cache.describe() if self.package_cache is not None else None}
 
     # ---- for the cluster agent: the node's rows and what it reports ----------------
     @property

@@ -4,7 +4,9 @@ the uploaded context (Docker semantics: a directory's contents go into the desti
 a file into ``dest/`` or onto ``dest``); ``USER`` and ``WORKDIR`` change the context;
 then the final env, user and workdir become the sandbox's defaults (envd ``/init``), the
 start command starts in the background and the ready command is polled until it
-succeeds.
+succeeds. With the node's package cache on, the build sandbox was pointed at it when it
+was created (:mod:`forkyard.pkgcache`); that configuration is removed before the
+snapshot.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 from forkyard.config import ENVD_PORT, Settings
 from forkyard.guest import envd
 from forkyard.orchestrator.images import DEFAULT_USER_KEY, DEFAULT_WORKDIR_KEY
+from forkyard.pkgcache import GUEST_PATHS, remove_script
 from forkyard.templates import unpack
 from forkyard.templates.spec import BuildRecord, StepFailed
 from forkyard.templates.uploads import Uploads, plain_tar
@@ -225,6 +228,11 @@ class StepRunner:
         sbx.metadata = {**sbx.metadata, DEFAULT_USER_KEY: ctx.user, DEFAULT_WORKDIR_KEY: ctx.workdir}
         self.orch.store.put(sbx)
         await self._start_and_ready(rec, host, ctx, start_cmd, ready_cmd)
+        if getattr(self.orch, "package_cache", None) is not None:
+            # The build fetched through the node's package cache; the template must not
+            # point its sandboxes at it (they get it at create while it is on).
+            rec.log("Removing the package cache's configuration from the template", step="finalize")
+            await self._root(host, rec, "finalize", remove_script(list(GUEST_PATHS)))
 
     async def _start_and_ready(self, rec: BuildRecord, host: str, ctx: _Ctx, start_cmd: str | None,
                                ready_cmd: str | None) -> None:
