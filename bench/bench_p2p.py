@@ -12,14 +12,16 @@ For each mode a fresh cluster (``tests/_cluster.py``: real redis, scheduler, gat
 3 node processes, all with ``FORKYARD_REPO=s3://…`` on that server) with
 ``FORKYARD_P2P`` off / on; node0 has room for 2 sandboxes. Per round:
 
-* **resume elsewhere**: a sandbox on node0 writes ``--blob-mb`` MiB of random data to
-  ``/dev/shm``, takes a snapshot and is paused (both committed to S3; node0's cache
-  keeps the images), then resumed with node0 drained (on node1);
-* **fan-out**: one sandbox is created from the snapshot on node1, then on node2 (the
-  others drained, nothing running there) — the image spread over all 3 nodes;
-* **fork spill-over**: a sandbox from the snapshot on node0 (from its cache) forks 3
-  children: 1 fits on node0, 2 go to node1/node2 and start from the fork's exported
-  checkpoint.
+Each step starts from its own sandbox on node0 holding ``--blob-mb`` MiB of fresh random
+data in ``/dev/shm`` (so no step finds another's chunks in a cache):
+
+* **resume elsewhere**: it is paused (committed to S3; node0's cache keeps the image)
+  and resumed with node0 drained (on node1);
+* **fan-out**: it takes a snapshot (committed; node0 keeps the image) and is removed;
+  one sandbox is created from the snapshot on node1, then on node2 (the others
+  drained, nothing running there) — the image spread over all 3 nodes;
+* **fork spill-over**: it forks 3 children: 1 fits on node0, 2 go to node1/node2 and
+  start from the fork's exported checkpoint (the timing includes node0's export).
 
 Each is timed through the gateway (until envd answers); every child and the resumed
 sandbox must hold the source's blob (sha256 compared, outside the timing). Summed over
@@ -122,6 +124,13 @@ def reads(c, net: ShapedNetns) -> tuple[int, int, int]:
     return repo, peers, net.sent_bytes()
 
 
+def source(c, blob_mb: int) -> tuple[Sandbox, str]:
+    """A ``base`` sandbox holding ``blob_mb`` MiB of fresh random data in ``/dev/shm``, and its sha256."""
+    src = Sandbox.create("base", timeout=600, **c.sdk)
+    src.commands.run(f"head -c {blob_mb}M /dev/urandom > /dev/shm/blob", timeout=120)
+    return src, blob_sum(src)
+
+
 def blob_sum(sbx: Sandbox) -> str:
     return sbx.commands.run("sha256sum /dev/shm/blob", timeout=120).stdout.split()[0]
 
@@ -158,19 +167,21 @@ def one_mode(p2p: bool, n: int, blob_mb: int, s3: dict, net: ShapedNetns) -> dic
     try:
         c.start()
         time.sleep(2.5)  # every node has heard of its peers
-        for _ in range(n):
+        for _ in range(n):  # fresh random data per step: no chunk of one step is cached by another
             with only_on(c, "node0"):  # (a drained node pauses what runs there: only_on with nothing running)
-                src = Sandbox.create("base", timeout=600, **c.sdk)
-            src.commands.run(f"head -c {blob_mb}M /dev/urandom > /dev/shm/blob", timeout=120)
-            want = blob_sum(src)
-            snap = src.create_snapshot()
+                src, want = source(c, blob_mb)
             src.pause()
             with only_on(c, "node1"):
-                time.sleep(1.2)  # node1's peer table lists node0's new images
+                time.sleep(1.2)  # node1's peer table lists node0's new image
                 moved = out["resume"].measure(c, net, lambda: Sandbox.connect(src.sandbox_id, timeout=600, **c.sdk))
             assert c.owner(src.sandbox_id) == "node1" and blob_sum(moved) == want
             moved.kill()
 
+            with only_on(c, "node0"):
+                src, want = source(c, blob_mb)
+            snap = src.create_snapshot()
+            src.kill()  # node0's cache keeps the image
+            time.sleep(1.2)
             fan = [0, 0, 0]
             for node in ("node1", "node2"):  # one after the other: the image on all 3 nodes
                 with only_on(c, node):
@@ -183,9 +194,10 @@ def one_mode(p2p: bool, n: int, blob_mb: int, s3: dict, net: ShapedNetns) -> dic
             out["fan_total"].wire.append(fan[2])
             out["fan_total"].ms.append(sum(out["fan"].ms[-2:]))
             out["fan_total"].load.extend(out["fan"].load[-2:])
+            Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
 
-            with only_on(c, "node0"):  # a source on node0 again (from its cache), node0 then full
-                src = Sandbox.create(snap.snapshot_id, timeout=600, **c.sdk)
+            with only_on(c, "node0"):  # node0 is then full but for one child
+                src, want = source(c, blob_mb)
 
             def fork():
                 with c.api() as api:
@@ -200,7 +212,6 @@ def one_mode(p2p: bool, n: int, blob_mb: int, s3: dict, net: ShapedNetns) -> dic
                 assert blob_sum(kid) == want
                 kid.kill()
             src.kill()
-            Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
     finally:
         c.close()
     return out

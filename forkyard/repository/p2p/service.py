@@ -79,6 +79,17 @@ SLOW_STREAK = 8
 MAX_ADDRS = 16
 
 
+def _why(e: BaseException) -> str:
+    """``e`` for the log: an IrohError (whose ``str`` is empty) by its kind and the Rust
+    error's debug text."""
+    if isinstance(e, iroh.IrohError):
+        try:
+            return f"IrohError {e.kind().name}: {e.debug_message()}"
+        except Exception:  # noqa: BLE001 — an older binding
+            pass
+    return f"{type(e).__name__}: {e}"
+
+
 class SlotWait(Exception):
     """No per-peer request slot came free within ``slot_wait_s``: those chunks go
     elsewhere; not the peer's fault."""
@@ -366,7 +377,7 @@ class ChunkService:
             try:
                 answers = self.transport.call(self._ask_all(peer, sid, parts), bound)
             except Exception as e:  # noqa: BLE001 — any failure of the peer: next one / repository
-                self._fail(peer, f"{type(e).__name__}: {e}")
+                self._fail(peer, _why(e))
                 continue
             corrupt = misses = waits = 0
             for part, answer in zip(parts, answers):
@@ -478,7 +489,7 @@ class ChunkService:
         except Skipped:
             raise
         except Exception as e:
-            self._fail(peer, f"{type(e).__name__}: {e}")
+            self._fail(peer, _why(e))
             raise
         finally:
             slots.release()
