@@ -467,3 +467,36 @@ async def test_an_endpoint_id_written_into_redis_by_another_hand_is_not_vouched_
                 [("n0", eid, ["10.0.0.1:7800"])]
         finally:
             await store.aclose()
+
+
+def test_a_member_is_dialled_when_listed_so_a_restore_finds_the_connection_open(nodes, tmp_path):
+    """A first dial made while the host's links change (every sandbox start) can stall
+    for seconds, and the restore that made it then read the repository (the flaky first
+    dial of tests/test_p2p_cluster): a newly listed member is dialled soon after it is
+    listed, and a restore uses that connection — no dial of its own, every chunk from the
+    peer. A warm dial counts as no peer failure."""
+    (a, pa), (b, pb) = nodes(2, per={0: {"warm_after_s": 0.2}, 1: {"warm_after_s": 0.2}})
+    deadline = time.monotonic() + 30
+    while pa.endpoint_id not in pb._conns and time.monotonic() < deadline:
+        time.sleep(0.1)
+    warm = pb._conns.get(pa.endpoint_id)
+    assert warm is not None and warm.close_reason() is None
+    dials = []
+    real = pb.transport.endpoint.connect
+    pb.transport.endpoint = _Counting(pb.transport.endpoint, lambda *a: dials.append(a) or real(*a))
+    src = _image(tmp_path)
+    meta = _commit(a, src)
+    assert _same(b.image(meta.snapshot_id), src)
+    assert dials == [] and pb._conns[pa.endpoint_id] is warm
+    st = pb.stats()
+    assert st["chunks_from_peers"] == _chunks(a, meta.snapshot_id) and st["peer_failures"] == 0, st
+
+
+class _Counting:
+    """An endpoint whose ``connect`` goes through ``connect`` (the rest as it was)."""
+
+    def __init__(self, endpoint, connect):
+        self._endpoint, self.connect = endpoint, connect
+
+    def __getattr__(self, name):
+        return getattr(self._endpoint, name)

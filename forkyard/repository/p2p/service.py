@@ -34,6 +34,13 @@ receipt (:func:`forkyard.cluster.p2p.valid_address`: unicast ``ip:port``); a loo
 address is dialled only when this node's own endpoint is bound to a loopback address
 (a one-host cluster: tests, development) — else a member could make every node send
 QUIC packets to a UDP port on that node's own host. At most :data:`MAX_ADDRS` per member.
+
+**When it dials.** A member newly listed is dialled :data:`WARM_AFTER_S` later (then it
+lists this node too) and the connection kept, so a restore finds it open: iroh rebinds its
+UDP sockets at every network-interface change of the host — every sandbox start and stop
+here, any node's — and a dial made meanwhile can stall for seconds (a restore starts a
+sandbox at about the time it dials); an open connection outlives the rebinds. A warm
+dial that fails is tried again (:data:`WARM_TRIES`) and is no peer failure.
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ CONNECT_S, CONNECT_TRIES = 2.0, 2
 SLOW_STREAK = 8
 #: Addresses of one member dialled at most.
 MAX_ADDRS = 16
+#: A member newly listed is dialled this long after (s; by then it lists this node too,
+#: so the dial is no refusal), then every WARM_RETRY_S up to WARM_TRIES times until a
+#: connection is open: restores then find it open instead of dialling.
+WARM_AFTER_S, WARM_RETRY_S, WARM_TRIES = 5.0, 3.0, 5
 
 
 def _why(e: BaseException) -> str:
@@ -139,8 +150,10 @@ class ChunkService:
     """
 
     def __init__(self, cache: NodeCache, repo: Repository, bind: str = "0.0.0.0:0", timeout_s: float = 5.0,
-                 max_serving: int = 16, per_peer: int = 4, serve_per_peer: int = 4, slot_wait_s: float = 5.0):
+                 max_serving: int = 16, per_peer: int = 4, serve_per_peer: int = 4, slot_wait_s: float = 5.0,
+                 warm_after_s: float | None = WARM_AFTER_S):
         self.cache, self.repo = cache, repo
+        self.warm_after_s = warm_after_s  # None: no warm dials (a member is dialled when a restore asks it)
         self.timeout_s, self.per_peer = float(timeout_s), max(1, int(per_peer))
         self.slot_wait_s = float(slot_wait_s)
         self.dials_loopback = _loopback(bind)
@@ -151,6 +164,7 @@ class ChunkService:
         self._lacks: dict[tuple[str, str], float] = {}  # (endpoint id, sid) -> until
         self._index: OrderedDict[str, dict[str, tuple[str, int, int]]] = OrderedDict()
         self._conns: dict[str, iroh.Connection] = {}
+        self._warming: set[asyncio.Task] = set()
         self._dial: dict[str, asyncio.Lock] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._serving = 0
@@ -184,6 +198,7 @@ class ChunkService:
             if p.endpoint_id != self.endpoint_id and p.endpoint_id not in table:
                 table[p.endpoint_id] = self._dialable(p)
         with self._lock:
+            old = set(self._peers)
             gone = [eid for eid in self._peers if eid not in table]
             self._peers = table
             for eid in gone:  # what is kept per peer stays bounded by the members
@@ -192,6 +207,33 @@ class ChunkService:
             self._lacks = {k: t for k, t in self._lacks.items() if k[0] in table and t > time.monotonic()}
         for eid in gone:
             self.transport.loop.call_soon_threadsafe(self._drop_conn, eid, b"no longer a cluster member")
+        if self.warm_after_s is not None:
+            for eid in table.keys() - old:
+                self.transport.loop.call_soon_threadsafe(self._warm_soon, eid)
+
+    def _warm_soon(self, eid: str) -> None:
+        task = self.transport.loop.create_task(self._warm(eid))
+        self._warming.add(task)  # (the loop keeps only a weak reference)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, eid: str) -> None:
+        """Open a connection to member ``eid`` before a restore needs one (module doc:
+        a first dial made while the host's links change — every sandbox start — can
+        stall; an open connection outlives that). A failure here is no peer failure:
+        nothing is counted, the member is not skipped; a restore dials it as before."""
+        await asyncio.sleep(self.warm_after_s)
+        for attempt in range(WARM_TRIES):
+            with self._lock:
+                peer = self._peers.get(eid)
+                down = self._down.get(eid, 0) > time.monotonic()
+            if peer is None or down or not peer.addrs:
+                return
+            try:
+                await self._conn(peer)
+                return
+            except Exception as e:  # noqa: BLE001 — tried again; a restore would dial anyway
+                log.debug("P2P: warm dial %d of %s failed: %s", attempt + 1, peer.node, _why(e))
+            await asyncio.sleep(WARM_RETRY_S)
 
     def _dialable(self, p: Peer) -> Peer:
         addrs = tuple(dict.fromkeys(a for a in p.addrs if self.dials_loopback or not _loopback(a)))[:MAX_ADDRS]
