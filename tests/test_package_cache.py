@@ -346,6 +346,69 @@ def test_template_built_with_cache_keeps_none_of_it(server):
             c.delete(f"/templates/{BUILT}")
 
 
+def test_apt_port_never_fetches_an_address_by_its_reverse_name():
+    """squid's apt port allows hosts by name; an address in the request is refused even
+    when its reverse name is a listed host (squid's dstdomain looked the address up by
+    default, so a tenant who controls the PTR record of an address could make the cache
+    fetch from it). A client's Authorization and Cookie headers are not sent upstream
+    (the upstreams are anonymous, and the cache is shared). squid with the cache's
+    configuration, in a network namespace of its own where a hosts file names
+    192.0.2.77 deb.debian.org."""
+    import shutil
+    import tempfile
+
+    from forkyard.config import PackageCacheSettings
+    from forkyard.pkgcache import config as conf
+
+    if shutil.which("squid") is None:
+        pytest.skip("no squid")
+    d = Path(tempfile.mkdtemp(prefix="pkrd"))  # squid's account (nobody) writes its logs there
+    os.chmod(d, 0o777)
+    text = conf.squid_conf("192.0.2.1", conf.check(PackageCacheSettings(address="192.0.2.1")), str(d / "spool"), 64)
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith(("cache_dir", "cache_log", "access_log")))
+    (d / "hosts").write_text("192.0.2.77 deb.debian.org\n")
+    (d / "squid.conf").write_text(text + f"\nhosts_file {d}/hosts\ncache_log {d}/cache.log\n"
+                                  f"access_log {d}/access.log squid\ncache_effective_user nobody\n")
+    for f in ("hosts", "squid.conf"):
+        os.chmod(d / f, 0o644)
+    ns = f"pkrd{SLOT}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    procs = []
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        for a in ("192.0.2.1/32", "192.0.2.77/32"):
+            subprocess.run(["ip", "-n", ns, "addr", "add", a, "dev", "lo"], check=True)
+        echo = ("import http.server as h\nclass E(h.BaseHTTPRequestHandler):\n def do_GET(self):\n"
+                "  b = str(self.headers).encode()\n  self.send_response(200)\n"
+                "  self.send_header('Cache-Control', 'no-store')\n  self.send_header('Content-Length', str(len(b)))\n"
+                "  self.end_headers()\n  self.wfile.write(b)\nh.HTTPServer(('192.0.2.77', 80), E).serve_forever()\n")
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", echo],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "squid", "-n", f"pkrd{SLOT}", "-N", "-f",
+                                       str(d / "squid.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        def get(url: str, *args: str) -> str:
+            return subprocess.run(["ip", "netns", "exec", ns, "curl", "-s", "-w", "%{http_code}", "--max-time", "10",
+                                   "-x", "http://192.0.2.1:3142", *args, url], capture_output=True, text=True).stdout
+
+        deadline = time.time() + 30
+        while not get("http://deb.debian.org/x").endswith("200"):  # the listed name: fetched
+            assert time.time() < deadline, (d / "cache.log").read_text(errors="replace")[-2000:]
+            time.sleep(0.5)
+        assert get("http://192.0.2.77/x").endswith("403")
+        # and a client's credentials never go upstream (the upstream echoes the headers it got)
+        seen = get("http://deb.debian.org/y", "-H", "Authorization: Bearer s3cret", "-H", "Cookie: c=s3cret",
+                   "-H", "X-Other: kept")
+        assert seen.endswith("200") and "X-Other: kept" in seen and "s3cret" not in seen, seen
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def test_missing_part_stops_the_server_with_one_line(tmp_path):
     """With the cache on and its squid missing the server does not start, and says what
     to do in one line."""

@@ -112,14 +112,15 @@ shutdown_lifetime 2 seconds
 # npm: every request goes to the one registry over verified TLS
 cache_peer {up.npm_host} parent {up.npm_port} 0 no-query no-digest originserver tls name=npm_registry
 acl npm_port myportname npm
-acl npm_site dstdomain {up.npm_host}
+acl npm_site dstdomain -n {up.npm_host}
 cache_peer_access npm_registry allow npm_port npm_site
 cache_peer_access npm_registry deny all
 never_direct allow npm_port
 
-# apt: plain HTTP to the listed hosts, port 80, nothing else
+# apt: plain HTTP to the listed hosts, port 80, nothing else (-n: by the name in the
+# request only; an address is never looked up, whose reverse name a tenant may control)
 acl apt_port myportname apt
-acl apt_hosts dstdomain {apt}
+acl apt_hosts dstdomain -n {apt}
 acl port80 port 80
 acl fetch_methods method GET HEAD
 always_direct allow apt_port
@@ -132,6 +133,11 @@ http_access allow npm_port npm_site
 http_access allow apt_port apt_hosts port80
 http_access deny all
 http_reply_access allow all
+# Anonymous upstreams: a client's credentials never reach them (and never make an answer
+# for one tenant's account land in the cache every tenant reads)
+request_header_access Authorization deny all
+request_header_access Proxy-Authorization deny all
+request_header_access Cookie deny all
 request_header_max_size 64 KB
 request_body_max_size 64 KB
 reply_header_max_size 64 KB
