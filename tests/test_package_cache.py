@@ -328,6 +328,36 @@ class TestPackageCache:
         lines = [ln for ln in server.log.read_text(errors="replace").splitlines() if "package cache: squid stopped" in ln]
         assert lines and "starting it again" in lines[-1], lines
 
+    def test_one_sandbox_cannot_take_every_connection(self, cache_on):
+        """A sandbox holding many idle connections to the cache gets at most
+        HostServices.max_conns (32) of them, the rest refused at once (squid holds a few
+        thousand: one sandbox used to take them all and apt/npm stopped for everyone);
+        the services still answer others."""
+        server, _ = cache_on
+        script = (f"import socket, resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))\n"
+                  f"held, refused = [], 0\nfor _ in range(200):\n"
+                  f"    try:\n        held.append(socket.create_connection(('{ADDR}', {NPM}), timeout=5))\n"
+                  f"    except ConnectionRefusedError:\n        refused += 1\n"
+                  f"print(len(held), refused)\nimport time; time.sleep(30)\n")
+        sbx = Sandbox.create("base", timeout=120)
+        try:
+            sbx.files.write("/tmp/hold.py", script)
+            sbx.commands.run("python3 /tmp/hold.py > /tmp/hold.out 2>&1", user="root", background=True)
+            deadline = time.time() + 60
+            out = ""
+            while not out.strip() and time.time() < deadline:
+                time.sleep(0.5)
+                out = _sh(sbx, "cat /tmp/hold.out", user="root")[1]
+            held, refused = map(int, out.split())
+            assert held == 32 and refused == 168, out
+            # the host (and other sandboxes) are still served meanwhile
+            r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10", "-x",
+                                f"http://{ADDR}:{APT}", "http://deb.debian.org/debian/dists/bookworm/Release"],
+                               capture_output=True, text=True)
+            assert r.stdout == "200", r
+        finally:
+            sbx.kill()
+
     def test_figures(self, cache_on):
         """Report first vs cached install times (seconds; printed with -s)."""
         print({k: round(v, 2) for k, v in sorted(self.figures.items())})

@@ -26,6 +26,9 @@ from forkyard.config import PackageCacheSettings
 #: of the registry; verdaccio's usual port).
 PYPI_PORT, APT_PORT, NPM_PORT = 3141, 3142, 4873
 PORTS = (PYPI_PORT, APT_PORT, NPM_PORT)
+#: Connections squid may hold (its file descriptors; the supervisor raises its limit to
+#: this): with at most ``HostServices.max_conns`` per sandbox, hundreds of sandboxes.
+MAX_FDS = 16384
 #: First line of every file forkyard writes into a sandbox for the cache: a file that
 #: starts with it is forkyard's (rewritten at create, removed before a template build's
 #: snapshot); any other file at that path is the image's and is left alone.
@@ -106,7 +109,7 @@ coredump_dir none
 cache_log /dev/stderr
 access_log stdio:/dev/stdout squid
 logfile_rotate 0
-max_filedescriptors 4096
+max_filedescriptors {MAX_FDS}
 shutdown_lifetime 2 seconds
 
 # npm: every request goes to the one registry over verified TLS
