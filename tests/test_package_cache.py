@@ -358,6 +358,33 @@ class TestPackageCache:
         finally:
             sbx.kill()
 
+    def test_proxpi_refuses_writes_and_odd_names(self, cache_on):
+        """proxpi behind forkyard's checks (forkyard/pkgcache/proxpi_app.py): a sandbox
+        cannot drop its cached lists (DELETE /cache/...), a project's name is normalised
+        (another spelling is not fetched and kept again: 2^n spellings of a big project
+        filled the host's memory), '..' is no project (it fetched the index host's root)."""
+        _, root = cache_on
+        sbx = Sandbox.create("base", timeout=120)
+        try:
+            def code(args: str) -> str:
+                _, out = _sh(sbx, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 60 {args}")
+                return out.strip()
+
+            base = f"http://{ADDR}:{PYPI}"
+            assert code(f"-X DELETE {base}/cache/list") == "405"
+            assert code(f"-X DELETE {base}/cache/six") == "405"
+            assert code(f"-X POST {base}/index/six/") == "405"
+            assert code(f"--path-as-is {base}/index/../") == "404"
+            assert code(f"--path-as-is {base}/index/six/..") == "404"
+            assert code(f"{base}/") == "404"
+            assert code(f"{base}/index/six/") == "200"
+            for spelling in ("Six", "SIX", "sIx"):
+                assert code(f"{base}/index/{spelling}/") == "200"
+        finally:
+            sbx.kill()
+        fetched = re.findall(r"Refreshing '([^']+)'", _log(root, "pypi"))
+        assert not {"Six", "SIX", "sIx", ".."} & set(fetched), fetched
+
     def test_figures(self, cache_on):
         """Report first vs cached install times (seconds; printed with -s)."""
         print({k: round(v, 2) for k, v in sorted(self.figures.items())})

@@ -315,7 +315,7 @@ class PackageCache:
             env["REQUESTS_CA_BUNDLE"] = SYSTEM_CAS
         argv = [sys.executable, "-m", "gunicorn", "--bind", f"{s.address}:{conf.PYPI_PORT}", "--workers", "1",
                 "--threads", "16", "--timeout", "660", "--graceful-timeout", "5", "--limit-request-line", "8190",
-                "--access-logfile", "-", "--error-logfile", "-", "proxpi.server:app"]
+                "--access-logfile", "-", "--error-logfile", "-", "forkyard.pkgcache.proxpi_app:app"]
         self._services["pypi"] = _Service("pypi", _wrap(py_dir, uid, gid, argv), env, (conf.PYPI_PORT,),
                                           s.address, logs / "pypi.log", (uid, gid))
 
