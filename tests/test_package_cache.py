@@ -328,6 +328,63 @@ class TestPackageCache:
         lines = [ln for ln in server.log.read_text(errors="replace").splitlines() if "package cache: squid stopped" in ln]
         assert lines and "starting it again" in lines[-1], lines
 
+    def test_one_sandbox_cannot_take_every_connection(self, cache_on):
+        """A sandbox holding many idle connections to the cache gets at most
+        HostServices.max_conns (32) of them, the rest refused at once (squid holds a few
+        thousand: one sandbox used to take them all and apt/npm stopped for everyone);
+        the services still answer others."""
+        server, _ = cache_on
+        script = (f"import socket, resource\nresource.setrlimit(resource.RLIMIT_NOFILE, (4096, 4096))\n"
+                  f"held, refused = [], 0\nfor _ in range(200):\n"
+                  f"    try:\n        held.append(socket.create_connection(('{ADDR}', {NPM}), timeout=5))\n"
+                  f"    except ConnectionRefusedError:\n        refused += 1\n"
+                  f"print(len(held), refused)\nimport time; time.sleep(30)\n")
+        sbx = Sandbox.create("base", timeout=120)
+        try:
+            sbx.files.write("/tmp/hold.py", script)
+            sbx.commands.run("python3 /tmp/hold.py > /tmp/hold.out 2>&1", user="root", background=True)
+            deadline = time.time() + 60
+            out = ""
+            while not out.strip() and time.time() < deadline:
+                time.sleep(0.5)
+                out = _sh(sbx, "cat /tmp/hold.out", user="root")[1]
+            held, refused = map(int, out.split())
+            assert held == 32 and refused == 168, out
+            # the host (and other sandboxes) are still served meanwhile
+            r = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10", "-x",
+                                f"http://{ADDR}:{APT}", "http://deb.debian.org/debian/dists/bookworm/Release"],
+                               capture_output=True, text=True)
+            assert r.stdout == "200", r
+        finally:
+            sbx.kill()
+
+    def test_proxpi_refuses_writes_and_odd_names(self, cache_on):
+        """proxpi behind forkyard's checks (forkyard/pkgcache/proxpi_app.py): a sandbox
+        cannot drop its cached lists (DELETE /cache/...), a project's name is normalised
+        (another spelling is not fetched and kept again: 2^n spellings of a big project
+        filled the host's memory), '..' is no project (it fetched the index host's root)."""
+        _, root = cache_on
+        sbx = Sandbox.create("base", timeout=120)
+        try:
+            def code(args: str) -> str:
+                _, out = _sh(sbx, f"curl -s -o /dev/null -w '%{{http_code}}' --max-time 60 {args}")
+                return out.strip()
+
+            base = f"http://{ADDR}:{PYPI}"
+            assert code(f"-X DELETE {base}/cache/list") == "405"
+            assert code(f"-X DELETE {base}/cache/six") == "405"
+            assert code(f"-X POST {base}/index/six/") == "405"
+            assert code(f"--path-as-is {base}/index/../") == "404"
+            assert code(f"--path-as-is {base}/index/six/..") == "404"
+            assert code(f"{base}/") == "404"
+            assert code(f"{base}/index/six/") == "200"
+            for spelling in ("Six", "SIX", "sIx"):
+                assert code(f"{base}/index/{spelling}/") == "200"
+        finally:
+            sbx.kill()
+        fetched = re.findall(r"Refreshing '([^']+)'", _log(root, "pypi"))
+        assert not {"Six", "SIX", "sIx", ".."} & set(fetched), fetched
+
     def test_figures(self, cache_on):
         """Report first vs cached install times (seconds; printed with -s)."""
         print({k: round(v, 2) for k, v in sorted(self.figures.items())})
@@ -344,6 +401,69 @@ def test_template_built_with_cache_keeps_none_of_it(server):
         sbx.kill()
         with server.api() as c:
             c.delete(f"/templates/{BUILT}")
+
+
+def test_apt_port_never_fetches_an_address_by_its_reverse_name():
+    """squid's apt port allows hosts by name; an address in the request is refused even
+    when its reverse name is a listed host (squid's dstdomain looked the address up by
+    default, so a tenant who controls the PTR record of an address could make the cache
+    fetch from it). A client's Authorization and Cookie headers are not sent upstream
+    (the upstreams are anonymous, and the cache is shared). squid with the cache's
+    configuration, in a network namespace of its own where a hosts file names
+    192.0.2.77 deb.debian.org."""
+    import shutil
+    import tempfile
+
+    from forkyard.config import PackageCacheSettings
+    from forkyard.pkgcache import config as conf
+
+    if shutil.which("squid") is None:
+        pytest.skip("no squid")
+    d = Path(tempfile.mkdtemp(prefix="pkrd"))  # squid's account (nobody) writes its logs there
+    os.chmod(d, 0o777)
+    text = conf.squid_conf("192.0.2.1", conf.check(PackageCacheSettings(address="192.0.2.1")), str(d / "spool"), 64)
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith(("cache_dir", "cache_log", "access_log")))
+    (d / "hosts").write_text("192.0.2.77 deb.debian.org\n")
+    (d / "squid.conf").write_text(text + f"\nhosts_file {d}/hosts\ncache_log {d}/cache.log\n"
+                                  f"access_log {d}/access.log squid\ncache_effective_user nobody\n")
+    for f in ("hosts", "squid.conf"):
+        os.chmod(d / f, 0o644)
+    ns = f"pkrd{SLOT}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    procs = []
+    try:
+        subprocess.run(["ip", "-n", ns, "link", "set", "lo", "up"], check=True)
+        for a in ("192.0.2.1/32", "192.0.2.77/32"):
+            subprocess.run(["ip", "-n", ns, "addr", "add", a, "dev", "lo"], check=True)
+        echo = ("import http.server as h\nclass E(h.BaseHTTPRequestHandler):\n def do_GET(self):\n"
+                "  b = str(self.headers).encode()\n  self.send_response(200)\n"
+                "  self.send_header('Cache-Control', 'no-store')\n  self.send_header('Content-Length', str(len(b)))\n"
+                "  self.end_headers()\n  self.wfile.write(b)\nh.HTTPServer(('192.0.2.77', 80), E).serve_forever()\n")
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "python3", "-c", echo],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen(["ip", "netns", "exec", ns, "squid", "-n", f"pkrd{SLOT}", "-N", "-f",
+                                       str(d / "squid.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+        def get(url: str, *args: str) -> str:
+            return subprocess.run(["ip", "netns", "exec", ns, "curl", "-s", "-w", "%{http_code}", "--max-time", "10",
+                                   "-x", "http://192.0.2.1:3142", *args, url], capture_output=True, text=True).stdout
+
+        deadline = time.time() + 30
+        while not get("http://deb.debian.org/x").endswith("200"):  # the listed name: fetched
+            assert time.time() < deadline, (d / "cache.log").read_text(errors="replace")[-2000:]
+            time.sleep(0.5)
+        assert get("http://192.0.2.77/x").endswith("403")
+        # and a client's credentials never go upstream (the upstream echoes the headers it got)
+        seen = get("http://deb.debian.org/y", "-H", "Authorization: Bearer s3cret", "-H", "Cookie: c=s3cret",
+                   "-H", "X-Other: kept")
+        assert seen.endswith("200") and "X-Other: kept" in seen and "s3cret" not in seen, seen
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=20)
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_missing_part_stops_the_server_with_one_line(tmp_path):

@@ -66,6 +66,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from forkyard.cluster.config import redacted_url
 from forkyard.cluster import scripts
+from forkyard.cluster.batching import ScriptBatcher
 from forkyard.cluster.listing import INDEX_EXISTING, candidate_indexes, choose_index, read_page
 from forkyard.cluster.nodekeys import NodeKeys
 from forkyard.cluster.rooms import CANDIDATES, RELEASE, RESERVE
@@ -145,7 +146,7 @@ class ClusterStore:
         self._delete = self._r.register_script(scripts.DELETE)
         self._rebind = self._r.register_script(scripts.REBIND)
         self._mark_down = self._r.register_script(scripts.MARK_DOWN)
-        self._heartbeat = self._r.register_script(scripts.HEARTBEAT)
+        self._heartbeat = ScriptBatcher(self._r, self._r.register_script(scripts.HEARTBEAT))
         self._pending = self._r.register_script(scripts.PENDING)
         self._reserve = self._r.register_script(RESERVE)
         self._index_existing = self._r.register_script(INDEX_EXISTING)
@@ -225,12 +226,12 @@ class ClusterStore:
         ``draining``) is the operator's, or ``own_status`` (the node's own view) when
         the node is not registered (new, or Redis lost its data). The placements in
         ``acked`` stop counting (the report shows their sandboxes) and the node's room is
-        indexed again (:mod:`.rooms`), all in one script. Returns the status; when
-        ``digests`` (a dict) is given, ``digests[node_id]`` is set to the digest of the
-        node's binding set (:data:`.scripts.LUA_DIGEST`)."""
+        indexed again (:mod:`.rooms`), all in one script (pipelined with other nodes'
+        heartbeats that arrive within a few ms: :mod:`.batching`). Returns the status;
+        ``digests[node_id]`` (a dict given) is set to the node's binding-set digest."""
         p2p = report.p2p  # its endpoint id is tagged too (nodekeys.NodeKeys.p2p_tag), checked by _info
         p2ptag = self.keys.p2p_tag(node_id, str(p2p.get("id"))) if self.keys and isinstance(p2p, dict) else ""
-        status, was_down, digest = await self._call(self._heartbeat(
+        status, was_down, digest = await self._call(self._heartbeat.call(
             keys=[f"{P}nodes", f"{P}node:{node_id}"],
             args=[node_id, url, json.dumps(report.to_dict()), report.boot,
                   own_status if own_status in (NODE_UP, NODE_DRAINING) else NODE_UP,

@@ -50,10 +50,14 @@ class HostServices:
     Attributes:
         address: the services' IPv4 address.
         ports: the TCP ports open to sandboxes there.
+        max_conns: the most connections one sandbox (its slot's outer address) may
+            have open to them at once; more are refused (a TCP reset), so that one
+            sandbox cannot take every connection the services can hold.
     """
 
     address: str
     ports: tuple[int, ...]
+    max_conns: int = 32
 
 
 class NetworkError(Exception):
@@ -109,10 +113,14 @@ class HostFirewall:
         opened: list[list[str]] = []
         if svc is not None:
             self._service_address(add=True)
+            to_svc = ["-i", hif, "-d", svc.address, "-p", "tcp", "-m", "multiport",
+                      "--dports", ",".join(str(p) for p in svc.ports)]
             opened = [
+                # at most max_conns at once from one sandbox (by its outer address) ...
+                [*to_svc, "--syn", "-m", "connlimit", "--connlimit-above", str(svc.max_conns),
+                 "--connlimit-mask", "32", "-j", "REJECT", "--reject-with", "tcp-reset"],
                 # exactly these TCP ports at that address, from this node's sandboxes ...
-                ["-i", hif, "-d", svc.address, "-p", "tcp", "-m", "multiport",
-                 "--dports", ",".join(str(p) for p in svc.ports), "-j", "ACCEPT"],
+                [*to_svc, "-j", "ACCEPT"],
             ]
         rules: dict[tuple[str, str], list[list[str]]] = {
             ("filter", "INPUT"): [
@@ -143,7 +151,11 @@ class HostFirewall:
                 # they run as an unprivileged account)
                 *([["-o", hif, "-s", svc.address, "-p", "tcp", "-m", "multiport",
                     "--sports", ",".join(str(p) for p in svc.ports), "-m", "conntrack", "--ctstate",
-                    "ESTABLISHED", "-j", "ACCEPT"]] if svc is not None else []),
+                    "ESTABLISHED", "-j", "ACCEPT"],
+                   # (and the resets that refuse a sandbox's connections beyond max_conns)
+                   ["-o", hif, "-s", svc.address, "-p", "tcp", "-m", "multiport",
+                    "--sports", ",".join(str(p) for p in svc.ports), "--tcp-flags", "RST", "RST", "-j", "ACCEPT"]]
+                  if svc is not None else []),
                 ["-o", hif, "-m", "owner", "!", "--uid-owner", "0", "-j", "REJECT",
                  "--reject-with", "icmp-admin-prohibited"],
             ],

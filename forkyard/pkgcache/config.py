@@ -26,6 +26,9 @@ from forkyard.config import PackageCacheSettings
 #: of the registry; verdaccio's usual port).
 PYPI_PORT, APT_PORT, NPM_PORT = 3141, 3142, 4873
 PORTS = (PYPI_PORT, APT_PORT, NPM_PORT)
+#: Connections squid may hold (its file descriptors; the supervisor raises its limit to
+#: this): with at most ``HostServices.max_conns`` per sandbox, hundreds of sandboxes.
+MAX_FDS = 16384
 #: First line of every file forkyard writes into a sandbox for the cache: a file that
 #: starts with it is forkyard's (rewritten at create, removed before a template build's
 #: snapshot); any other file at that path is the image's and is left alone.
@@ -106,20 +109,21 @@ coredump_dir none
 cache_log /dev/stderr
 access_log stdio:/dev/stdout squid
 logfile_rotate 0
-max_filedescriptors 4096
+max_filedescriptors {MAX_FDS}
 shutdown_lifetime 2 seconds
 
 # npm: every request goes to the one registry over verified TLS
 cache_peer {up.npm_host} parent {up.npm_port} 0 no-query no-digest originserver tls name=npm_registry
 acl npm_port myportname npm
-acl npm_site dstdomain {up.npm_host}
+acl npm_site dstdomain -n {up.npm_host}
 cache_peer_access npm_registry allow npm_port npm_site
 cache_peer_access npm_registry deny all
 never_direct allow npm_port
 
-# apt: plain HTTP to the listed hosts, port 80, nothing else
+# apt: plain HTTP to the listed hosts, port 80, nothing else (-n: by the name in the
+# request only; an address is never looked up, whose reverse name a tenant may control)
 acl apt_port myportname apt
-acl apt_hosts dstdomain {apt}
+acl apt_hosts dstdomain -n {apt}
 acl port80 port 80
 acl fetch_methods method GET HEAD
 always_direct allow apt_port
@@ -132,6 +136,11 @@ http_access allow npm_port npm_site
 http_access allow apt_port apt_hosts port80
 http_access deny all
 http_reply_access allow all
+# Anonymous upstreams: a client's credentials never reach them (and never make an answer
+# for one tenant's account land in the cache every tenant reads)
+request_header_access Authorization deny all
+request_header_access Proxy-Authorization deny all
+request_header_access Cookie deny all
 request_header_max_size 64 KB
 request_body_max_size 64 KB
 reply_header_max_size 64 KB

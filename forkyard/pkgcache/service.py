@@ -60,12 +60,13 @@ SQUID_SPOOL = "spool"
 SYSTEM_CAS = "/etc/ssl/certs/ca-certificates.crt"
 
 
-def _wrap(data_dir: Path, uid: int, gid: int, argv: list[str]) -> list[str]:
+def _wrap(data_dir: Path, uid: int, gid: int, argv: list[str], nofile: int = 4096) -> list[str]:
     """argv that runs ``argv`` as ``uid:gid`` (no other groups, no new privileges) in a
-    private mount namespace where ``data_dir`` is at :data:`MOUNT_POINT` (and the cwd)."""
+    private mount namespace where ``data_dir`` is at :data:`MOUNT_POINT` (and the cwd),
+    with at most ``nofile`` open files."""
     script = 'mount --bind "$1" "$2" && cd "$2" && shift 2 && exec "$@"'
     return ["unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c", script, "sh",
-            str(data_dir), MOUNT_POINT, "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
+            str(data_dir), MOUNT_POINT, "prlimit", f"--nofile={nofile}:{nofile}", "--", "setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups",
             "--no-new-privs", "--", *argv]
 
 
@@ -270,7 +271,7 @@ class PackageCache:
         if shutil.which(s.squid) is None:
             raise conf.PackageCacheError(f"package cache: squid not found ({s.squid!r}): `apt-get install "
                                          f"squid-openssl` (deploy/install.sh does), set FORKYARD_SQUID, {off}")
-        for tool in ("unshare", "setpriv"):
+        for tool in ("unshare", "setpriv", "prlimit"):
             if shutil.which(tool) is None:
                 raise conf.PackageCacheError(f"package cache: {tool} not found (util-linux), {off}")
         for module, dist in (("proxpi", "proxpi"), ("gunicorn", "gunicorn")):
@@ -305,7 +306,7 @@ class PackageCache:
         os.chmod(conf_path, 0o600)
         squid_conf = f"{MOUNT_POINT}/squid.conf"
         self._services["squid"] = _Service(
-            "squid", _wrap(sq_dir, uid, gid, [squid_bin, "-N", "-f", squid_conf]), base_env,
+            "squid", _wrap(sq_dir, uid, gid, [squid_bin, "-N", "-f", squid_conf], nofile=conf.MAX_FDS), base_env,
             (conf.NPM_PORT, conf.APT_PORT), s.address, logs / "squid.log", (uid, gid),
             prepare=_wrap(sq_dir, uid, gid, [squid_bin, "-N", "-z", "-f", squid_conf]))
         py_dir = self._dir("pypi", uid, gid)
@@ -314,7 +315,7 @@ class PackageCache:
             env["REQUESTS_CA_BUNDLE"] = SYSTEM_CAS
         argv = [sys.executable, "-m", "gunicorn", "--bind", f"{s.address}:{conf.PYPI_PORT}", "--workers", "1",
                 "--threads", "16", "--timeout", "660", "--graceful-timeout", "5", "--limit-request-line", "8190",
-                "--access-logfile", "-", "--error-logfile", "-", "proxpi.server:app"]
+                "--access-logfile", "-", "--error-logfile", "-", "forkyard.pkgcache.proxpi_app:app"]
         self._services["pypi"] = _Service("pypi", _wrap(py_dir, uid, gid, argv), env, (conf.PYPI_PORT,),
                                           s.address, logs / "pypi.log", (uid, gid))
 
