@@ -3,7 +3,8 @@
 The binary is ``$FORKYARD_MINIO``, else ``$FORKYARD_TEST_DATA_DIR/bin/minio``;
 ``deploy/test.sh`` builds it there once from the Go module proxy (pinned version
 :data:`MINIO_MODULE`). Each :class:`MinIO` is its own process on a free loopback port with
-its own data directory, removed by :meth:`MinIO.stop`.
+its own data directory, removed by :meth:`MinIO.stop` — or, given ``netns``, inside that
+network namespace on ``host:port`` (bench/bench_p2p.py: a repository behind a shaped link).
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ class MinIO:
         region: its site region (:data:`REGION`); requests signed for another fail.
     """
 
-    def __init__(self, access_key: str = "forkyard-test", secret_key: str | None = None):
+    def __init__(self, access_key: str = "forkyard-test", secret_key: str | None = None,
+                 netns: str | None = None, host: str = "127.0.0.1", port: int | None = None):
+        self.netns, self.host = netns, host  # netns: run it inside that network namespace, listening on host
         self.access_key = access_key
         self.secret_key = secret_key or secrets.token_hex(16)
         self.region = REGION
         self.dir = Path(tempfile.mkdtemp(prefix="forkyard-minio-"))
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or _free_port()
+        self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 60) -> MinIO:
@@ -70,9 +73,10 @@ class MinIO:
                "MINIO_ROOT_PASSWORD": self.secret_key, "MINIO_SITE_REGION": self.region,
                "MINIO_BROWSER": "off", "MINIO_UPDATE": "off"}
         log = open(self.dir / "minio.log", "wb")
+        inns = ["ip", "netns", "exec", self.netns] if self.netns else []
         self.proc = subprocess.Popen(
-            [str(minio_binary()), "server", str(self.dir / "data"), "--address", f"127.0.0.1:{self.port}",
-             "--console-address", f"127.0.0.1:{_free_port()}", "--quiet"],
+            inns + [str(minio_binary()), "server", str(self.dir / "data"), "--address", f"{self.host}:{self.port}",
+                    "--console-address", f"{self.host}:{self.port + 1 if self.netns else _free_port()}", "--quiet"],
             env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.time() + timeout_s

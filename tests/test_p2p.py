@@ -293,6 +293,42 @@ def test_one_member_flooding_a_node_leaves_serving_slots_to_the_others(nodes, tm
     assert len(streams) == 12
 
 
+def test_what_one_member_is_sent_is_bounded_in_bytes_per_second(nodes, tmp_path):
+    """a serves each member at most 1 MB/s (``serve_bytes_per_s``; FORKYARD_P2P_PEER_MBIT
+    8): b and c, restoring ~4.3 MB each from a at once, each take at least the time that
+    bound allows past its 1 s burst, every chunk still from a; the bound is per member,
+    so a sends the two together faster than one member's bound."""
+    rate = 1_000_000
+    (a, pa), (b, pb), (c, pc) = nodes(3, timeout_s=20.0, per={0: {"serve_bytes_per_s": rate}})
+    for p in (pb, pc):  # b and c ask a only
+        p.set_peers([q for q in p.peers() if q.endpoint_id == pa.endpoint_id])
+    src = _image(tmp_path, mb=4)
+    meta = _commit(a, src)
+    took: dict[str, float] = {}
+
+    def restore(name, store):
+        t0 = time.monotonic()
+        assert _same(store.image(meta.snapshot_id), src)
+        took[name] = time.monotonic() - t0
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=restore, args=(n, s)) for n, s in (("b", b), ("c", c))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    wall = time.monotonic() - t0
+    n = _chunks(a, meta.snapshot_id)
+    assert pb.stats()["chunks_from_peers"] == n and pc.stats()["chunks_from_peers"] == n
+    sent = pa.stats()["served_bytes"]
+    each = sent / 2
+    assert each > 4e6, sent
+    floor = (each - rate) / rate  # what the bucket allows past its burst of one second
+    assert min(took.values()) >= 0.9 * floor, (took, floor)
+    assert pa.stats()["served_rate_wait_ms"] > 1000, pa.stats()
+    assert sent / wall > 1.2 * rate, (sent, wall)  # per member: more than one member's bound
+
+
 def test_a_request_naming_one_hash_many_times_is_refused(nodes, tmp_path):
     """A member's request naming one chunk 64 times (one read, 64 sends: amplification)
     is answered BAD_REQUEST with nothing served; the same chunk named once is served;
@@ -467,3 +503,36 @@ async def test_an_endpoint_id_written_into_redis_by_another_hand_is_not_vouched_
                 [("n0", eid, ["10.0.0.1:7800"])]
         finally:
             await store.aclose()
+
+
+def test_a_member_is_dialled_when_listed_so_a_restore_finds_the_connection_open(nodes, tmp_path):
+    """A first dial made while the host's links change (every sandbox start) can stall
+    for seconds, and the restore that made it then read the repository (the flaky first
+    dial of tests/test_p2p_cluster): a newly listed member is dialled soon after it is
+    listed, and a restore uses that connection — no dial of its own, every chunk from the
+    peer. A warm dial counts as no peer failure."""
+    (a, pa), (b, pb) = nodes(2, per={0: {"warm_after_s": 0.2}, 1: {"warm_after_s": 0.2}})
+    deadline = time.monotonic() + 30
+    while pa.endpoint_id not in pb._conns and time.monotonic() < deadline:
+        time.sleep(0.1)
+    warm = pb._conns.get(pa.endpoint_id)
+    assert warm is not None and warm.close_reason() is None
+    dials = []
+    real = pb.transport.endpoint.connect
+    pb.transport.endpoint = _Counting(pb.transport.endpoint, lambda *a: dials.append(a) or real(*a))
+    src = _image(tmp_path)
+    meta = _commit(a, src)
+    assert _same(b.image(meta.snapshot_id), src)
+    assert dials == [] and pb._conns[pa.endpoint_id] is warm
+    st = pb.stats()
+    assert st["chunks_from_peers"] == _chunks(a, meta.snapshot_id) and st["peer_failures"] == 0, st
+
+
+class _Counting:
+    """An endpoint whose ``connect`` goes through ``connect`` (the rest as it was)."""
+
+    def __init__(self, endpoint, connect):
+        self._endpoint, self.connect = endpoint, connect
+
+    def __getattr__(self, name):
+        return getattr(self._endpoint, name)

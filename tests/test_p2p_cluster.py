@@ -4,7 +4,10 @@ scheduler, gateway and 3 node processes with ``FORKYARD_P2P=on`` (iroh endpoints
 
 tests/test_p2p.py covers a corrupt chunk and a peer going away mid-restore between
 real stores; here: a sandbox paused on node0 resumes on another node from node0's
-cache, an iroh endpoint outside the cluster is refused, and P2P off stays as it was.
+cache, a 24-way fork spread over the 3 nodes and a template's first start on each node
+read most chunks from peers (counted per source in /metrics/repository and Prometheus;
+each sandbox checked for the source's process memory and files), an iroh endpoint
+outside the cluster is refused, and P2P off stays as it was.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from test_cluster import counter, only_on, wait_for, with_counter
 from forkyard.repository import SnapshotStore
 from forkyard.repository.config import RepoConfig
 from forkyard.repository.p2p import ChunkService, Peer
+from forkyard.repository.p2p import service as p2psvc
 
 P2P_ENV = {"FORKYARD_P2P": "on", "FORKYARD_P2P_BIND": "127.0.0.1:0"}
 
@@ -75,7 +79,10 @@ def test_resume_on_another_node_reads_chunks_from_the_node_that_paused(p2p_clust
     for attempt in range(2):
         # (Under load the resuming node's first dial to node0 timed out in ~1 of 6 runs
         # and every chunk then came from the repository — correct, but not what this test
-        # shows; the cause is open (docs/architecture.md, P2P): then once more.)
+        # shows. Cause: iroh rebinds its sockets at every link change (each sandbox start)
+        # and a dial meanwhile can stall; members' connections are now opened when they
+        # are listed (docs/architecture.md, the flaky first dial). Should it still
+        # happen: once more.)
         before = {n: _repo_metrics(c, n) for n in ("node1", "node2")}
         moved, where = _pause_on_node0_resume_elsewhere(c)
         got, served = _repo_metrics(c, where), _repo_metrics(c, "node0")
@@ -156,40 +163,113 @@ def test_an_endpoint_outside_the_cluster_cannot_fetch_a_chunk(p2p_cluster, tmp_p
     Sandbox.delete_snapshot(snap.snapshot_id, **c.sdk)
 
 
-def test_fork_children_on_other_nodes_read_the_image_from_the_source_node(base_template):
-    """node0 has room for the source and 2 children: a fork of 6 puts 4 children on
-    node1/node2, which start from the one exported checkpoint read from node0's cache
-    (most chunks from the peer), each with the source's memory and files."""
-    with _cluster(P2P_ENV, max_sandboxes={0: 3}) as c:
+def _from_sources(c: Cluster, nodes, before: dict) -> tuple[int, int, list]:
+    """``(chunks from peers, chunks from the repository, [p2p, restore] per node)`` read by
+    ``nodes`` since ``before`` (their /metrics/repository then); each node's Prometheus
+    text says the same totals."""
+    peers = repo = 0
+    seen = []
+    for n in nodes:
+        m = _repo_metrics(c, n)
+        peers += m["p2p"]["chunks_from_peers"] - before[n]["p2p"]["chunks_from_peers"]
+        repo += m["restore"]["chunks_fetched"] - before[n]["restore"]["chunks_fetched"]
+        assert m["p2p"]["peer_corrupt"] == 0, m["p2p"]
+        seen.append((n, m["p2p"], m["restore"]))
+        prom = {line.split()[0]: float(line.split()[1]) for line in
+                httpx.get(f"{c.node_urls[int(n.removeprefix('node'))]}/metrics", timeout=10).text.splitlines()
+                if line.startswith(("forkyard_p2p_", "forkyard_repository_fetched"))}
+        assert prom["forkyard_p2p_fetched_chunks_total"] == m["p2p"]["chunks_from_peers"], prom
+        assert prom["forkyard_p2p_fetched_bytes_total"] == m["p2p"]["bytes_from_peers"], prom
+        assert prom["forkyard_repository_fetched_bytes_total"] == m["restore"]["bytes_fetched"], prom
+    return peers, repo, seen
+
+
+def test_a_24_way_fork_spread_over_the_nodes_reads_the_image_from_peers(base_template):
+    """Room for the source and 8 children per node: a fork of 24 puts 8 children on
+    each node; node1's and node2's 16 start from the one exported checkpoint read from
+    node0's cache (or each other's) — most chunks from peers, counted per source in
+    /metrics/repository and Prometheus — and every child has the source's process
+    memory (its counter) and files."""
+    with _cluster(P2P_ENV, max_sandboxes={0: 9, 1: 8, 2: 8}) as c:
         with only_on(c, "node0"):
             src = Sandbox.create("base", timeout=300, **c.sdk)
-        with_counter(c, src, 9)
+        with_counter(c, src, 24)
         src.files.write("/home/user/who.txt", "source")
         time.sleep(1.5)  # every node has heard of its peers
         for attempt in range(2):  # (once more when a first dial timed out: see the resume test)
+            # fresh data in the source's memory: chunks no node read before
+            src.commands.run(f"head -c 8M /dev/urandom > /dev/shm/fresh{attempt}", timeout=60)
             before = {n: _repo_metrics(c, n) for n in ("node1", "node2")}
             with c.api() as api:
-                r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 6, "timeout": 120}, timeout=600)
+                r = api.post(f"/sandboxes/{src.sandbox_id}/fork", json={"count": 24, "timeout": 300}, timeout=900)
             assert r.status_code == 201, r.text
             kids = [x["sandbox"]["sandboxID"] for x in r.json()]
             placed = Counter(c.owner(k) for k in kids)
-            assert placed["node0"] == 2 and placed["node1"] + placed["node2"] == 4, placed
+            assert len(kids) == 24 and placed == {"node0": 8, "node1": 8, "node2": 8}, placed
             for k in kids:
                 kid = Sandbox.connect(k, **c.sdk)
-                assert counter(c, kid) == 9 and kid.files.read("/home/user/who.txt") == "source"
-            remote = {n: _repo_metrics(c, n) for n in ("node1", "node2") if placed[n]}
-            from_peers = sum(m["p2p"]["chunks_from_peers"] - before[n]["p2p"]["chunks_from_peers"]
-                             for n, m in remote.items())
-            from_repo = sum(m["restore"]["chunks_fetched"] - before[n]["restore"]["chunks_fetched"]
-                            for n, m in remote.items())
+                assert counter(c, kid) == 24 and kid.files.read("/home/user/who.txt") == "source", k
+            from_peers, from_repo, seen = _from_sources(c, ("node1", "node2"), before)
             with c.api() as api:
                 for k in kids:
                     assert api.delete(f"/sandboxes/{k}").status_code == 204
-            if from_peers > 0:
+            if from_peers > from_repo:
                 break
-            print(f"\nattempt {attempt + 1}: no chunk from node0 ({[m['p2p'] for m in remote.values()]})")
-        assert from_peers > 0 and from_peers >= 4 * from_repo, [(m["p2p"], m["restore"]) for m in remote.values()]
+            print(f"\nattempt {attempt + 1}: most chunks from the repository ({seen})")
+        assert from_peers > from_repo, seen  # most chunks from peers
+        assert counter(c, src) == 24  # the source runs on, unchanged
         src.kill()
+
+
+def test_a_templates_first_start_on_every_node_reads_it_from_peers(p2p_cluster, tmp_path):
+    """A template built through the gateway (on node0, whose cache then holds its image)
+    whose start command holds a value in a process's memory: its first start on node1
+    and then on node2 reads most chunks from peers (counted per source), and each
+    sandbox has the built file and the process with the value it had when the template
+    was snapshotted (restored, not booted again)."""
+    from e2b import Template
+    from test_lifecycle import COUNTER
+
+    c = p2p_cluster
+    (tmp_path / "counter.py").write_text(COUNTER)
+    ready = "python3 -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:8000/set/77', timeout=2)\""
+    names = []
+    try:
+        for attempt in range(2):
+            # (Once more, with a new template once node1/node2 ask node0 again, when a first
+            # dial to node0 timed out — the open flake of the resume test: that start read
+            # the repository, correct but not what this test shows.)
+            names.append(name := f"p2p-{os.getpid()}-{attempt}")
+            tmpl = (Template(file_context_path=tmp_path).from_template("base").copy("counter.py", "/home/user/")
+                    .run_cmd(f"echo built {attempt} > /home/user/built.txt")
+                    .set_start_cmd("python3 /home/user/counter.py", ready))
+            with only_on(c, "node0"):
+                Template.build(tmpl, name, api_key=c.api_key, api_url=c.gateway_url)
+                b = Sandbox.create(name, timeout=120, **c.sdk)  # where it was built: from its own cache
+            assert c.owner(b.sandbox_id) == "node0" and counter(c, b) == 77
+            b.kill()
+            time.sleep(1.5)  # the peer tables list node0's template image
+            got = {}
+            for node in ("node1", "node2"):
+                before = {node: _repo_metrics(c, node)}
+                with only_on(c, node):
+                    b = Sandbox.create(name, timeout=120, **c.sdk)
+                try:
+                    assert c.owner(b.sandbox_id) == node
+                    assert counter(c, b) == 77 and b.files.read("/home/user/built.txt") == f"built {attempt}\n"
+                finally:
+                    b.kill()
+                got[node] = _from_sources(c, (node,), before)
+            if all(peers > repo for peers, repo, _ in got.values()) or attempt == 1:
+                break
+            print(f"\nattempt {attempt + 1}: a start read most chunks from the repository ({got}); once more")
+            time.sleep(p2psvc.BACKOFF_S)  # the failed peer is asked again
+        for from_peers, from_repo, seen in got.values():
+            assert from_peers > from_repo, seen  # most chunks from peers
+    finally:
+        with c.api() as api:
+            for name in names:
+                api.delete(f"/templates/{name}")
 
 
 def test_p2p_off_reads_the_repository_as_before(base_template):

@@ -197,11 +197,14 @@ def start_service(snapshots):
     if min(cfg.max_serving, cfg.max_serving_per_peer, cfg.per_peer) < 1:
         raise ValueError("FORKYARD_P2P_MAX_SERVING, FORKYARD_P2P_MAX_SERVING_PER_PEER and FORKYARD_P2P_PER_PEER "
                          "must be >= 1")
+    if not 0 <= cfg.peer_mbit <= 1_000_000:
+        raise ValueError("FORKYARD_P2P_PEER_MBIT must be >= 0 (0: no bound) and <= 1000000 (Mbit/s)")
     from forkyard.repository.p2p import ChunkService
 
     svc = ChunkService(snapshots.cache, snapshots.repo, bind=cfg.bind, timeout_s=cfg.timeout_s,
                        max_serving=cfg.max_serving, per_peer=cfg.per_peer,
-                       serve_per_peer=cfg.max_serving_per_peer, slot_wait_s=cfg.slot_wait_s)
+                       serve_per_peer=cfg.max_serving_per_peer, slot_wait_s=cfg.slot_wait_s,
+                       serve_bytes_per_s=cfg.peer_mbit * 125_000 or None)
     snapshots.peers = svc
     return svc
 

@@ -70,6 +70,10 @@ class P2PSettings:
             member flooding this node cannot take every slot from the others.
         per_peer: ``FORKYARD_P2P_PER_PEER`` (4): chunk requests this node has in flight to
             one peer at once.
+        peer_mbit: ``FORKYARD_P2P_PEER_MBIT`` (1000): what this node sends to one member,
+            at most (Mbit/s of stored chunk bytes, a leaky bucket per member; 0: no
+            bound). 1000 is the network the seed recommends as a minimum between nodes,
+            so one member fetching cannot fill a 1 Gbit/s uplink beyond that.
     """
 
     enabled: bool = field(default_factory=lambda: _env_on("FORKYARD_P2P"))
@@ -80,6 +84,7 @@ class P2PSettings:
         default_factory=lambda: int(_env("FORKYARD_P2P_MAX_SERVING_PER_PEER", "4")))
     slot_wait_s: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_SLOT_WAIT_S", "5")))
     per_peer: int = field(default_factory=lambda: int(_env("FORKYARD_P2P_PER_PEER", "4")))
+    peer_mbit: float = field(default_factory=lambda: float(_env("FORKYARD_P2P_PEER_MBIT", "1000")))
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,9 @@ def node_families(orch) -> list:
             c("forkyard_p2p_served_busy", "Peer requests answered busy (FORKYARD_P2P_MAX_SERVING or "
               "FORKYARD_P2P_MAX_SERVING_PER_PEER reached).", p2p.get("served_busy")),
             c("forkyard_p2p_served_bytes", "Stored bytes this node served to peers.", p2p.get("served_bytes")),
+            c("forkyard_p2p_served_rate_wait_ms", "Milliseconds chunks waited for their member's bytes/s bound "
+              "(FORKYARD_P2P_PEER_MBIT) before they were sent, all requests together.",
+              p2p.get("served_rate_wait_ms")),
             c("forkyard_p2p_refused_connections", "Connections refused: the endpoint is no member the scheduler "
               "lists.", p2p.get("refused_connections")),
         ]

@@ -19,7 +19,10 @@ peer can make a chunk fail over to the repository but never change what is resto
 **Bounds.** Serving: at most ``max_serving`` transfers at once, and at most
 ``serve_per_peer`` of them for one member (counted by endpoint id over all its
 connections), so one member flooding a node leaves the others served; more are answered
-BUSY at once. A request names at most :data:`~.transport.MAX_BATCH` chunks, no hash
+BUSY at once. What one member is sent is bounded to ``serve_bytes_per_s`` (a leaky
+bucket per member, :mod:`aiolimiter`; each chunk waits for its stored size before it
+is read out), so a member fetching from many streams cannot take more of this node's
+uplink than that. A request names at most :data:`~.transport.MAX_BATCH` chunks, no hash
 twice. Fetching: ``per_peer`` requests (of at most :data:`BATCH` chunks) in flight to
 one peer; a request waits at most ``slot_wait_s`` for one of those slots (past it its
 chunks go to the next peer or the repository; the peer is not blamed), a dial at most
@@ -34,6 +37,13 @@ receipt (:func:`forkyard.cluster.p2p.valid_address`: unicast ``ip:port``); a loo
 address is dialled only when this node's own endpoint is bound to a loopback address
 (a one-host cluster: tests, development) — else a member could make every node send
 QUIC packets to a UDP port on that node's own host. At most :data:`MAX_ADDRS` per member.
+
+**When it dials.** A member newly listed is dialled :data:`WARM_AFTER_S` later (then it
+lists this node too) and the connection kept, so a restore finds it open: iroh rebinds its
+UDP sockets at every network-interface change of the host — every sandbox start and stop
+here, any node's — and a dial made meanwhile can stall for seconds (a restore starts a
+sandbox at about the time it dials); an open connection outlives the rebinds. A warm
+dial that fails is tried again (:data:`WARM_TRIES`) and is no peer failure.
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import iroh
+from aiolimiter import AsyncLimiter
 
 from forkyard.ids import is_name
 from forkyard.repository import chunks as ck
@@ -77,6 +88,21 @@ CONNECT_S, CONNECT_TRIES = 2.0, 2
 SLOW_STREAK = 8
 #: Addresses of one member dialled at most.
 MAX_ADDRS = 16
+#: A member newly listed is dialled this long after (s; by then it lists this node too,
+#: so the dial is no refusal), then every WARM_RETRY_S up to WARM_TRIES times until a
+#: connection is open: restores then find it open instead of dialling.
+WARM_AFTER_S, WARM_RETRY_S, WARM_TRIES = 5.0, 3.0, 5
+
+
+def _why(e: BaseException) -> str:
+    """``e`` for the log: an IrohError (whose ``str`` is empty) by its kind and the Rust
+    error's debug text."""
+    if isinstance(e, iroh.IrohError):
+        try:
+            return f"IrohError {e.kind().name}: {e.debug_message()}"
+        except Exception:  # noqa: BLE001 — an older binding
+            pass
+    return f"{type(e).__name__}: {e}"
 
 
 class SlotWait(Exception):
@@ -120,7 +146,8 @@ class ChunkService:
             find a chunk inside a cached image).
         bind: UDP address of the endpoint (``host:port``); a loopback host lets this node
             dial members' loopback addresses (module doc). timeout_s, slot_wait_s (s),
-            max_serving, serve_per_peer, per_peer (counts): the bounds of the module doc
+            max_serving, serve_per_peer, per_peer (counts), serve_bytes_per_s (bytes/s
+            sent to one member; None or 0: unbounded): the bounds of the module doc
             (``forkyard.config.P2PSettings``); counts below 1 are taken as 1.
 
     Raises:
@@ -128,8 +155,10 @@ class ChunkService:
     """
 
     def __init__(self, cache: NodeCache, repo: Repository, bind: str = "0.0.0.0:0", timeout_s: float = 5.0,
-                 max_serving: int = 16, per_peer: int = 4, serve_per_peer: int = 4, slot_wait_s: float = 5.0):
+                 max_serving: int = 16, per_peer: int = 4, serve_per_peer: int = 4, slot_wait_s: float = 5.0,
+                 warm_after_s: float | None = WARM_AFTER_S, serve_bytes_per_s: float | None = None):
         self.cache, self.repo = cache, repo
+        self.warm_after_s = warm_after_s  # None: no warm dials (a member is dialled when a restore asks it)
         self.timeout_s, self.per_peer = float(timeout_s), max(1, int(per_peer))
         self.slot_wait_s = float(slot_wait_s)
         self.dials_loopback = _loopback(bind)
@@ -140,16 +169,20 @@ class ChunkService:
         self._lacks: dict[tuple[str, str], float] = {}  # (endpoint id, sid) -> until
         self._index: OrderedDict[str, dict[str, tuple[str, int, int]]] = OrderedDict()
         self._conns: dict[str, iroh.Connection] = {}
+        self._warming: set[asyncio.Task] = set()
         self._dial: dict[str, asyncio.Lock] = {}
         self._slots: dict[str, asyncio.Semaphore] = {}
         self._serving = 0
         self._serving_to: dict[str, int] = {}  # endpoint id -> transfers served to it now
+        self.serve_bytes_per_s = float(serve_bytes_per_s) if serve_bytes_per_s else None
+        self._rate: dict[str, AsyncLimiter] = {}  # endpoint id -> its bytes/s bucket (serving loop only)
         self._slow: dict[str, int] = {}  # endpoint id -> slow answers in a row
         self.max_serving = max(1, int(max_serving))
         self.serve_per_peer = max(1, int(serve_per_peer))
         self.counters = {"chunks_from_peers": 0, "bytes_from_peers": 0, "peer_misses": 0, "peer_failures": 0,
                          "peer_corrupt": 0, "peer_slow": 0, "peer_slot_waits": 0, "served_chunks": 0,
-                         "served_bytes": 0, "served_not_held": 0, "served_busy": 0, "refused_connections": 0}
+                         "served_bytes": 0, "served_not_held": 0, "served_busy": 0, "served_rate_wait_ms": 0,
+                         "refused_connections": 0}
         self._accept_task = asyncio.run_coroutine_threadsafe(self._accept_loop(), self.transport.loop)
 
     # ---- membership -------------------------------------------------------------------
@@ -173,14 +206,43 @@ class ChunkService:
             if p.endpoint_id != self.endpoint_id and p.endpoint_id not in table:
                 table[p.endpoint_id] = self._dialable(p)
         with self._lock:
+            old = set(self._peers)
             gone = [eid for eid in self._peers if eid not in table]
             self._peers = table
             for eid in gone:  # what is kept per peer stays bounded by the members
                 self._slow.pop(eid, None)
                 self._down.pop(eid, None)
+                self._rate.pop(eid, None)
             self._lacks = {k: t for k, t in self._lacks.items() if k[0] in table and t > time.monotonic()}
         for eid in gone:
             self.transport.loop.call_soon_threadsafe(self._drop_conn, eid, b"no longer a cluster member")
+        if self.warm_after_s is not None:
+            for eid in table.keys() - old:
+                self.transport.loop.call_soon_threadsafe(self._warm_soon, eid)
+
+    def _warm_soon(self, eid: str) -> None:
+        task = self.transport.loop.create_task(self._warm(eid))
+        self._warming.add(task)  # (the loop keeps only a weak reference)
+        task.add_done_callback(self._warming.discard)
+
+    async def _warm(self, eid: str) -> None:
+        """Open a connection to member ``eid`` before a restore needs one (module doc:
+        a first dial made while the host's links change — every sandbox start — can
+        stall; an open connection outlives that). A failure here is no peer failure:
+        nothing is counted, the member is not skipped; a restore dials it as before."""
+        await asyncio.sleep(self.warm_after_s)
+        for attempt in range(WARM_TRIES):
+            with self._lock:
+                peer = self._peers.get(eid)
+                down = self._down.get(eid, 0) > time.monotonic()
+            if peer is None or down or not peer.addrs:
+                return
+            try:
+                await self._conn(peer)
+                return
+            except Exception as e:  # noqa: BLE001 — tried again; a restore would dial anyway
+                log.debug("P2P: warm dial %d of %s failed: %s", attempt + 1, peer.node, _why(e))
+            await asyncio.sleep(WARM_RETRY_S)
 
     def _dialable(self, p: Peer) -> Peer:
         addrs = tuple(dict.fromkeys(a for a in p.addrs if self.dials_loopback or not _loopback(a)))[:MAX_ADDRS]
@@ -272,17 +334,27 @@ class ChunkService:
             try:
                 if sid not in self._index and self.cache.held_image(sid) is not None:
                     await asyncio.to_thread(self._chunk_index, sid)  # a manifest read (S3): not on the loop
-                items, served, nbytes, missing = [], 0, 0, 0
+                items, served, nbytes, missing, waited = [], 0, 0, 0, 0.0
+                rate = self._bucket(rid)
                 for h, n in want:  # page-cache reads and ~0.2 ms of zstd each: no thread hop
                     blob = self._lookup(sid, h, n)
                     if blob is None:
                         missing += 1
                         items.append(tp.encode_item(tp.NOT_HELD))
-                    else:
-                        served, nbytes = served + 1, nbytes + len(blob)
-                        items.append(tp.encode_item(tp.OK, blob))
+                        continue
+                    if rate is not None:
+                        size = min(len(blob), rate.max_rate)
+                        if not rate.has_capacity(size):  # past this member's bytes/s: wait for room
+                            t0 = time.monotonic()
+                            await asyncio.wait_for(rate.acquire(size), self.timeout_s)
+                            waited += time.monotonic() - t0
+                        else:
+                            await rate.acquire(size)  # returns at once: it has room
+                    served, nbytes = served + 1, nbytes + len(blob)
+                    items.append(tp.encode_item(tp.OK, blob))
                 await asyncio.wait_for(tp.write_response(send, items), self.timeout_s)
-                self._count(served_chunks=served, served_bytes=nbytes, served_not_held=missing)
+                self._count(served_chunks=served, served_bytes=nbytes, served_not_held=missing,
+                            served_rate_wait_ms=int(waited * 1000))
             finally:
                 with self._lock:
                     self._serving -= 1
@@ -291,6 +363,19 @@ class ChunkService:
                         self._serving_to[rid] = left
         except Exception as e:  # noqa: BLE001 — one stream; the requester falls back
             log.debug("P2P: serving chunks failed: %s", e)
+
+    def _bucket(self, rid: str) -> AsyncLimiter | None:
+        """Member ``rid``'s bytes/s bucket (made at its first request; dropped when the
+        scheduler stops listing it), or None when serving is not bounded."""
+        if self.serve_bytes_per_s is None:
+            return None
+        bucket = self._rate.get(rid)
+        if bucket is None:
+            with self._lock:
+                if rid not in self._peers:  # not a member now: keep nothing for it
+                    return AsyncLimiter(self.serve_bytes_per_s, 1.0)
+                bucket = self._rate.setdefault(rid, AsyncLimiter(self.serve_bytes_per_s, 1.0))
+        return bucket
 
     def _lookup(self, sid: str, h: str, n: int) -> bytes | None:
         """Stored (zstd) bytes of chunk ``h`` from this node's cache, else from the
@@ -366,7 +451,7 @@ class ChunkService:
             try:
                 answers = self.transport.call(self._ask_all(peer, sid, parts), bound)
             except Exception as e:  # noqa: BLE001 — any failure of the peer: next one / repository
-                self._fail(peer, f"{type(e).__name__}: {e}")
+                self._fail(peer, _why(e))
                 continue
             corrupt = misses = waits = 0
             for part, answer in zip(parts, answers):
@@ -478,7 +563,7 @@ class ChunkService:
         except Skipped:
             raise
         except Exception as e:
-            self._fail(peer, f"{type(e).__name__}: {e}")
+            self._fail(peer, _why(e))
             raise
         finally:
             slots.release()
