@@ -17,12 +17,15 @@ process) measured in the same run:
   loaded host, where the fleet sends fewer than N a second);
 * gateway ``GET /v2/sandboxes`` p50/p95 (first page, a later page, a metadata filter,
   ``state=paused``) and ``GET /metrics/cluster`` p50 at each of ``--list-sizes``;
+* with ``--bare-http``, first: the same fleet against a bare ASGI app on uvicorn
+  (``_bare_beat_server.py``, the scheduler's server options, no forkyard code), its CPU
+  per request — the HTTP floor under every heartbeat, measured in the same run;
 * ``over-granted``: sandboxes a node was given beyond its room (the nodes' capacities
   add up to exactly what the run places, and a last fill takes every place left: must
   be 0).
 
 Usage: ``python bench/bench_control_plane.py --nodes 100 --sandboxes 10000
-[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000] [--redis-unix]``.
+[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000] [--redis-unix] [--bare-http]``.
 """
 
 from __future__ import annotations
@@ -118,7 +121,42 @@ async def timed_gets(c: httpx.AsyncClient, path: str, n: int, **params) -> tuple
     return out, r
 
 
+async def bare_http_floor(n: int, seconds: float) -> tuple[float, float]:
+    """``n`` simulated nodes heartbeating a bare ASGI app on uvicorn
+    (``_bare_beat_server.py``: the scheduler's server options, no forkyard code) for
+    ``seconds``. Returns (that server's CPU per request in ms, requests per second)."""
+    import subprocess
+
+    from conftest import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bench" / "_bare_beat_server.py"), str(port)])
+    fleet = Fleet(n, 1, [f"http://127.0.0.1:{port}"], "unused")
+    try:
+        for _ in range(200):
+            try:
+                await fleet.nodes[0].beat()
+                break
+            except Exception:  # noqa: BLE001 — not listening yet
+                await asyncio.sleep(0.05)
+        fleet.run()
+        await asyncio.sleep(2)
+        c0, t0, b0 = cpu_seconds(proc.pid), time.perf_counter(), sum(x.beats for x in fleet.nodes)
+        await asyncio.sleep(seconds)
+        wall = time.perf_counter() - t0
+        cpu_s, beats = cpu_seconds(proc.pid) - c0, sum(x.beats for x in fleet.nodes) - b0
+        return cpu_s / max(beats, 1) * 1000, beats / wall
+    finally:
+        await fleet.stop()
+        proc.terminate()
+        proc.wait(10)
+
+
 async def main(a) -> int:
+    if a.bare_http:
+        per, rate = await bare_http_floor(a.nodes, a.cpu_seconds)
+        print(f"{'bare uvicorn POST (no forkyard code): per s / CPU per request':<58} {rate:6.1f} /s  "
+              f"{per:6.3f} ms  ({per * rate / 10:4.1f} % of a core)", flush=True)
     root = Path(a.root or tempfile.mkdtemp(prefix="fy-cpbench-"))
     cp = ControlPlane(root, schedulers=a.schedulers, unix_socket=a.redis_unix)
     # Capacity: the seeded sandboxes + both placement phases fill the nodes; the last fill takes the rest.
@@ -160,7 +198,11 @@ async def main(a) -> int:
                 print(line(f"gateway GET /v2/sandboxes metadata=user=u7 at {size}", meta, raw50))
                 print(line(f"gateway GET /v2/sandboxes state=paused at {size}", paused, raw50))
                 print(line(f"gateway GET /metrics/cluster at {size}", metrics, raw50), flush=True)
-        await asyncio.sleep(2)  # every node has heartbeated with its full set
+        # Every node sends its full set after the seed and the scheduler reconciles it (and a
+        # node the seed's publishing starved of heartbeats — they share this process — may
+        # have been declared down and is adopted again): measure the steady state after.
+        waited = await fleet.settle()
+        print(f"# steady after {waited:.0f} s (a node lists its held ids every FULL_EVERY beats)", flush=True)
         pids = cp.pids("scheduler")
         c0, t0, b0 = sum(cpu_seconds(p) for p in pids), time.perf_counter(), sum(n.beats for n in fleet.nodes)
         await asyncio.sleep(a.cpu_seconds)
@@ -204,6 +246,8 @@ if __name__ == "__main__":
     ap.add_argument("--reps", type=int, default=10, help="GETs per listing measurement")
     ap.add_argument("--cpu-seconds", type=float, default=10.0)
     ap.add_argument("--redis-unix", action="store_true", help="the control plane reaches Redis over a Unix socket")
+    ap.add_argument("--bare-http", action="store_true",
+                    help="first measure the same fleet against a bare ASGI app on uvicorn (the HTTP floor)")
     ap.add_argument("--root", help="state directory (default: a new temporary one; removed at the end)")
     args = ap.parse_args()
     # SIGTERM (e.g. from `timeout`) ends the run through its `finally`, which stops the

@@ -31,7 +31,7 @@ import redis
 
 from _cluster import Proc
 from conftest import free_port
-from forkyard.cluster.messages import (HeldSync, heartbeat_path, node_report, publish_body, publish_path,
+from forkyard.cluster.messages import (FULL_EVERY, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
 from forkyard.cluster.schedclient import SchedulerClient
@@ -143,6 +143,7 @@ class SimNode:
         self.client = SchedulerClient(scheduler_urls, node_key(secret, node_id, self.url), timeout_s=30.0,
                                       headers={NODE_URL_HEADER: self.url})
         self.beats = 0
+        self.full_beats = 0  # of those, the ones that listed the held ids
         self.held = HeldSync()
         self.errors: list[str] = []
 
@@ -197,6 +198,7 @@ class SimNode:
         self.held.answered(body, out)
         self.acked -= acked
         self.beats += 1
+        self.full_beats += "held" in body
         return {**out, "full": "held" in body}
 
 
@@ -295,6 +297,24 @@ class Fleet:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for n in self.nodes:
             await n.client.aclose()
+
+    async def settle(self, timeout_s: float = 120.0, window_s: float = 2.0) -> float:
+        """Wait until the fleet is in its steady state: a window of ``window_s`` in which
+        at least 90 % of the nodes' heartbeats a second were answered and no more listed
+        their held ids than the periodic one in :data:`~forkyard.cluster.messages.FULL_EVERY`
+        does (after a seed or a fill every node sends a full heartbeat, and the scheduler
+        reconciles it; a node declared down meanwhile is adopted again). Returns
+        the seconds waited; raises ``TimeoutError`` past ``timeout_s``."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout_s:
+            b0, f0 = sum(n.beats for n in self.nodes), sum(n.full_beats for n in self.nodes)
+            await asyncio.sleep(window_s)
+            beats = sum(n.beats for n in self.nodes) - b0
+            full = sum(n.full_beats for n in self.nodes) - f0
+            expected = len(self.nodes) * window_s / HEARTBEAT_INTERVAL_S
+            if beats >= 0.9 * expected and full <= 1.5 * expected / FULL_EVERY + 1:
+                return time.monotonic() - t0
+        raise TimeoutError(f"the fleet did not settle within {timeout_s:.0f} s")
 
     def errors(self) -> list[str]:
         """Every heartbeat or publish error so far."""

@@ -111,14 +111,16 @@ async def test_acknowledged_placements_free_their_count_and_the_node_fills_exact
 
 
 def test_control_plane_bench_runs_small_and_never_over_grants(tmp_path):
-    """bench/bench_control_plane.py at a small size: it runs, prints its table, and its
-    racing placements never put more sandboxes on a node than its room."""
+    """bench/bench_control_plane.py at a small size: it runs (its bare-HTTP floor too,
+    and it waits for the fleet's steady state), prints its table, and its racing
+    placements never put more sandboxes on a node than its room."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_control_plane.py"), "--nodes", "4",
                           "--sandboxes", "300", "--placements", "40", "--clients", "4", "--list-sizes", "300",
-                          "--cpu-seconds", "2", "--root", str(tmp_path / "bench")],
+                          "--cpu-seconds", "2", "--bare-http", "--root", str(tmp_path / "bench")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "placement p50, 1 client" in out.stdout and "over-granted: 0" in out.stdout, out.stdout
+    assert "bare uvicorn POST" in out.stdout and "# steady after" in out.stdout, out.stdout
 
 
 def _all_pages(get, **params) -> list[str]:
