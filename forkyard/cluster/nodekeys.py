@@ -63,16 +63,32 @@ def binding_tag(key: str) -> str:
 class NodeKeys:
     """The control plane's view of node keys, from the ``master`` secret."""
 
+    #: Derived (key, tag) pairs kept, at most; past it the memo starts over. Every heartbeat
+    #: checks its node's key and tags its binding (two HMACs, ~6 % of a scheduler's CPU
+    #: at 300 nodes when derived each time).
+    MEMO = 4096
+
     def __init__(self, master: str):
         self._master = master
+        self._memo: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def _derived(self, node_id: str, url: str) -> tuple[str, str]:
+        got = self._memo.get((node_id, url))
+        if got is None:
+            key = node_key(self._master, node_id, url)
+            got = (key, binding_tag(key))
+            if len(self._memo) >= self.MEMO:
+                self._memo.clear()
+            self._memo[(node_id, url)] = got
+        return got
 
     def key(self, node_id: str, url: str) -> str:
-        """:func:`node_key` of ``node_id`` at ``url``."""
-        return node_key(self._master, node_id, url)
+        """:func:`node_key` of ``node_id`` at ``url`` (memoized)."""
+        return self._derived(node_id, url)[0]
 
     def tag(self, node_id: str, url: str) -> str:
-        """:func:`binding_tag` of ``node_id`` at ``url``."""
-        return binding_tag(self.key(node_id, url))
+        """:func:`binding_tag` of ``node_id`` at ``url`` (memoized)."""
+        return self._derived(node_id, url)[1]
 
     def tag_ok(self, node_id: str, url: str, tag: str | None) -> bool:
         """Whether ``tag`` (as read from Redis) binds ``node_id`` to ``url`` (constant time)."""
