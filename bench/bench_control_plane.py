@@ -186,6 +186,7 @@ async def main(a) -> int:
                 print(f"# seeded {seeded} sandboxes in {time.perf_counter() - t0:.1f} s", flush=True)
                 if str(size) not in a.list_sizes.split(","):
                     continue
+                await fleet.settle()  # not while the seed's full heartbeats are reconciled
                 first, r = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100)
                 token = r.headers.get("x-next-token")
                 later, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, nextToken=token) \
