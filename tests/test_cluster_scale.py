@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,8 +38,14 @@ def control_plane(tmp_path_factory):
 
 @pytest.fixture
 def plane(control_plane):
-    """The module's control plane with an empty Redis (the schedulers carry no state)."""
-    redis.Redis.from_url(control_plane.redis_url).flushall()
+    """The module's control plane with an empty Redis (the schedulers carry no state).
+    Flushed twice: a heartbeat the previous test's fleet sent just before it stopped may
+    still be in a scheduler's batching window (cluster/batching.py, 50 ms) and would
+    register its node in the flushed Redis."""
+    r = redis.Redis.from_url(control_plane.redis_url)
+    r.flushall()
+    time.sleep(0.5)
+    r.flushall()
     return control_plane
 
 
