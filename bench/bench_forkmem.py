@@ -12,7 +12,10 @@ the same sandbox beside every forkyard one (the ratio is taken in the same run):
 * host memory a fork ×K adds, per child: the PSS (``/proc/PID/smaps_rollup``) of the
   source's and the children's processes (each sandbox's memory cgroup: sentry, gofer,
   systrap stubs; each address space counted once, see :func:`sandbox_pss_mib`) after
-  every child has read its whole buffer, minus the source's before the fork; the drop
+  every child (and the source) has read its whole buffer, minus the source's before the
+  fork, also after reading it (a page mapped but not touched since a checkpoint is in
+  no page table and so not in PSS; before 2026-12-07 this undercounted the source's
+  baseline by its buffer when it mapped the raw side's image); the drop
   of ``MemFree`` (includes page cache, and whatever else the host did meanwhile) and of
   ``MemAvailable``; and the total added over N;
 * integrity: a process in every child (and in the resumed source) asks the holder for
@@ -229,7 +232,9 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",")]
     fan = [int(x) for x in args.fan.split(",")]
     os.environ["FORKYARD_HOT_PAUSE_S"] = "0"
-    os.environ.setdefault("FORKYARD_SHARE_RESTORED_PAGES", "1")  # off by default on nodes (docs/runtime.md)
+    # every restore shares (the default shares fork children's only), so the raw side's
+    # restores do as the forks do (docs/runtime.md "Memory")
+    os.environ.setdefault("FORKYARD_SHARE_RESTORED_PAGES", "all")
     os.environ.setdefault("FORKYARD_MEMORY_OVERCOMMIT", str(max(fan) * args.template_mb / 16000 + 2))
     templates = templates_dir()
     loop = asyncio.new_event_loop()
@@ -293,6 +298,10 @@ def main() -> None:
                     ck = loop.run_until_complete(raw.checkpoint(sid))
                     add(f"raw_fork{k}_{size}", ck + loop.run_until_complete(raw.restores(k)))
                     settle()
+                    # The source reads its whole buffer first: a page it maps but has not
+                    # touched since its last checkpoint (it may map that image's pages, the
+                    # raw side's here) is in no page table, so PSS would not count it.
+                    ask_sum(sid)
                     pss0, free0 = sandbox_pss_mib(sid), meminfo_kib("MemFree") / 1024
                     avail0 = meminfo_kib("MemAvailable") / 1024
                     os.sync()
@@ -310,6 +319,7 @@ def main() -> None:
                     if bad:
                         notes.append(f"size {size} fork x{k}: {len(bad)} of {k} children's sums differ: {bad[:2]}")
                     add(f"fork{k}_{size}_ok", float(not bad))
+                    ask_sum(sid)  # the source reads it too: its share of the pages is counted
                     time.sleep(1)
                     added = pss_total_mib([sid, *kids]) - pss0
                     add(f"fork{k}_{size}_pss_kid", added / k)

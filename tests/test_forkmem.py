@@ -1,6 +1,6 @@
 """Issue 21: fork children share their source's unchanged memory with it on the host
-(runsc patch 0020, ``--share-restored-pages``, on with ``FORKYARD_SHARE_RESTORED_PAGES=1``;
-docs/runtime.md "Memory").
+(runsc patch 0020, ``--share-restored-pages``; by default for fork children only,
+``FORKYARD_SHARE_RESTORED_PAGES=all`` for every restore; docs/runtime.md "Memory").
 
 A process in the source holds 96 MiB of random bytes; every child, grandchild and
 resumed child must read back exactly those bytes (SHA-1 of the whole buffer, taken by
@@ -87,7 +87,7 @@ def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
         # (hot pause off: pauses write images)
         c.timeout = 300
-        assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] == "all", "runsc lacks patch 0020"
         src = Sandbox.create("base", timeout=600)
         sid = src.sandbox_id
         src.files.write("/home/user/holder.py", HOLDER)
@@ -148,7 +148,7 @@ def test_image_written_without_sharing_restores_shared(server):
         assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
         c.timeout = 300
-        assert c.get("/metrics/node").json()["sharesRestoredPages"] is True, "runsc lacks patch 0020"
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] == "all", "runsc lacks patch 0020"
         r = c.post(f"/sandboxes/{sid}/resume", json={"timeout": 600})
         assert r.status_code == 201, r.text
         assert ask(server, sid) == want
@@ -156,4 +156,38 @@ def test_image_written_without_sharing_restores_shared(server):
         r = c.post(f"/sandboxes/{sid}/fork", json={"count": 2, "timeout": 600})
         assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text
         assert [ask(server, e["sandbox"]["sandboxID"]) for e in r.json()] == [want] * 2
+        server.kill_all()
+
+
+def test_by_default_only_fork_children_share_their_image(server):
+    """The default scope (``forks``): a fork's children and its source map the fork's
+    image and read every byte from it, while a sandbox's own pause image and a snapshot
+    another sandbox is created from are copied as stock runsc does (no physical pages
+    shared between sandboxes that are not one fork's)."""
+    server.kill_all()
+    with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES=""), server.api() as c:
+        c.timeout = 300
+        assert c.get("/metrics/node").json()["sharesRestoredPages"] == "forks", "runsc lacks patch 0020"
+        src = Sandbox.create("base", timeout=600)
+        sid = src.sandbox_id
+        src.files.write("/home/user/holder.py", HOLDER)
+        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 5", background=True, timeout=0)
+        want = ask(server, sid)
+        r = c.post(f"/sandboxes/{sid}/fork", json={"count": 2, "timeout": 600})
+        assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text
+        kids = [e["sandbox"]["sandboxID"] for e in r.json()]
+        assert [ask(server, k) for k in kids] == [want] * 2
+        for k in [*kids, sid]:
+            assert shmem_mib(k) < SIZE_MIB / 3, (k, shmem_mib(k))
+        # a snapshot (leave-running, not a fork): the source copies its pages back
+        snap = Sandbox.connect(sid).create_snapshot(name="not-shared")
+        assert ask(server, sid) == want and shmem_mib(sid) >= SIZE_MIB * 0.9, shmem_mib(sid)
+        other = Sandbox.create(snap.snapshot_id, timeout=600)
+        assert ask(server, other.sandbox_id) == want
+        assert shmem_mib(other.sandbox_id) >= SIZE_MIB * 0.9, shmem_mib(other.sandbox_id)
+        # a pause and a cold resume of a fork child: its own image, copied
+        assert c.post(f"/sandboxes/{kids[0]}/pause").status_code == 204
+        assert c.post(f"/sandboxes/{kids[0]}/resume", json={"timeout": 600}).status_code == 201
+        assert ask(server, kids[0]) == want and shmem_mib(kids[0]) >= SIZE_MIB * 0.9, shmem_mib(kids[0])
+        assert ask(server, kids[1]) == want and ask(server, sid) == want
         server.kill_all()

@@ -40,6 +40,9 @@ from forkyard.config.node import (
     GUEST_IP,
     GUEST_PREFIXLEN,
     POOL_MAX_PER_TEMPLATE,
+    SHARE_ALL,
+    SHARE_FORKS,
+    SHARE_OFF,
     AdmissionSettings,
     GVisorSettings,
     PackageCacheSettings,
@@ -52,7 +55,7 @@ from forkyard.config.process import ClientSettings, ObsSettings, ProxySettings, 
 
 __all__ = [
     "DEFAULT_POOL", "DEFAULT_RUNSC", "ENVD_PORT", "ENVD_VERSION", "GUEST_GATEWAY", "GUEST_IP", "GUEST_PREFIXLEN",
-    "POOL_MAX_PER_TEMPLATE", "AdmissionSettings", "ClientSettings", "ClusterSettings", "ControlPlaneEnv", "ControlPlaneSettings",
+    "POOL_MAX_PER_TEMPLATE", "SHARE_ALL", "SHARE_FORKS", "SHARE_OFF", "AdmissionSettings", "ClientSettings", "ClusterSettings", "ControlPlaneEnv", "ControlPlaneSettings",
     "GVisorSettings", "ObsSettings", "PackageCacheSettings", "P2PSettings", "ProxySettings", "RepositorySettings", "Settings",
     "api_key_from_env", "hold_dir", "parse_pool", "user_cache_dir",
 ]

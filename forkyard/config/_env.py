@@ -66,3 +66,19 @@ def _env_on(name: str) -> bool:
     if raw in ("on", "1", "true", "yes"):
         return True
     raise ValueError(f"{name} must be on or off, not {raw!r}")
+
+
+def _env_choice(name: str, default: str, choices: dict[str, str]) -> str:
+    """One of ``choices``' values, looked up by the variable's value (any case; unset or
+    empty: ``default``); ``choices`` maps each accepted spelling to its value.
+
+    Raises:
+        ValueError: any other value (naming the variable and what it accepts).
+    """
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return choices[raw.lower()]
+    except KeyError:
+        raise ValueError(f"{name} must be one of {', '.join(sorted(set(choices)))}, not {raw!r}") from None

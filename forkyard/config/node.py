@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkyard.config._env import _env, _env_bool, _env_cidrs, _env_on, _env_path
+from forkyard.config._env import _env, _env_bool, _env_choice, _env_cidrs, _env_on, _env_path
 from forkyard.ids import NAME
 
 #: Port envd listens on inside every sandbox (E2B SDK ``ConnectionConfig.envd_port``).
@@ -329,6 +329,10 @@ def hold_dir() -> Path | None:
     return Path(d) if d else None
 
 
+#: :attr:`GVisorSettings.share_restored_pages`: which restores share the image's pages.
+SHARE_OFF, SHARE_FORKS, SHARE_ALL = "off", "forks", "all"
+
+
 @dataclass(frozen=True)
 class GVisorSettings:
     """Tunables of the gVisor driver (:class:`forkyard.runtime.gvisor.GVisorDriver`); the
@@ -350,28 +354,35 @@ class GVisorSettings:
         reaper_daemon: ``FORKYARD_REAPER_DAEMON`` (on; ``0`` turns it off): sandboxes start
             under the node's reaper daemon, which reaps them at once also after a server
             restart (docs/runtime.md).
-        share_restored_pages: ``FORKYARD_SHARE_RESTORED_PAGES=1`` (off by default):
-            restored sandboxes map their memory copy-on-write from the checkpoint's pages
-            file instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc
-            patch 0020), so children of one fork or snapshot share the host's page cache
-            of its image; used only when the runsc build has the flag (a node whose build
-            lacks it logs a warning and copies). Off by default because every sandbox
-            restored from one image, templates included, then shares physical pages with
-            the others (a timing side channel between tenants) and an unlinked image's disk
-            space stays held, unseen by the image cache's bound, while a sandbox maps it
-            (docs/runtime.md "Memory").
+        share_restored_pages: ``FORKYARD_SHARE_RESTORED_PAGES``: which restored
+            sandboxes map their memory copy-on-write from the checkpoint's pages file
+            instead of copying it (runsc ``--share-restored-pages``, forkyard's runsc
+            patch 0020), so sandboxes restored from one image share the host's page
+            cache of it: ``forks`` (the default) only the children of a fork — one
+            source's checkpoint, one owner; ``all`` (also ``1``) every restore, resumes
+            and creates from templates and snapshots too; ``off`` (also ``0``) none.
+            Used only when the runsc build has the flag (a node whose build lacks it
+            logs a warning and copies). Not ``all`` by default because sandboxes of
+            different owners restored from one image (a template's, a snapshot used by
+            several) would then share physical pages (a timing side channel), and an
+            unlinked image's disk space stays held while a sandbox maps it
+            (docs/runtime.md "Memory"). E2B has no such setting: its VMs restore from
+            snapshots memory-mapped by Firecracker, shared alike.
         share_saved_pages: ``FORKYARD_SHARE_SAVED_PAGES`` (on; ``0`` turns it off): a
             sandbox that keeps running after a checkpoint (fork, snapshot) then maps its
             unchanged memory from the image it just wrote (``runsc checkpoint
             --share-saved-pages``, same patch), so a fork source and its children share
-            one copy; needs ``share_restored_pages`` and uncompressed images.
+            one copy; needs ``share_restored_pages`` and uncompressed images, and with
+            ``forks`` applies to a fork's checkpoint only.
     """
 
     spare_disks: int = field(default_factory=lambda: int(_env("FORKYARD_SPARE_DISKS", "16")))
     envd_rearm: bool = field(default_factory=lambda: _env("FORKYARD_ENVD_REARM", "0") == "1")
     runsc_debug: bool = field(default_factory=lambda: _env("FORKYARD_RUNSC_DEBUG") == "1")
     reaper_daemon: bool = field(default_factory=lambda: _env("FORKYARD_REAPER_DAEMON", "1") != "0")
-    share_restored_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_RESTORED_PAGES", "0") == "1")
+    share_restored_pages: str = field(default_factory=lambda: _env_choice(
+        "FORKYARD_SHARE_RESTORED_PAGES", SHARE_FORKS,
+        {"forks": SHARE_FORKS, "all": SHARE_ALL, "1": SHARE_ALL, "off": SHARE_OFF, "0": SHARE_OFF}))
     share_saved_pages: bool = field(default_factory=lambda: _env("FORKYARD_SHARE_SAVED_PAGES", "1") != "0")
 
 

@@ -146,7 +146,7 @@ class Forker:
             table.store.put(src)
             sid = new_snapshot_id()
             try:
-                staging = await self.stager.stage(src, sid)
+                staging = await self.stager.stage(src, sid, fork=True)
             finally:
                 src.state = "running"
                 table.store.put(src)

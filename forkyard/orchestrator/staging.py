@@ -69,10 +69,11 @@ class Stager:
         driver reads it from its files (:meth:`RuntimeDriver.image_at`)."""
         return self.driver.image_at(staging / "image").kind is ImageKind.CHECKPOINT
 
-    async def stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False) -> Path:
+    async def stage(self, rec: SandboxRecord, snapshot_id: str, stop: bool = False, fork: bool = False) -> Path:
         """``runsc checkpoint`` of ``rec`` into a fresh staging directory (image in
         ``<it>/image``): ``--leave-running`` unless ``stop`` (pause: the sandbox stops
         once the image is complete; the stopped runtime is left for the teardown).
+        ``fork``: the image is a fork's (the driver may share its pages with ``rec``).
         Records the ``checkpoint`` phase (ms) for ``Server-Timing`` — the time the
         sentry holds the sandbox's tasks stopped.
 
@@ -82,7 +83,8 @@ class Stager:
         t0 = time.perf_counter()
         try:
             staging = self.snapshots.staging(snapshot_id)
-            await self.driver.checkpoint(rec.id, staging / "image", leave_running=not stop, keep_stopped=stop)
+            await self.driver.checkpoint(rec.id, staging / "image", leave_running=not stop, keep_stopped=stop,
+                                         fork=fork)
         except BaseException as e:
             self.snapshots.discard(self.snapshots.staging_path(snapshot_id))
             if isinstance(e, Exception):

@@ -138,6 +138,7 @@ class Starter:
                 # a resume or restore may follow a move: the old node gives the lease back soon
                 volumes=await asyncio.to_thread(self._volume_dirs, rec,
                                                 0.0 if image is None else self.settings.volume_lease_wait_s),
+                fork_child=image is not None and image.kind == "fork",
             )
             # A filesystem-only image is a cold boot of the template with the saved
             # writable layer laid over it (new boot id; processes do not survive); a

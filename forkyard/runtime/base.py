@@ -104,6 +104,10 @@ class SandboxSpec:
         workdir: per-sandbox directory for the bundle, logs and writable state.
         env: environment for envd itself (PATH etc.); user env goes through envd ``/init``.
         disk_mb: disk size (MiB) of the writable layer, 0 for none.
+        fork_child: the image restored is a fork's checkpoint (one source's, restored
+            only as that source's children): a driver that shares restored pages only
+            between fork children (:attr:`RuntimeDriver.shares_restored_pages`, the
+            default scope) shares them for this restore.
     """
 
     sandbox_id: str
@@ -120,6 +124,7 @@ class SandboxSpec:
     #: E2B volumes: ``(host directory, guest path)`` pairs bind-mounted read-write (the
     #: same at a restore as at the checkpoint: runsc compares the spec's mounts).
     volumes: list[tuple[Path, str]] = field(default_factory=list)
+    fork_child: bool = False
 
 
 @dataclass
@@ -146,8 +151,12 @@ class RuntimeDriver(abc.ABC):
     #: :class:`RuntimeMismatch`. Empty when unknown.
     build: str = ""
     #: Sandboxes restored from one image share its unchanged memory pages on the host
-    #: (a page is copied when a sandbox writes it) instead of each holding a copy.
+    #: (a page is copied when a sandbox writes it) instead of each holding a copy: fork
+    #: children (:attr:`SandboxSpec.fork_child`) at least, every restore when
+    #: :attr:`shares_all_restored_pages`.
     shares_restored_pages: bool = False
+    #: :attr:`shares_restored_pages` for every restore, not only fork children.
+    shares_all_restored_pages: bool = False
     #: The kind of network attachment it runs sandboxes on (:attr:`SandboxSpec.network`);
     #: the composition root pairs it with a network whose slots carry that kind.
     attachment: type = NetnsAttachment
@@ -198,11 +207,13 @@ class RuntimeDriver(abc.ABC):
         return False
 
     async def checkpoint(self, sandbox_id: str, into: Path, leave_running: bool,
-                         keep_stopped: bool = False) -> Image:
+                         keep_stopped: bool = False, fork: bool = False) -> Image:
         """Write memory + filesystem state of the sandbox into directory ``into`` (a
         :attr:`ImageKind.CHECKPOINT` image, returned); without ``leave_running`` the
         sandbox stops once the image is complete (and is deleted unless
-        ``keep_stopped``: then :meth:`destroy` removes it later)."""
+        ``keep_stopped``: then :meth:`destroy` removes it later). ``fork``: the image
+        is a fork's, restored only as the sandbox's children (a driver that shares
+        pages with fork children may let the sandbox share them too)."""
         raise NotImplementedError(f"{self.name} runtime has no checkpoint")
 
     def image_at(self, path: Path) -> Image:

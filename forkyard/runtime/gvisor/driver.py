@@ -132,6 +132,7 @@ class GVisorDriver(RuntimeDriver):
         self.new_tmp = self.features.new_tmp
         #: Restores share the image's pages (see :attr:`RuntimeDriver.shares_restored_pages`).
         self.shares_restored_pages = self.features.shares_restored_pages
+        self.shares_all_restored_pages = self.features.shares(fork=False)
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md).
         self.reaper_daemon = runtime.reaper_daemon
@@ -311,8 +312,8 @@ class GVisorDriver(RuntimeDriver):
         ocispec.write_bundle(spec, ocispec.process_argv(self.init_argv, self.sudo_broker), envd, tmp=tmp, rootfs_tar=rootfs_tar)
 
         console = spec.workdir / "console.log"
-        argv = self.runsc.start_argv(sandbox_flags(spec, self.overlay, self.shares_restored_pages), args, upper_tar=upper_tar,
-                                     annotated=rootfs_tar is not None)
+        flags = sandbox_flags(spec, self.overlay, self.features.shares(spec.fork_child))
+        argv = self.runsc.start_argv(flags, args, upper_tar=upper_tar, annotated=rootfs_tar is not None)
         ok = False
         t1 = time.perf_counter()
         try:
@@ -511,7 +512,7 @@ class GVisorDriver(RuntimeDriver):
         return []
 
     async def checkpoint(self, sandbox_id: str, into: Path, leave_running: bool,
-                         keep_stopped: bool = False) -> Image:
+                         keep_stopped: bool = False, fork: bool = False) -> Image:
         """Write the sandbox's memory and filesystem (overlay) state into directory
         ``into`` (``runsc checkpoint``; created if missing) and what its restore needs
         (:mod:`.image`); returns the image.
@@ -521,8 +522,11 @@ class GVisorDriver(RuntimeDriver):
         after the image is complete — nothing runs past the checkpoint (pause) — and the
         driver deletes the stopped container (its bundle and overlay too) so the same id
         can be restored, unless ``keep_stopped`` (the caller destroys it later).
-        runsc runs in its own session: a server killed meanwhile does not stop it (see
-        :meth:`wait_checkpoints`).
+        ``fork`` (with ``leave_running``): the sandbox then maps its unchanged memory
+        from the image (``--share-saved-pages``) when the node shares fork children's
+        pages (:attr:`.runsc.Features.shares`); every leave-running checkpoint does
+        when it shares all restores. runsc runs in its own session: a server killed
+        meanwhile does not stop it (see :meth:`wait_checkpoints`).
 
         Raises:
             RuntimeError_: runsc failed (message = its stderr); the sandbox is left as
@@ -533,7 +537,7 @@ class GVisorDriver(RuntimeDriver):
         args = ["checkpoint", f"--image-path={image_dir}", f"--compression={self.checkpoint_compression}"]
         if leave_running:
             args.append("--leave-running")
-            if self.features.shares_saved_pages:
+            if self.features.shares_saved_pages and self.features.shares(fork):
                 args.append(SHARE_SAVED_FLAG)
         await self.runsc.check([*args, sandbox_id], timeout=CHECKPOINT_TIMEOUT_S)
         image_mod.write_image_build(image_dir, self.build)

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkyard.config import GVisorSettings, Settings
+from forkyard.config import SHARE_ALL, SHARE_OFF, GVisorSettings, Settings
 from forkyard.runtime.base import RuntimeError_, SandboxSpec
 from forkyard.runtime.gvisor import spec as ocispec
 
@@ -139,16 +139,27 @@ class Features:
         new_tmp: how new sandboxes mount ``/tmp``: :data:`~.spec.TMP_ROOTFS` (on their
             disk) when the build has forkyard's patch 0002, else :data:`~.spec.TMP_SIZED`
             (a tmpfs of a quarter of their memory, as before).
-        shares_restored_pages: restores map the image's pages instead of copying them
-            (``runtime.share_restored_pages`` and a build with :data:`SHARE_PAGES_FLAG`,
-            patch 0020).
-        shares_saved_pages: leave-running checkpoints share the image with the sandbox
-            (the above, ``runtime.share_saved_pages`` and no checkpoint compression).
+        shares_restored_pages: restores map the image's pages instead of copying them,
+            for the ones :attr:`share_scope` names (``runtime.share_restored_pages`` not
+            ``off`` and a build with :data:`SHARE_PAGES_FLAG`, patch 0020).
+        shares_saved_pages: leave-running checkpoints share the image with the sandbox,
+            for the ones :attr:`share_scope` names (the above, ``runtime.share_saved_pages``
+            and no checkpoint compression).
+        share_scope: :data:`~forkyard.config.SHARE_FORKS` (a fork's checkpoint and its
+            children only), :data:`~forkyard.config.SHARE_ALL`, or
+            :data:`~forkyard.config.SHARE_OFF` when nothing is shared.
     """
 
     new_tmp: str
     shares_restored_pages: bool
     shares_saved_pages: bool
+    share_scope: str = SHARE_OFF
+
+    def shares(self, fork: bool) -> bool:
+        """Whether a restore from (or a leave-running checkpoint into) a ``fork``'s
+        image, or another one, maps the image's pages shared (restores; for
+        checkpoints also check :attr:`shares_saved_pages`)."""
+        return self.shares_restored_pages and (fork or self.share_scope == SHARE_ALL)
 
 
 def probe_features(path: str | None, runtime: GVisorSettings, compression: str) -> Features:
@@ -159,13 +170,16 @@ def probe_features(path: str | None, runtime: GVisorSettings, compression: str) 
     if path and not keeps_tmp:
         log.warning("%s lacks forkyard's runsc patch 0002 (deploy/runsc/build.sh): sandboxes get a /tmp "
                     "tmpfs of a quarter of their memory instead of /tmp on their disk", path)
-    shares = bool(runtime.share_restored_pages and path and runsc_supports(path, SHARE_PAGES_FLAG))
-    if runtime.share_restored_pages and path and not shares:
-        log.warning("FORKYARD_SHARE_RESTORED_PAGES=1 but %s lacks %s (forkyard's runsc patch 0020, "
-                    "deploy/runsc/build.sh): restores copy their memory", path, SHARE_PAGES_FLAG)
+    asked = runtime.share_restored_pages != SHARE_OFF
+    shares = bool(asked and path and runsc_supports(path, SHARE_PAGES_FLAG))
+    if asked and path and not shares:
+        log.warning("FORKYARD_SHARE_RESTORED_PAGES=%s but %s lacks %s (forkyard's runsc patch 0020, "
+                    "deploy/runsc/build.sh): restores copy their memory", runtime.share_restored_pages, path,
+                    SHARE_PAGES_FLAG)
     return Features(new_tmp=ocispec.TMP_ROOTFS if keeps_tmp else ocispec.TMP_SIZED,
                     shares_restored_pages=shares,
-                    shares_saved_pages=shares and runtime.share_saved_pages and compression == "none")
+                    shares_saved_pages=shares and runtime.share_saved_pages and compression == "none",
+                    share_scope=runtime.share_restored_pages if shares else SHARE_OFF)
 
 
 class Runsc:
