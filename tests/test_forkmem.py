@@ -82,17 +82,22 @@ def shmem_mib(sandbox_id: str) -> float:
     raise AssertionError("no total_shmem")
 
 
+def start_holder(server, seed: int) -> tuple[str, str]:
+    """A new ``base`` sandbox whose :data:`HOLDER` keeps :data:`SIZE_MIB` MiB of random
+    bytes from ``seed``; returns ``(its id, the holder's SHA-1 of them)``."""
+    src = Sandbox.create("base", timeout=600)
+    src.files.write("/home/user/holder.py", HOLDER)
+    src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} {seed}", background=True, timeout=0)
+    return src.sandbox_id, ask(server, src.sandbox_id)
+
+
 def test_fork_children_share_unchanged_memory_and_keep_their_writes(server):
     server.kill_all()
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
         # (hot pause off: pauses write images)
         c.timeout = 300
         assert c.get("/metrics/node").json()["sharesRestoredPages"] == "all", "runsc lacks patch 0020"
-        src = Sandbox.create("base", timeout=600)
-        sid = src.sandbox_id
-        src.files.write("/home/user/holder.py", HOLDER)
-        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 21", background=True, timeout=0)
-        want = ask(server, sid)
+        sid, want = start_holder(server, 21)
         assert shmem_mib(sid) >= SIZE_MIB  # the source's own copy
 
         r = c.post(f"/sandboxes/{sid}/fork", json={"count": 3, "timeout": 600})
@@ -140,11 +145,7 @@ def test_image_written_without_sharing_restores_shared(server):
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", **env), server.api() as c:
         c.timeout = 300
         assert c.get("/metrics/node").json()["sharesRestoredPages"] is False
-        src = Sandbox.create("base", timeout=600)
-        sid = src.sandbox_id
-        src.files.write("/home/user/holder.py", HOLDER)
-        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 7", background=True, timeout=0)
-        want = ask(server, sid)
+        sid, want = start_holder(server, 7)
         assert c.post(f"/sandboxes/{sid}/pause").status_code == 204
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES="1"), server.api() as c:
         c.timeout = 300
@@ -168,11 +169,7 @@ def test_by_default_only_fork_children_share_their_image(server):
     with server.restarted_with(FORKYARD_HOT_PAUSE_S="0", FORKYARD_SHARE_RESTORED_PAGES=""), server.api() as c:
         c.timeout = 300
         assert c.get("/metrics/node").json()["sharesRestoredPages"] == "forks", "runsc lacks patch 0020"
-        src = Sandbox.create("base", timeout=600)
-        sid = src.sandbox_id
-        src.files.write("/home/user/holder.py", HOLDER)
-        src.commands.run(f"python3 /home/user/holder.py {SIZE_MIB} 5", background=True, timeout=0)
-        want = ask(server, sid)
+        sid, want = start_holder(server, 5)
         r = c.post(f"/sandboxes/{sid}/fork", json={"count": 2, "timeout": 600})
         assert r.status_code == 201 and all("sandbox" in e for e in r.json()), r.text
         kids = [e["sandbox"]["sandboxID"] for e in r.json()]
