@@ -54,7 +54,8 @@ def unpartition(c: Cluster) -> None:
 
 def wallclock_lib() -> Path:
     """The wall-clock shim (``wallclock.c``) as a shared object, built with gcc once per
-    source version under ``TEST_ROOT/bin``."""
+    source version under ``TEST_ROOT/bin`` (0700), readable by root only (0600; the
+    loader maps it without the file's execute bit; one built before this is narrowed)."""
     src = _WALLCLOCK_C.read_bytes()
     lib = TEST_ROOT / "bin" / f"wallclock-{hashlib.sha256(src).hexdigest()[:12]}.so"
     if not lib.exists():
@@ -62,7 +63,9 @@ def wallclock_lib() -> Path:
         tmp = lib.with_suffix(f".tmp{os.getpid()}")
         subprocess.run(["gcc", "-shared", "-fPIC", "-O2", "-Wall", "-Werror", "-o", str(tmp), str(_WALLCLOCK_C), "-ldl"],
                        check=True)
+        os.chmod(tmp, 0o600)
         os.replace(tmp, lib)
+    os.chmod(lib, 0o600)
     return lib
 
 
