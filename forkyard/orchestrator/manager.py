@@ -230,7 +230,7 @@ class Orchestrator:
         host cannot take back, as an overcommitted node's admission counts it,
         :meth:`Capacity.in_use_mb`; shares restored pages: ``"forks"`` (fork children
         share their fork image's unchanged pages, the default), ``"all"`` (every
-        restore) or ``false``, :attr:`RuntimeDriver.shares_restored_pages`; package
+        restore) or ``false``, :attr:`RuntimeDriver.shared_pages`; package
         cache: :meth:`forkyard.pkgcache.PackageCache.describe`, None when it is off)."""
         counts = {"running": 0, "paused": 0}
         for r in self.list():
@@ -238,8 +238,7 @@ class Orchestrator:
                 counts[r.state] += 1
         return {"sandboxes": counts, "capacity": self.capacity.as_dict(),
                 "memoryInUseMB": self.capacity.in_use_mb(self.list()),
-                "sharesRestoredPages": (("all" if self.driver.shares_all_restored_pages else "forks")
-                                        if self.driver.shares_restored_pages else False),
+                "sharesRestoredPages": self.driver.shared_pages or False,
                 "spareSlots": self._slots.indexes(),
                 "pausesInFlight": len(self._table.pending), "hotPaused": len(self._table.hot),
                 "gcInFlight": self._gc.in_flight,

@@ -106,8 +106,8 @@ class SandboxSpec:
         disk_mb: disk size (MiB) of the writable layer, 0 for none.
         fork_child: the image restored is a fork's checkpoint (one source's, restored
             only as that source's children): a driver that shares restored pages only
-            between fork children (:attr:`RuntimeDriver.shares_restored_pages`, the
-            default scope) shares them for this restore.
+            between fork children (:attr:`RuntimeDriver.shared_pages` ``"forks"``, the
+            default) shares them for this restore.
     """
 
     sandbox_id: str
@@ -150,13 +150,11 @@ class RuntimeDriver(abc.ABC):
     #: in every checkpoint image, and a restore of an image of another build raises
     #: :class:`RuntimeMismatch`. Empty when unknown.
     build: str = ""
-    #: Sandboxes restored from one image share its unchanged memory pages on the host
-    #: (a page is copied when a sandbox writes it) instead of each holding a copy: fork
-    #: children (:attr:`SandboxSpec.fork_child`) at least, every restore when
-    #: :attr:`shares_all_restored_pages`.
-    shares_restored_pages: bool = False
-    #: :attr:`shares_restored_pages` for every restore, not only fork children.
-    shares_all_restored_pages: bool = False
+    #: Which sandboxes restored from one image share its unchanged memory pages on the
+    #: host (a page is copied when a sandbox writes it) instead of each holding a copy:
+    #: ``"forks"`` (fork children, :attr:`SandboxSpec.fork_child`, and their source),
+    #: ``"all"`` (every restore) or ``""`` (none).
+    shared_pages: str = ""
     #: The kind of network attachment it runs sandboxes on (:attr:`SandboxSpec.network`);
     #: the composition root pairs it with a network whose slots carry that kind.
     attachment: type = NetnsAttachment

@@ -42,7 +42,7 @@ import shutil
 import time
 from pathlib import Path
 
-from forkyard.config import GVisorSettings, Settings
+from forkyard.config import SHARE_OFF, GVisorSettings, Settings
 from forkyard.runtime.base import (Image, ImageKind, RuntimeDriver, RuntimeError_, RuntimeMismatch, RuntimeUsage,
                                    SandboxSpec)
 from forkyard.runtime import events
@@ -130,9 +130,8 @@ class GVisorDriver(RuntimeDriver):
         self.features = probe_features(self.runsc_path, runtime, checkpoint_compression)
         #: How new sandboxes mount ``/tmp`` (:attr:`.runsc.Features.new_tmp`).
         self.new_tmp = self.features.new_tmp
-        #: Restores share the image's pages (see :attr:`RuntimeDriver.shares_restored_pages`).
-        self.shares_restored_pages = self.features.shares_restored_pages
-        self.shares_all_restored_pages = self.features.shares(fork=False)
+        #: Which restores share the image's pages (see :attr:`RuntimeDriver.shared_pages`).
+        self.shared_pages = "" if self.features.share_scope == SHARE_OFF else self.features.share_scope
         ensure_reaper()
         #: Start sandboxes under the node's reaper daemon (docs/runtime.md).
         self.reaper_daemon = runtime.reaper_daemon

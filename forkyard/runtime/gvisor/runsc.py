@@ -139,19 +139,16 @@ class Features:
         new_tmp: how new sandboxes mount ``/tmp``: :data:`~.spec.TMP_ROOTFS` (on their
             disk) when the build has forkyard's patch 0002, else :data:`~.spec.TMP_SIZED`
             (a tmpfs of a quarter of their memory, as before).
-        shares_restored_pages: restores map the image's pages instead of copying them,
-            for the ones :attr:`share_scope` names (``runtime.share_restored_pages`` not
-            ``off`` and a build with :data:`SHARE_PAGES_FLAG`, patch 0020).
         shares_saved_pages: leave-running checkpoints share the image with the sandbox,
-            for the ones :attr:`share_scope` names (the above, ``runtime.share_saved_pages``
-            and no checkpoint compression).
-        share_scope: :data:`~forkyard.config.SHARE_FORKS` (a fork's checkpoint and its
-            children only), :data:`~forkyard.config.SHARE_ALL`, or
-            :data:`~forkyard.config.SHARE_OFF` when nothing is shared.
+            for the ones :attr:`share_scope` names (restores share,
+            ``runtime.share_saved_pages`` and no checkpoint compression).
+        share_scope: which restores map the image's pages instead of copying them:
+            :data:`~forkyard.config.SHARE_FORKS` (a fork's checkpoint and its children
+            only), :data:`~forkyard.config.SHARE_ALL`, or :data:`~forkyard.config.SHARE_OFF`
+            (none: asked for, or a build without :data:`SHARE_PAGES_FLAG`, patch 0020).
     """
 
     new_tmp: str
-    shares_restored_pages: bool
     shares_saved_pages: bool
     share_scope: str = SHARE_OFF
 
@@ -159,7 +156,7 @@ class Features:
         """Whether a restore from (or a leave-running checkpoint into) a ``fork``'s
         image, or another one, maps the image's pages shared (restores; for
         checkpoints also check :attr:`shares_saved_pages`)."""
-        return self.shares_restored_pages and (fork or self.share_scope == SHARE_ALL)
+        return self.share_scope == SHARE_ALL or (fork and self.share_scope != SHARE_OFF)
 
 
 def probe_features(path: str | None, runtime: GVisorSettings, compression: str) -> Features:
@@ -177,7 +174,6 @@ def probe_features(path: str | None, runtime: GVisorSettings, compression: str) 
                     "deploy/runsc/build.sh): restores copy their memory", runtime.share_restored_pages, path,
                     SHARE_PAGES_FLAG)
     return Features(new_tmp=ocispec.TMP_ROOTFS if keeps_tmp else ocispec.TMP_SIZED,
-                    shares_restored_pages=shares,
                     shares_saved_pages=shares and runtime.share_saved_pages and compression == "none",
                     share_scope=runtime.share_restored_pages if shares else SHARE_OFF)
 
