@@ -292,3 +292,92 @@ async def test_gateway_create_body_is_bounded_while_read(plane):
         for bad in (b"{not json", b"[1, 2]"):
             r = await c.post("/sandboxes", content=bad, headers={"content-type": "application/json"})
             assert r.status_code == 400 and r.json()["message"], r.text[:300]
+
+
+async def test_placements_plan_on_a_short_lived_view_that_spreads_a_burst_and_never_overrides_the_reservation(plane):
+    """Placements plan on the candidates one read of Redis gave (forkyard.cluster.view):
+    a burst of 20 on one read, spread over 4 equal nodes 5 each (the view counts the
+    room this replica took: without that all 20 would go to the first node), and the
+    reservation still decides — a node drained after the view was read, or one filled
+    by another replica meanwhile, gets nothing more."""
+    from forkyard.cluster.nodekeys import NodeKeys
+    from forkyard.cluster.scheduler import plan_and_reserve
+    from forkyard.cluster.store import ClusterStore
+    from forkyard.cluster.view import CandidateView
+
+    fleet = Fleet(4, 100, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    store = ClusterStore(plane.redis_url, keys=NodeKeys(plane.secret))
+    try:
+        view = CandidateView(store, ttl_s=60.0)  # one read for the whole test unless a try fails
+        r = redis.Redis.from_url(plane.redis_url)
+
+        def hgetalls() -> int:
+            return int(r.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+
+        before = hgetalls()
+        got = Counter()
+        for _ in range(20):
+            plan, _ = await plan_and_reserve(store, 1, snapshot_id="base", view=view)
+            got[plan[0][0].node_id] += 1
+        assert sorted(got.values()) == [5, 5, 5, 5], got
+        assert hgetalls() - before <= 4, "a burst within the view's life reads the nodes once"
+        # drained after the view was read: the reservation refuses it, the plan is made again
+        drained = fleet.nodes[0].node_id
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[0], headers={SECRET_HEADER: plane.secret},
+                                     timeout=30, trust_env=False) as c:
+            assert (await c.post(f"/v1/nodes/{drained}/drain")).status_code == 200
+        # another replica fills a second node to its room behind this view's back
+        full = fleet.nodes[1].node_id
+        other = ClusterStore(plane.redis_url, keys=NodeKeys(plane.secret))
+        try:
+            pid, _, _ = await other.reserve([(full, 95)])
+            assert pid is not None
+        finally:
+            await other.aclose()
+        for _ in range(20):
+            plan, _ = await plan_and_reserve(store, 1, snapshot_id="base", view=view)
+            assert plan[0][0].node_id not in (drained, full), plan
+        pending = {n.node_id: sum(int(v) for v in r.hvals(f"fy:placingn:{n.node_id}")) for n in fleet.nodes}
+        assert pending[full] == 100 and pending[drained] == 5, pending
+    finally:
+        await store.aclose()
+        await fleet.stop()
+
+
+async def test_placement_route_checks_secret_size_and_body(plane):
+    """``POST /v1/placements`` is answered in front of FastAPI (forkyard.cluster.leanroute)
+    after the guard: no secret 401, a node key 403, a body over the bound 413, a body
+    that does not validate 422 naming the field, a fork without its source 400 — each
+    a ``{code, message}`` — and nothing reserved by any of them."""
+    from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
+    from forkyard.cluster.scheduler import MAX_BODY
+
+    fleet = Fleet(1, 10, plane.scheduler_urls, plane.secret)
+    await fleet.register()
+    node = fleet.nodes[0]
+    ok = {SECRET_HEADER: plane.secret}
+    try:
+        async with httpx.AsyncClient(base_url=plane.scheduler_urls[1], timeout=30, trust_env=False) as c:
+            tries = [(401, dict(json={"kind": "create"})),
+                     (403, dict(json={"kind": "create"}, headers={SECRET_HEADER: node_key(plane.secret, node.node_id,
+                                                                                         node.url),
+                                                                  NODE_URL_HEADER: node.url})),
+                     (413, dict(content=b" " * (MAX_BODY + 1), headers=ok)),
+                     (422, dict(content=b"{not json", headers=ok)),
+                     (422, dict(json={"kind": "teleport"}, headers=ok)),
+                     (422, dict(json={"kind": "create", "count": 101}, headers=ok)),
+                     (400, dict(json={"kind": "fork"}, headers=ok))]
+            for status, kw in tries:
+                resp = await c.post("/v1/placements", **kw)
+                assert resp.status_code == status and resp.json()["code"] == status and resp.json()["message"], \
+                    (status, resp.status_code, resp.text[:300])
+            assert "count" in (await c.post("/v1/placements", json={"kind": "create", "count": 101},
+                                            headers=ok)).json()["message"]
+            assert not redis.Redis.from_url(plane.redis_url).hlen(f"fy:placingn:{node.node_id}")
+            resp = await c.post("/v1/placements", json={"kind": "create", "count": 2}, headers=ok)
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["placements"][0] == {"nodeID": node.node_id, "url": node.url, "count": 2,
+                                                    "placementID": resp.json()["placements"][0]["placementID"]}
+    finally:
+        await fleet.stop()

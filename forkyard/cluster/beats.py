@@ -20,11 +20,11 @@ no request id, no access-log line and no trace span; they are counted in
 
 from __future__ import annotations
 
-import json
 import re
 
 from pydantic import BaseModel, Field, ValidationError
 
+from forkyard.cluster.leanroute import problem, send_json
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.p2p import PeerTable, valid_address
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
@@ -95,15 +95,7 @@ async def heartbeat(store: ClusterStore, node_id: str, body: Heartbeat, key_url:
 
 async def _send(send, status: int, obj: dict) -> None:
     metrics.HTTP_REQUESTS.labels("api", f"{status // 100}xx").inc()
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
-
-
-def _problem(e: ValidationError) -> str:
-    parts = [f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5]]
-    return "invalid heartbeat: " + "; ".join(parts)
+    await send_json(send, status, obj)
 
 
 class LeanHeartbeats:
@@ -141,7 +133,7 @@ class LeanHeartbeats:
             try:
                 body = Heartbeat.model_validate_json(raw)
             except ValidationError as e:
-                raise Refused(422, _problem(e)) from e
+                raise Refused(422, problem(e, "heartbeat")) from e
             out = await heartbeat(self.store, m.group(1), body, headers.get(NODE_URL_HEADER, ""), self.peer_table)
         except Refused as e:
             return await _send(send, e.status, {"code": e.status, "message": str(e)})

@@ -45,11 +45,13 @@ from forkyard.cluster.beats import LeanHeartbeats
 from forkyard.cluster.p2p import PeerTable
 from forkyard.cluster.config import SECRET_HEADER, secret_ok
 from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys
+from forkyard.cluster.leanroute import LeanRoute
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.rooms import CANDIDATES
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
 from forkyard.cluster.types import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeInfo
+from forkyard.cluster.view import CandidateView
 from forkyard.config import ControlPlaneSettings
 from forkyard.ids import is_name
 from forkyard.obs import metrics
@@ -263,13 +265,14 @@ RESERVE_TRIES = 8
 
 
 async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, snapshot_id: str | None = None,
-                           prefer: str | None = None, exclude: set[str] = frozenset(), only: str | None = None
-                           ) -> tuple[list[tuple[NodeInfo, int]], str]:
+                           prefer: str | None = None, exclude: set[str] = frozenset(), only: str | None = None,
+                           view: CandidateView | None = None) -> tuple[list[tuple[NodeInfo, int]], str]:
     """Place ``count`` sandboxes (:func:`~.placement.place` over the best-scored nodes
-    of the index, those caching ``snapshot_id`` and ``prefer``: :meth:`ClusterStore.candidates`)
-    and take their room atomically (:meth:`ClusterStore.reserve`), on node ``only`` alone
-    when given (it holds the sandbox's volumes); a reservation that
-    lost a race is planned again on what Redis holds then, at most :data:`RESERVE_TRIES`
+    of the index, those caching ``snapshot_id`` and ``prefer``: :meth:`ClusterStore.candidates`,
+    through ``view`` when given: :mod:`.view`) and take their room atomically
+    (:meth:`ClusterStore.reserve`), on node ``only`` alone when given (it holds the
+    sandbox's volumes); a reservation that lost a race, or a plan that found no room in
+    a view, is planned again on what Redis holds then, at most :data:`RESERVE_TRIES`
     times. A constant number of Redis calls per try, whatever the fleet's size.
 
     Returns:
@@ -280,19 +283,31 @@ async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, 
         ClusterStoreUnavailable: Redis failed.
     """
     k = max(CANDIDATES, count + len(exclude))
+    also = [x for x in (prefer, only) if x]
+    fresh = False
     for _ in range(RESERVE_TRIES):
-        nodes, placing, now, indexed = await store.candidates(k, snapshot_id, [x for x in (prefer, only) if x])
+        if view is not None:
+            nodes, placing, now, indexed, cached = await view.candidates(k, snapshot_id, also, fresh=fresh)
+        else:
+            (nodes, placing, now, indexed), cached = await store.candidates(k, snapshot_id, also), False
         try:
             plan = place(nodes, placing, now, count=count, vcpus=vcpus, snapshot_id=snapshot_id,
                          prefer=prefer, exclude=exclude, only=only)
         except NoCapacity:
+            if cached:  # the view may be older than the room freed since: read it
+                fresh = True
+                continue
             if indexed > k and only is None:  # more nodes have room than were read: read more
                 k = min(indexed, 4 * k)
                 continue
             raise
-        pid, _, _ = await store.reserve([(n.node_id, c) for n, c in plan])
+        taken = [(n.node_id, c) for n, c in plan]
+        pid, _, _ = await store.reserve(taken)
         if pid is not None:
+            if view is not None:
+                view.taken(taken)
             return plan, pid
+        fresh = True
     raise NoCapacity(f"{RESERVE_TRIES} placements of {count} sandbox(es) in a row lost the race for the last "
                      "room to concurrent ones; retry")
 
@@ -316,6 +331,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
     nodes down longer than :data:`ORPHAN_MOVE_S`."""
     store.keys = NodeKeys(secret)  # node records in Redis count only with their binding tag
     probe = httpx.AsyncClient(trust_env=False)
+    view = CandidateView(store)  # placements plan on it (:mod:`.view`); the reservation decides
 
     async def sweep():
         live = Liveness()
@@ -449,7 +465,7 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
                 snapshot, exclude = b.record.get("image_id"), exclude | {b.node_id}
         try:
             plan, pid = await plan_and_reserve(store, count=body.count, vcpus=body.vcpus, snapshot_id=snapshot,
-                                               prefer=prefer, exclude=exclude, only=only)
+                                               prefer=prefer, exclude=exclude, only=only, view=view)
         except NoCapacity as e:
             metrics.admission_refused("no_capacity")
             if only:
@@ -474,7 +490,9 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     # /metrics is answered before the guard: a scrape carries the metrics token (or the
     # secret), or comes from loopback (forkyard.obs.metrics.scrape_allowed).
-    guard = _Guard(app, secret)
+    # Placements are answered in front of FastAPI (.leanroute), after the guard and ObsMiddleware.
+    guard = _Guard(LeanRoute(app, "POST", "/v1/placements", PlacementRequest, placements, MAX_BODY, "placement"),
+                   secret)
     # Heartbeats are answered before the middlewares and FastAPI, after the same guard (.beats).
     return LeanHeartbeats(ObsMiddleware(guard, "scheduler", collect=lambda: cluster_families(store),
                                         keys=lambda: [secret]), guard, store, MAX_BODY, PeerTable())
