@@ -116,16 +116,16 @@ def rest_app(gw: GatewayView) -> FastAPI:
             items, token = await page(gw, metadata, {"running"}, None, None, None, True, token, 1000)
             out += items
             if token is None:
-                return out
+                return JSONResponse(out)  # JSON-native dicts: no jsonable_encoder walk over every item
 
     @app.get("/v2/sandboxes")
-    async def list_v2(response: Response, q: ListQuery = Depends()):
+    async def list_v2(q: ListQuery = Depends()):
         states, after, before = list_filters(q.metadata, q.state, q.started_after, q.started_before)
         items, token = await page(gw, q.metadata, states, q.template, after, before, q.order != "asc",
                                   q.next_token, q.limit)
-        if token:
-            response.headers["x-next-token"] = token
-        return items
+        # JSON-native dicts, sent as they are: FastAPI's jsonable_encoder walking every item
+        # of a page was a fifth of the gateway's CPU while a client listed (issue 26)
+        return JSONResponse(items, headers={"x-next-token": token} if token else None)
 
     nodes_json = _NodesJSON(gw)
 
