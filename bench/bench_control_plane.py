@@ -47,7 +47,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "tests")]
 from _common import pct  # noqa: E402
 
-import httpx  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
 from _fleet import ControlPlane, Fleet, cpu_seconds  # noqa: E402
@@ -124,16 +123,18 @@ class Placer:
         return lat, (max(times) - min(times)) if len(times) > 1 else 0.0
 
 
-async def timed_gets(c: httpx.AsyncClient, path: str, n: int, **params) -> tuple[list[float], httpx.Response]:
-    """``n`` sequential GETs of ``path``; (latencies ms, the last answer)."""
-    out, r = [], None
-    for _ in range(n):
-        t0 = time.perf_counter()
-        r = await c.get(path, params=params or None)
-        out.append((time.perf_counter() - t0) * 1000)
-        if r.status_code != 200:
-            raise RuntimeError(f"GET {path}: {r.status_code} {r.text[:300]}")
-    return out, r
+async def timed_gets(cp: ControlPlane, path: str, n: int, **params) -> tuple[list[float], dict[str, str]]:
+    """``n`` sequential GETs of the gateway's ``path``, from a process of their own
+    (``_getter.py``: off this process's event loop, which the fleet keeps busy);
+    (latencies ms, the last answer's headers)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(ROOT / "bench" / "_getter.py"), cp.gateway_url, path, str(n), json.dumps(params),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    got, _ = await proc.communicate(cp.api_key.encode() + b"\n")
+    if proc.returncode != 0:
+        raise RuntimeError(f"GET {path} failed (its error is above)")
+    res = json.loads(got)
+    return res["ms"], res["headers"]
 
 
 async def bare_http_floor(n: int, seconds: float) -> tuple[float, float]:
@@ -189,31 +190,30 @@ async def main(a) -> int:
         print(f"{'raw Redis round trip (HGET)':<58} p50 {raw50:8.3f} ms  p95 {pct(raw, 95):8.3f} ms", flush=True)
         seeded = 0
         sizes = sorted({int(s) for s in a.list_sizes.split(",") if s} | {a.sandboxes})
-        async with httpx.AsyncClient(base_url=cp.gateway_url, headers={"X-API-Key": cp.api_key}, timeout=300,
-                                     trust_env=False) as gw:
-            for size in sizes:
-                if size > a.sandboxes:
-                    continue
-                t0 = time.perf_counter()
-                await fleet.seed(size - seeded, metadata=lambda i, base=seeded: {"user": f"u{(base + i) % 100}",
-                                                                                  "run": "bench"}, paused_every=10)
-                seeded = size
-                print(f"# seeded {seeded} sandboxes in {time.perf_counter() - t0:.1f} s", flush=True)
-                if str(size) not in a.list_sizes.split(","):
-                    continue
-                await fleet.settle()  # not while the seed's full heartbeats are reconciled
-                first, r = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100)
-                token = r.headers.get("x-next-token")
-                later, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, nextToken=token) \
-                    if token else ([0.0], None)
-                meta, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, metadata="user=u7")
-                paused, _ = await timed_gets(gw, "/v2/sandboxes", a.reps, limit=100, state="paused")
-                metrics, _ = await timed_gets(gw, "/metrics/cluster", a.reps)
-                print(line(f"gateway GET /v2/sandboxes first page at {size}", first, raw50))
-                print(line(f"gateway GET /v2/sandboxes later page at {size}", later, raw50))
-                print(line(f"gateway GET /v2/sandboxes metadata=user=u7 at {size}", meta, raw50))
-                print(line(f"gateway GET /v2/sandboxes state=paused at {size}", paused, raw50))
-                print(line(f"gateway GET /metrics/cluster at {size}", metrics, raw50), flush=True)
+        # (the list figures' GETs run in processes of their own: timed_gets)
+        for size in sizes:
+            if size > a.sandboxes:
+                continue
+            t0 = time.perf_counter()
+            await fleet.seed(size - seeded, metadata=lambda i, base=seeded: {"user": f"u{(base + i) % 100}",
+                                                                              "run": "bench"}, paused_every=10)
+            seeded = size
+            print(f"# seeded {seeded} sandboxes in {time.perf_counter() - t0:.1f} s", flush=True)
+            if str(size) not in a.list_sizes.split(","):
+                continue
+            await fleet.settle()  # not while the seed's full heartbeats are reconciled
+            first, h = await timed_gets(cp, "/v2/sandboxes", a.reps, limit=100)
+            token = h.get("x-next-token")
+            later, _ = await timed_gets(cp, "/v2/sandboxes", a.reps, limit=100, nextToken=token) \
+                if token else ([0.0], None)
+            meta, _ = await timed_gets(cp, "/v2/sandboxes", a.reps, limit=100, metadata="user=u7")
+            paused, _ = await timed_gets(cp, "/v2/sandboxes", a.reps, limit=100, state="paused")
+            metrics, _ = await timed_gets(cp, "/metrics/cluster", a.reps)
+            print(line(f"gateway GET /v2/sandboxes first page at {size}", first, raw50))
+            print(line(f"gateway GET /v2/sandboxes later page at {size}", later, raw50))
+            print(line(f"gateway GET /v2/sandboxes metadata=user=u7 at {size}", meta, raw50))
+            print(line(f"gateway GET /v2/sandboxes state=paused at {size}", paused, raw50))
+            print(line(f"gateway GET /metrics/cluster at {size}", metrics, raw50), flush=True)
         # Every node sends its full set after the seed and the scheduler reconciles it (and a
         # node the seed's publishing starved of heartbeats — they share this process — may
         # have been declared down and is adopted again): measure the steady state after.

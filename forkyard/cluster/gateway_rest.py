@@ -59,12 +59,19 @@ async def page(gw: GatewayView, metadata: str | None, states: set[str], template
     """
     nodes = await gw.nodes(stale_ok=False)
     want = parse_metadata(metadata)
+    recs: dict[str, SandboxRecord] = {}  # by the binding's record text: decoded once a page
+
+    def rec_of(row: dict) -> SandboxRecord:
+        text = row.get("record", "")
+        if (rec := recs.get(text)) is None:
+            rec = recs[text] = _record(record_of(row))
+        return rec
 
     def accept(row: dict) -> bool:
         n = nodes.get(row.get("node", ""))
         if row.get("state") != "paused" and (n is None or n.declared_down):
             return False
-        rec = _record(record_of(row))
+        rec = rec_of(row)
         at = micros(rec.started_at)
         return bool(filter_records([rec], metadata, states, template)) and \
             (after is None or at >= after) and (before is None or at <= before)
@@ -76,7 +83,7 @@ async def page(gw: GatewayView, metadata: str | None, states: set[str], template
     got, more = await gw.store.page(states, want, template, lo, hi, desc, cursor, limit, accept)
     items = []
     for _, sid, row in got:
-        item = schemas.sandbox_listed(_record(record_of(row)))
+        item = schemas.sandbox_listed(rec_of(row))
         item["nodeID"] = row.get("node")  # which node holds it (forkyard ls shows it; SDKs ignore it)
         items.append(item)
     return items, encode_cursor(got[-1][0], got[-1][1]) if more and got else None
