@@ -23,8 +23,9 @@ from __future__ import annotations
 import re
 
 from pydantic import BaseModel, Field, ValidationError
+from starlette.responses import JSONResponse
 
-from forkyard.cluster.leanroute import problem, send_json
+from forkyard.cluster.leanroute import error_response, problem
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, normal_url
 from forkyard.cluster.p2p import PeerTable, valid_address
 from forkyard.cluster.store import ClusterStore, ClusterStoreUnavailable
@@ -93,9 +94,9 @@ async def heartbeat(store: ClusterStore, node_id: str, body: Heartbeat, key_url:
     return {"status": status, "foreign": foreign, "missing": missing, "adopt": adopt, **peers}
 
 
-async def _send(send, status: int, obj: dict) -> None:
-    metrics.HTTP_REQUESTS.labels("api", f"{status // 100}xx").inc()
-    await send_json(send, status, obj)
+async def _send(scope, receive, send, resp: JSONResponse) -> None:
+    metrics.HTTP_REQUESTS.labels("api", f"{resp.status_code // 100}xx").inc()
+    await resp(scope, receive, send)
 
 
 class LeanHeartbeats:
@@ -136,7 +137,7 @@ class LeanHeartbeats:
                 raise Refused(422, problem(e, "heartbeat")) from e
             out = await heartbeat(self.store, m.group(1), body, headers.get(NODE_URL_HEADER, ""), self.peer_table)
         except Refused as e:
-            return await _send(send, e.status, {"code": e.status, "message": str(e)})
+            return await _send(scope, receive, send, error_response(e.status, str(e)))
         except ClusterStoreUnavailable as e:
-            return await _send(send, 503, {"code": 503, "message": f"{e}; retry when Redis is back"})
-        await _send(send, 200, out)
+            return await _send(scope, receive, send, error_response(503, f"{e}; retry when Redis is back"))
+        await _send(scope, receive, send, JSONResponse(out))

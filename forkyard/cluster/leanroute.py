@@ -6,7 +6,7 @@ resolution, the body read and validated through its own machinery, the answer th
 ~1.5 ms of ~2.1 ms per ``POST /v1/placements`` measured in-process. :class:`LeanRoute`
 answers one method and path itself — the body bounded while it is read
 (:func:`~forkyard.relay.body.read_body`), validated by the route's pydantic model
-(pydantic-core parsing the JSON directly), the handler's dict sent with ``json.dumps`` —
+(pydantic-core parsing the JSON directly), the handler's dict sent as a ``JSONResponse`` —
 and passes every other request on. It sits after the scheduler's guard (path rule,
 credential, announced length) and its observability middleware, so the request is
 checked, logged and traced as before. Errors are the scheduler's: ``{"code", "message"}``
@@ -16,21 +16,17 @@ bound, 422 for one that does not validate, 503 while Redis is away.
 
 from __future__ import annotations
 
-import json
-
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 
 from forkyard.cluster.store import ClusterStoreUnavailable
 from forkyard.relay.body import BodyTooLarge, read_body
 
 
-async def send_json(send, status: int, obj: dict) -> None:
-    """Send ``obj`` as a JSON answer with ``status``."""
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
+def error_response(status: int, message: str) -> JSONResponse:
+    """The control plane's error answer: ``{"code": status, "message": message}``."""
+    return JSONResponse({"code": status, "message": message}, status_code=status)
 
 
 def problem(e: ValidationError, what: str) -> str:
@@ -68,12 +64,14 @@ class LeanRoute:
             try:
                 body = self.model.model_validate_json(raw)
             except ValidationError as e:
-                return await send_json(send, 422, {"code": 422, "message": problem(e, self.what)})
+                return await error_response(422, problem(e, self.what))(scope, receive, send)
             out = await self.handler(body)
         except BodyTooLarge as e:
-            return await send_json(send, 413, {"code": 413, "message": str(e)})
+            resp = error_response(413, str(e))
         except HTTPException as e:
-            return await send_json(send, e.status_code, {"code": e.status_code, "message": str(e.detail)})
+            resp = error_response(e.status_code, str(e.detail))
         except ClusterStoreUnavailable as e:
-            return await send_json(send, 503, {"code": 503, "message": f"{e}; retry when Redis is back"})
-        await send_json(send, 200, out)
+            resp = error_response(503, f"{e}; retry when Redis is back")
+        else:
+            resp = JSONResponse(out)
+        await resp(scope, receive, send)

@@ -45,7 +45,7 @@ from forkyard.cluster.beats import LeanHeartbeats
 from forkyard.cluster.p2p import PeerTable
 from forkyard.cluster.config import SECRET_HEADER, secret_ok
 from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys
-from forkyard.cluster.leanroute import LeanRoute
+from forkyard.cluster.leanroute import LeanRoute, error_response
 from forkyard.cluster.liveness import PROBE_TIMEOUT_S, Liveness
 from forkyard.cluster.placement import NoCapacity, place
 from forkyard.cluster.rooms import CANDIDATES
@@ -98,10 +98,6 @@ class LeaseBody(BaseModel):
     name: str = Field(min_length=1, max_length=64)
 
 
-def _err(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
-
-
 class _Guard:
     """ASGI middleware: a path the gateway and nodes would refuse is refused here too
     (:func:`forkyard.relay.paths.path_problem`, 400: one rule on every hop, issue 25), the
@@ -127,22 +123,22 @@ class _Guard:
         """The answer refusing an HTTP request (path, credential, announced length), or
         None to let it in; ``headers``: the request's, names lower-case."""
         if problem := path_problem(scope):
-            return _err(400, problem)
+            return error_response(400, problem)
         if scope["path"] == "/health":
             return None
         if m := _NODE_ROUTE.match(scope["path"]):  # a node's own calls: its key, never the master
             if bad := self.keys.check(m.group(1), headers.get(NODE_URL_HEADER), headers.get(SECRET_HEADER)):
                 self._log_refused(m.group(1), m.group(2), bad[1])
-                return _err(*bad)
+                return error_response(*bad)
         elif not secret_ok(headers, self.secret):
             got = headers.get(SECRET_HEADER, "")
             if got.startswith(NODE_KEY_PREFIX):
-                return _err(403, "a node key is accepted only on that node's heartbeat, publish and "
+                return error_response(403, "a node key is accepted only on that node's heartbeat, publish and "
                                  "restarting calls")
-            return _err(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")
+            return error_response(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")
         length = headers.get("content-length", "0")
         if not length.isdigit() or int(length) > MAX_BODY:
-            return _err(413, f"body over {MAX_BODY} bytes or without Content-Length")
+            return error_response(413, f"body over {MAX_BODY} bytes or without Content-Length")
         return None
 
     async def __call__(self, scope, receive, send):
@@ -284,12 +280,10 @@ async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, 
     """
     k = max(CANDIDATES, count + len(exclude))
     also = [x for x in (prefer, only) if x]
+    view = view or CandidateView(store, ttl_s=0.0)  # none given: every try reads Redis
     fresh = False
     for _ in range(RESERVE_TRIES):
-        if view is not None:
-            nodes, placing, now, indexed, cached = await view.candidates(k, snapshot_id, also, fresh=fresh)
-        else:
-            (nodes, placing, now, indexed), cached = await store.candidates(k, snapshot_id, also), False
+        nodes, placing, now, indexed, cached = await view.candidates(k, snapshot_id, also, fresh=fresh)
         try:
             plan = place(nodes, placing, now, count=count, vcpus=vcpus, snapshot_id=snapshot_id,
                          prefer=prefer, exclude=exclude, only=only)
@@ -304,8 +298,7 @@ async def plan_and_reserve(store: ClusterStore, count: int = 1, vcpus: int = 2, 
         taken = [(n.node_id, c) for n, c in plan]
         pid, _, _ = await store.reserve(taken)
         if pid is not None:
-            if view is not None:
-                view.taken(taken)
+            view.taken(taken)
             return plan, pid
         fresh = True
     raise NoCapacity(f"{RESERVE_TRIES} placements of {count} sandbox(es) in a row lost the race for the last "
@@ -360,11 +353,11 @@ def create_scheduler_app(store: ClusterStore, secret: str, sweep_interval_s: flo
 
     @app.exception_handler(ClusterStoreUnavailable)
     async def _unavailable(request, exc):
-        return _err(503, f"{exc}; retry when Redis is back")
+        return error_response(503, f"{exc}; retry when Redis is back")
 
     @app.exception_handler(HTTPException)
     async def _http(request, exc):
-        return _err(exc.status_code, str(exc.detail))
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health():
