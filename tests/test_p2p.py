@@ -528,6 +528,46 @@ def test_a_member_is_dialled_when_listed_so_a_restore_finds_the_connection_open(
     assert st["chunks_from_peers"] == _chunks(a, meta.snapshot_id) and st["peer_failures"] == 0, st
 
 
+def test_a_member_that_failed_is_dialled_again_when_its_backoff_ends(nodes, tmp_path, monkeypatch):
+    """a answers too late once: b's restore reads the repository, drops its connection to
+    a and skips a for the backoff (CI, stop 33: the restore after that backoff dialled a
+    itself amid the links of 24 starting sandboxes, and that dial failed too). When the
+    backoff ends b dials a again on its own, so the next restore finds a connection open
+    — no dial of its own, every chunk from a."""
+    monkeypatch.setattr(p2psvc, "BACKOFF_S", 2.0)
+    (a, pa), (b, pb) = nodes(2, timeout_s=1.0, per={0: {"cls": SlowService, "warm_after_s": 0.2},
+                                                     1: {"warm_after_s": 0.2}})
+    deadline = time.monotonic() + 30
+    while pa.endpoint_id not in pb._conns and time.monotonic() < deadline:
+        time.sleep(0.1)
+    first = pb._conns.get(pa.endpoint_id)
+    assert first is not None
+    pa.delay_s = 2.0  # over b's timeout
+    src = _image(tmp_path / "one")
+    meta = _commit(a, src)
+    assert _same(b.image(meta.snapshot_id), src)
+    assert pb.stats()["peer_failures"] >= 1 and b.metrics()["restore"]["chunks_fetched"] > 0
+    pa.delay_s = 0.0
+    deadline = time.monotonic() + p2psvc.BACKOFF_S + 15
+    while time.monotonic() < deadline:
+        again = pb._conns.get(pa.endpoint_id)
+        if again is not None and again is not first and again.close_reason() is None:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"b did not dial a again after its backoff: {pb._conns}")
+    dials = []
+    real = pb.transport.endpoint.connect
+    pb.transport.endpoint = _Counting(pb.transport.endpoint, lambda *x: dials.append(x) or real(*x))
+    before = pb.stats()
+    meta2 = _commit(a, _image(tmp_path / "two"))
+    assert _same(b.image(meta2.snapshot_id), tmp_path / "two" / "src-image")
+    got = pb.stats()
+    assert dials == [] and pb._conns[pa.endpoint_id] is again
+    assert got["chunks_from_peers"] - before["chunks_from_peers"] == _chunks(a, meta2.snapshot_id), got
+    assert got["peer_failures"] == before["peer_failures"], got
+
+
 class _Counting:
     """An endpoint whose ``connect`` goes through ``connect`` (the rest as it was)."""
 

@@ -43,7 +43,9 @@ lists this node too) and the connection kept, so a restore finds it open: iroh r
 UDP sockets at every network-interface change of the host — every sandbox start and stop
 here, any node's — and a dial made meanwhile can stall for seconds (a restore starts a
 sandbox at about the time it dials); an open connection outlives the rebinds. A warm
-dial that fails is tried again (:data:`WARM_TRIES`) and is no peer failure.
+dial that fails is tried again (:data:`WARM_TRIES`) and is no peer failure. A member that
+failed (its connection dropped) is dialled so again when its backoff ends, not by the
+restore that next asks it.
 """
 
 from __future__ import annotations
@@ -220,23 +222,25 @@ class ChunkService:
             for eid in table.keys() - old:
                 self.transport.loop.call_soon_threadsafe(self._warm_soon, eid)
 
-    def _warm_soon(self, eid: str) -> None:
-        task = self.transport.loop.create_task(self._warm(eid))
+    def _warm_soon(self, eid: str, after_s: float | None = None) -> None:
+        task = self.transport.loop.create_task(self._warm(eid, self.warm_after_s if after_s is None else after_s))
         self._warming.add(task)  # (the loop keeps only a weak reference)
         task.add_done_callback(self._warming.discard)
 
-    async def _warm(self, eid: str) -> None:
+    async def _warm(self, eid: str, after_s: float) -> None:
         """Open a connection to member ``eid`` before a restore needs one (module doc:
         a first dial made while the host's links change — every sandbox start — can
         stall; an open connection outlives that). A failure here is no peer failure:
         nothing is counted, the member is not skipped; a restore dials it as before."""
-        await asyncio.sleep(self.warm_after_s)
+        await asyncio.sleep(after_s)
         for attempt in range(WARM_TRIES):
             with self._lock:
-                peer = self._peers.get(eid)
-                down = self._down.get(eid, 0) > time.monotonic()
-            if peer is None or down or not peer.addrs:
+                peer, until = self._peers.get(eid), self._down.get(eid, 0)
+            if peer is None or not peer.addrs:
                 return
+            if until > time.monotonic():  # in backoff (it failed again): dial when that ends
+                await asyncio.sleep(until - time.monotonic() + 1.0)
+                continue
             try:
                 await self._conn(peer)
                 return
@@ -494,6 +498,8 @@ class ChunkService:
             log.warning("P2P: peer %s failed (%s); reading from the repository, not asking it for %.0f s",
                         peer.node, why[:300], BACKOFF_S)
         self.transport.loop.call_soon_threadsafe(self._drop_conn, peer.endpoint_id, b"failed")
+        if first and self.warm_after_s is not None:  # open again when the backoff ends (module doc)
+            self.transport.loop.call_soon_threadsafe(self._warm_soon, peer.endpoint_id, BACKOFF_S + 1.0)
 
     def _drop_conn(self, eid: str, reason: bytes) -> None:
         conn = self._conns.pop(eid, None)
