@@ -22,12 +22,15 @@ process) measured in the same run:
 * with ``--bare-http``, first: the same fleet against a bare ASGI app on uvicorn
   (``_bare_beat_server.py``, the scheduler's server options, no forkyard code), its CPU
   per request — the HTTP floor under every heartbeat, measured in the same run;
+* with ``--beat-stream``: the fleet's heartbeats go over one WebSocket a node, as a
+  node's with ``FORKYARD_BEAT_STREAM=on`` (:mod:`forkyard.cluster.beatstream`);
 * ``over-granted``: sandboxes a node was given beyond its room (the nodes' capacities
   add up to exactly what the run places, and a last fill takes every place left: must
   be 0).
 
 Usage: ``python bench/bench_control_plane.py --nodes 100 --sandboxes 10000
-[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000] [--redis-unix] [--bare-http]``.
+[--placements 400] [--clients 8] [--schedulers 2] [--list-sizes 1000,10000] [--redis-unix] [--bare-http]
+[--beat-stream]``.
 """
 
 from __future__ import annotations
@@ -177,7 +180,7 @@ async def main(a) -> int:
     cp = ControlPlane(root, schedulers=a.schedulers, unix_socket=a.redis_unix)
     # Capacity: the seeded sandboxes + both placement phases fill the nodes; the last fill takes the rest.
     room = math.ceil((a.sandboxes + 2 * a.placements) / a.nodes)
-    fleet = Fleet(a.nodes, room, cp.scheduler_urls, cp.secret)
+    fleet = Fleet(a.nodes, room, cp.scheduler_urls, cp.secret, stream=a.beat_stream)
     print(f"# {a.nodes} nodes (room {room} each), {a.sandboxes} sandboxes, {a.schedulers} scheduler replica(s), "
           f"{a.clients} clients; load before: {os.getloadavg()[0]:.1f}", flush=True)
     try:
@@ -227,8 +230,10 @@ async def main(a) -> int:
         print(f"{f'scheduler CPU with heartbeats only ({seeded} sandboxes)':<58} {cpu_s / wall * 100:6.1f} % of a core "
               f"({len(pids)} replica(s) together; load {os.getloadavg()[0]:.1f})", flush=True)
         # On a loaded host the fleet sends fewer than N beats a second: CPU per beat compares runs.
+        over = f"  ({sum(n.streamed for n in fleet.nodes) / max(1, sum(n.beats for n in fleet.nodes)):.0%} " \
+               "of all beats over streams)" if a.beat_stream else ""
         print(f"{'heartbeats answered per s / scheduler CPU per heartbeat':<58} {beats / wall:6.1f} /s  "
-              f"{cpu_s / max(beats, 1) * 1000:6.3f} ms", flush=True)
+              f"{cpu_s / max(beats, 1) * 1000:6.3f} ms{over}", flush=True)
         placer = Placer(cp, fleet)
         # The seed publishes rows without placements (as a restarted node does), spread
         # in steps that may leave a node one over its room: what counts is what was
@@ -280,6 +285,8 @@ if __name__ == "__main__":
     ap.add_argument("--redis-unix", action="store_true", help="the control plane reaches Redis over a Unix socket")
     ap.add_argument("--bare-http", action="store_true",
                     help="first measure the same fleet against a bare ASGI app on uvicorn (the HTTP floor)")
+    ap.add_argument("--beat-stream", action="store_true",
+                    help="heartbeats over one WebSocket a node (FORKYARD_BEAT_STREAM=on)")
     ap.add_argument("--root", help="state directory (default: a new temporary one; removed at the end)")
     args = ap.parse_args()
     # SIGTERM (e.g. from `timeout`) ends the run through its `finally`, which stops the

@@ -31,6 +31,7 @@ import redis
 
 from _cluster import Proc
 from conftest import free_port
+from forkyard.cluster.beatstream import BeatStream
 from forkyard.cluster.messages import (FULL_EVERY, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
@@ -129,10 +130,11 @@ class SimNode:
         node_id: its name; max_sandboxes: the capacity it reports.
         scheduler_urls: the replicas, in the order this node tries them.
         secret: the cluster secret (the node's key is minted from it).
+        stream: heartbeats over a WebSocket (:mod:`forkyard.cluster.beatstream`).
     """
 
     def __init__(self, node_id: str, max_sandboxes: int, scheduler_urls: list[str], secret: str, vcpus: int = 16,
-                 base_url: str = "http://127.0.0.1:9"):
+                 base_url: str = "http://127.0.0.1:9", stream: bool = False):
         self.node_id, self.max_sandboxes, self.vcpus = node_id, max_sandboxes, vcpus
         self.url = f"{base_url}/{node_id}"  # only /health is ever called (see the module docstring)
         self.rows: dict[str, SandboxRecord] = {}
@@ -142,7 +144,10 @@ class SimNode:
         # as a node does: its own key (minted from the master, never the master itself)
         self.client = SchedulerClient(scheduler_urls, node_key(secret, node_id, self.url), timeout_s=30.0,
                                       headers={NODE_URL_HEADER: self.url})
+        #: heartbeats over one WebSocket, as a node with FORKYARD_BEAT_STREAM=on (else None)
+        self.stream = BeatStream(self.client, node_id) if stream else None
         self.beats = 0
+        self.streamed = 0  # of those, the ones sent on the stream
         self.full_beats = 0  # of those, the ones that listed the held ids
         self.held = HeldSync()
         self.errors: list[str] = []
@@ -194,7 +199,11 @@ class SimNode:
         await self.publish()
         acked = set(self.acked)
         body = self.held.body(self.url, self.report(), list(self.rows.values()), acked, False)
-        out = await self._post(heartbeat_path(self.node_id), body)
+        if self.stream is None:
+            out = await self._post(heartbeat_path(self.node_id), body)
+        else:
+            out, streamed = await self.stream.beat(body, 30.0, lambda: self._post(heartbeat_path(self.node_id), body))
+            self.streamed += streamed
         self.held.answered(body, out)
         self.acked -= acked
         self.beats += 1
@@ -206,11 +215,11 @@ class Fleet:
     """``n`` simulated nodes heartbeating every second (:meth:`run`), half of them
     trying the scheduler replicas in the other order (a load balancer's spread)."""
 
-    def __init__(self, n: int, max_sandboxes: int, scheduler_urls: list[str], secret: str):
+    def __init__(self, n: int, max_sandboxes: int, scheduler_urls: list[str], secret: str, stream: bool = False):
         self.health_port = free_port()
         base_url = f"http://127.0.0.1:{self.health_port}"
         self.nodes = [SimNode(f"sim{i:04d}", max_sandboxes, scheduler_urls if i % 2 == 0 else scheduler_urls[::-1],
-                              secret, base_url=base_url) for i in range(n)]
+                              secret, base_url=base_url, stream=stream) for i in range(n)]
         self.by_id = {n.node_id: n for n in self.nodes}
         self._tasks: list[asyncio.Task] = []
         self._health = None
@@ -296,6 +305,8 @@ class Fleet:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for n in self.nodes:
+            if n.stream is not None:
+                await n.stream.close()
             await n.client.aclose()
 
     async def settle(self, timeout_s: float = 120.0, window_s: float = 2.0) -> float:

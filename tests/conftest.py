@@ -311,3 +311,32 @@ def sandbox(server):
         sbx.kill()
     except Exception:
         pass
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory):
+    """A real control plane for a module (tests/_fleet.py): redis-server, 2 scheduler
+    replicas and a gateway, no node."""
+    from _fleet import ControlPlane
+
+    cp = ControlPlane(tmp_path_factory.mktemp("cp"), schedulers=2)
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.close()
+
+
+@pytest.fixture
+def plane(control_plane):
+    """The module's control plane with an empty Redis (the schedulers carry no state).
+    Flushed twice: a heartbeat the previous test's fleet sent just before it stopped may
+    still be in a scheduler's batching window (cluster/batching.py, 50 ms) and would
+    register its node in the flushed Redis."""
+    import redis
+
+    r = redis.Redis.from_url(control_plane.redis_url)
+    r.flushall()
+    time.sleep(0.5)
+    r.flushall()
+    return control_plane

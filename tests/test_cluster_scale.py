@@ -17,36 +17,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
-import pytest
 import redis
 
-from _fleet import ControlPlane, Fleet
+from _fleet import Fleet
 from forkyard.cluster.config import SECRET_HEADER
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def control_plane(tmp_path_factory):
-    cp = ControlPlane(tmp_path_factory.mktemp("cp"), schedulers=2)
-    try:
-        cp.start()
-        yield cp
-    finally:
-        cp.close()
-
-
-@pytest.fixture
-def plane(control_plane):
-    """The module's control plane with an empty Redis (the schedulers carry no state).
-    Flushed twice: a heartbeat the previous test's fleet sent just before it stopped may
-    still be in a scheduler's batching window (cluster/batching.py, 50 ms) and would
-    register its node in the flushed Redis."""
-    r = redis.Redis.from_url(control_plane.redis_url)
-    r.flushall()
-    time.sleep(0.5)
-    r.flushall()
-    return control_plane
 
 
 async def _place(c: httpx.AsyncClient, count: int) -> httpx.Response:

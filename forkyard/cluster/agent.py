@@ -39,6 +39,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.cluster import p2p
+from forkyard.cluster.beatstream import BeatRefused, BeatStream
 from forkyard.cluster.config import DRAINING_HEADER
 from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
@@ -125,6 +126,8 @@ class NodeAgent:
         self.settings = ClusterSettings()
         self._http = SchedulerClient(scheduler_url, secret, timeout_s=HEARTBEAT_CALL_S,
                                      headers={NODE_URL_HEADER: self.url})
+        #: heartbeats over one WebSocket (FORKYARD_BEAT_STREAM=on; .beatstream), else None
+        self._stream = BeatStream(self._http, node_id) if self.settings.beat_stream else None
         #: Whether the last scheduler call succeeded (None before the first).
         self.linked: bool | None = None
         #: When a scheduler call last succeeded (monotonic s).
@@ -187,6 +190,8 @@ class NodeAgent:
                 await self._post(f"/v1/nodes/{self.node_id}/restarting", {"graceS": self.settings.restart_grace_s})
             except Exception as e:  # noqa: BLE001
                 log.warning("telling the scheduler about this restart failed: %s", e)
+        if self._stream is not None:
+            await self._stream.close()
         await self._http.aclose()
         await asyncio.to_thread(p2p.stop_service, self.orch.snapshots, self.p2p)
 
@@ -290,13 +295,28 @@ class NodeAgent:
         self._link(True)
         return r.json()
 
+    async def _send_beat(self, body: dict) -> dict:
+        """Heartbeat ``body`` on the stream when there is one (:mod:`.beatstream`), else
+        (or when it failed) over HTTP; the scheduler's answer."""
+        if self._stream is None:
+            return await self._post(heartbeat_path(self.node_id), body)
+        try:
+            out, streamed = await self._stream.beat(body, HEARTBEAT_CALL_S,
+                                                    lambda: self._post(heartbeat_path(self.node_id), body))
+        except BeatRefused as e:
+            self._link(False, e)
+            raise
+        if streamed:
+            self._link(True)
+        return out
+
     async def _beat(self) -> None:
         async with self._lock:
             await self._publish_locked()
             acked = set(self._acked)  # taken before the report: their rows are in it
             body = self._held.body(self.url, self._report(), self.orch.records(), acked,
                                    self.status == NODE_DRAINING)
-            out = await self._post(heartbeat_path(self.node_id), body)
+            out = await self._send_beat(body)
             self._held.answered(body, out)
             self._acked -= acked
             self._dirty |= set(out.get("missing", []))

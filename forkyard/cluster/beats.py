@@ -16,10 +16,23 @@ over the bound, 422 for a body that does not validate, 503 while Redis is away.
 Heartbeats do not go through :class:`~forkyard.obs.middleware.ObsMiddleware`: they get
 no request id, no access-log line and no trace span; they are counted in
 ``forkyard_http_requests_total`` (``kind="api"``) as before.
+
+**The stream** (:mod:`.beatstream`, a node with ``FORKYARD_BEAT_STREAM=on``):
+``/v1/nodes/{id}/beats`` upgraded to a WebSocket after the same guard (the node's key for
+the URL it sends, checked before the upgrade; a refusal is answered as HTTP, with its
+status and message, where the server supports it, else a plain 403). Each text message
+is one heartbeat body, answered by one message: the route's answer, or ``{code, message}``
+where the route would have answered that status (422, 503; a 403 — the body's URL is
+not the key's — closes the stream, 1008, as does a message over ``max_body``, 1009).
+A stream silent for :data:`STREAM_IDLE_S` is closed (1001); a node holds one stream:
+its newer one closes the older (1000). Stream heartbeats are counted in
+``forkyard_heartbeat_stream_messages_total``, not as HTTP requests.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import re
 
 from pydantic import BaseModel, Field, ValidationError
@@ -35,6 +48,10 @@ from forkyard.relay.body import BodyTooLarge, read_body
 
 #: The heartbeat route: node id.
 BEAT_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
+#: The heartbeat stream route (a WebSocket): node id.
+STREAM_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/beats$")
+#: A stream without a message this long is closed (s): 3 heartbeat timeouts.
+STREAM_IDLE_S = 15.0
 
 
 class Heartbeat(BaseModel):
@@ -114,11 +131,14 @@ class LeanHeartbeats:
 
     def __init__(self, app, guard, store: ClusterStore, max_body: int, peer_table: PeerTable | None = None):
         self.app, self.guard, self.store, self.max_body, self.peer_table = app, guard, store, max_body, peer_table
+        self._streams: dict[str, asyncio.Event] = {}  # node id -> set to close its stream
 
     def __getattr__(self, name):  # the wrapped app's attributes
         return getattr(self.app, name)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "websocket" and (m := STREAM_ROUTE.match(scope["path"])):
+            return await self._stream(scope, receive, send, m.group(1))
         if scope["type"] != "http" or scope["method"] != "POST" or not (m := BEAT_ROUTE.match(scope["path"])):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -141,3 +161,53 @@ class LeanHeartbeats:
         except ClusterStoreUnavailable as e:
             return await _send(scope, receive, send, error_response(503, f"{e}; retry when Redis is back"))
         await _send(scope, receive, send, JSONResponse(out))
+
+    async def _stream(self, scope, receive, send, node_id: str) -> None:
+        """Serve one node's heartbeat stream (module docstring)."""
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if (await receive())["type"] != "websocket.connect":
+            return
+        if (bad := self.guard.refusal(scope, headers)) is not None:
+            if "websocket.http.response" in scope.get("extensions", {}):
+                await send({"type": "websocket.http.response.start", "status": bad.status_code,
+                            "headers": bad.raw_headers})
+                return await send({"type": "websocket.http.response.body", "body": bad.body})
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "websocket.accept"})
+        if (older := self._streams.get(node_id)) is not None:  # one stream a node: the newer stands
+            try:
+                await older({"type": "websocket.close", "code": 1000, "reason": "a newer stream of this node"})
+            except Exception:  # noqa: BLE001 — already closed
+                pass
+        self._streams[node_id] = send
+        key_url = headers.get(NODE_URL_HEADER, "")
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(STREAM_IDLE_S):
+                        msg = await receive()
+                except TimeoutError:
+                    return await send({"type": "websocket.close", "code": 1001, "reason": "no heartbeat"})
+                if msg["type"] != "websocket.receive":
+                    return
+                raw = msg.get("text") or msg.get("bytes") or ""
+                if len(raw) > self.max_body:
+                    return await send({"type": "websocket.close", "code": 1009, "reason": "heartbeat over the bound"})
+                metrics.BEAT_STREAM_MESSAGES.inc()
+                try:
+                    out = await heartbeat(self.store, node_id, Heartbeat.model_validate_json(raw), key_url,
+                                          self.peer_table)
+                except ValidationError as e:
+                    out = {"code": 422, "message": problem(e, "heartbeat")}
+                except Refused as e:
+                    await send({"type": "websocket.send", "text": json.dumps({"code": e.status, "message": str(e)})})
+                    return await send({"type": "websocket.close", "code": 1008})
+                except ClusterStoreUnavailable as e:
+                    out = {"code": 503, "message": f"{e}; retry when Redis is back"}
+                try:
+                    await send({"type": "websocket.send", "text": json.dumps(out, separators=(",", ":"))})
+                except Exception:  # noqa: BLE001 — closed meanwhile (the node's newer stream, a disconnect)
+                    return
+        finally:
+            if self._streams.get(node_id) is send:
+                del self._streams[node_id]

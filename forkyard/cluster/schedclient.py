@@ -28,7 +28,9 @@ class SchedulerClient:
                  headers: dict[str, str] | None = None):
         self.urls = scheduler_urls(urls) if isinstance(urls, str) else list(urls)
         self._i = 0
-        self._http = httpx.AsyncClient(headers={**(headers or {}), SECRET_HEADER: secret}, trust_env=False,
+        #: the headers of every call (credential included: never log them)
+        self.headers = {**(headers or {}), SECRET_HEADER: secret}
+        self._http = httpx.AsyncClient(headers=self.headers, trust_env=False,
                                        timeout=httpx.Timeout(timeout_s, connect=min(1.0, timeout_s)))
 
     @property

@@ -63,7 +63,7 @@ log = logging.getLogger("forkyard.scheduler")
 #: thousands of sandboxes fits.
 MAX_BODY = 8 << 20
 #: A node's own calls, authenticated with its key (:mod:`.nodekeys`): node id, call.
-_NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|publish|restarting|volumes/[^/]+/(?:lease|release))$")
+_NODE_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/(heartbeat|beats|publish|restarting|volumes/[^/]+/(?:lease|release))$")
 
 
 class Publish(BaseModel):

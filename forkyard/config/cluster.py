@@ -31,6 +31,9 @@ class ClusterSettings:
         mass_silence_fraction: ``FORKYARD_MASS_SILENCE_FRACTION`` (0.5), read by the
             scheduler: more nodes than this fraction silent at once are not declared down
             (:mod:`forkyard.cluster.liveness`).
+        beat_stream: ``FORKYARD_BEAT_STREAM`` (``off``; ``on``): heartbeats over one
+            WebSocket to the scheduler instead of one HTTP request each
+            (:mod:`forkyard.cluster.beatstream`); also 1/0, true/false, yes/no; any other value is refused.
     """
 
     scheduler_url: str | None = field(default_factory=lambda: _env("FORKYARD_SCHEDULER_URL") or None)
@@ -42,6 +45,7 @@ class ClusterSettings:
     commit_retry_s: float = field(default_factory=lambda: float(_env("FORKYARD_COMMIT_RETRY_S", "30")))
     mass_silence_fraction: float = field(
         default_factory=lambda: float(_env("FORKYARD_MASS_SILENCE_FRACTION", "0.5")))
+    beat_stream: bool = field(default_factory=lambda: _env_on("FORKYARD_BEAT_STREAM"))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,11 @@ HTTP_REQUESTS = Counter(
     "HTTP requests answered (kind: api for the REST API, sandbox for traffic proxied to a sandbox; "
     "code: status class 2xx/3xx/4xx/5xx).",
     ["kind", "code"], registry=REGISTRY)
+BEAT_STREAM_MESSAGES = Counter(
+    "forkyard_heartbeat_stream_messages_total",
+    "Heartbeats a scheduler replica read from nodes' heartbeat streams (WebSocket, "
+    "FORKYARD_BEAT_STREAM=on; not counted in forkyard_http_requests_total).",
+    registry=REGISTRY)
 PROXY_BYTES = Counter(
     "forkyard_proxy_bytes_total",
     "Body bytes of sandbox traffic through this process (direction: in = client to sandbox, out = back).",

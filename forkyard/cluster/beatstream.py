@@ -1,0 +1,139 @@
+"""A node's heartbeats over one WebSocket to the scheduler (issue 26: heartbeat CPU).
+
+Every node sends a heartbeat every second; as an HTTP request each costs a scheduler
+replica ~0.43 ms of CPU in the web server alone (a bare uvicorn answering a constant,
+300 nodes: 12.7 % of a core before any heartbeat work). Over a WebSocket the same body
+costs a message: ``bench/bench_control_plane.py --beat-stream`` gives the figures
+(docs/architecture.md). ``FORKYARD_BEAT_STREAM=on`` (default off: HTTP, as before)
+makes the node open ``ws(s)://<replica>/v1/nodes/{id}/beats`` with the same credential
+headers as its HTTP calls (its own key and URL, checked by the scheduler before the
+upgrade), send each heartbeat body as one text message and read the answer — the
+heartbeat route's JSON answer, or ``{"code", "message"}`` for what the route would have
+answered with that status.
+
+Whatever fails on the stream (a replica gone, a dropped connection, a slow answer) costs
+nothing but the stream: that heartbeat goes over HTTP (with the client's failover), and
+the next one opens a stream again to the replica that answered last. A replica that
+refuses the upgrade (an older scheduler: 404/403) is asked again only after
+:data:`RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import InvalidStatus
+
+from forkyard.cluster.schedclient import SchedulerClient
+
+log = logging.getLogger("forkyard.cluster")
+
+#: After a replica refused the upgrade, heartbeats go over HTTP this long (s).
+RETRY_S = 60.0
+#: Largest answer read (bytes): the scheduler's own bound on a body (adopt lists, peers).
+MAX_ANSWER = 8 << 20
+
+
+def stream_path(node_id: str) -> str:
+    """The heartbeat stream route of ``node_id``."""
+    return f"/v1/nodes/{node_id}/beats"
+
+
+class BeatRefused(RuntimeError):
+    """The scheduler answered a heartbeat on the stream with an error ``status`` (4xx/5xx)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"scheduler answered {status} to a heartbeat: {message[:300]}")
+        self.status = status
+
+
+class BeatStream:
+    """One node's heartbeat stream to the replica ``client`` used last.
+
+    Args:
+        client: the node's scheduler client (its URLs, credential headers and the
+            replica that answered last).
+        node_id: the node's id (the route).
+    """
+
+    def __init__(self, client: SchedulerClient, node_id: str):
+        self.client, self.node_id = client, node_id
+        self._ws: ClientConnection | None = None
+        self._ws_url = ""
+        self._refused_until = 0.0
+
+    @property
+    def open(self) -> bool:
+        """Whether a stream is open now."""
+        return self._ws is not None
+
+    async def call(self, body: dict, timeout_s: float) -> dict | None:
+        """Send heartbeat ``body`` on the stream (opened first when none is) and return
+        the scheduler's answer; None when there is no stream now (none could be opened,
+        or it failed: it is closed) — the caller sends this heartbeat over HTTP. At most
+        ``timeout_s`` for the whole call.
+
+        Raises:
+            BeatRefused: the scheduler answered the heartbeat with an error status.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                if self._ws is None and not await self._open(min(1.0, timeout_s)):
+                    return None
+                await self._ws.send(json.dumps(body, separators=(",", ":")))
+                out = json.loads(await self._ws.recv())
+        except Exception as e:  # noqa: BLE001 — any failure of the stream: HTTP for this beat
+            log.info("heartbeat stream to %s failed (%s: %s); this heartbeat goes over HTTP",
+                     self._ws_url or self.client.url, type(e).__name__, e)
+            await self.close()
+            return None
+        if isinstance(out, dict) and "code" in out and "status" not in out:
+            raise BeatRefused(int(out.get("code") or 500), str(out.get("message", "")))
+        if not isinstance(out, dict):
+            await self.close()
+            return None
+        return out
+
+    async def beat(self, body: dict, timeout_s: float, post) -> tuple[dict, bool]:
+        """Heartbeat ``body`` on the stream (:meth:`call`), or — when there is none now —
+        through ``post()`` (an awaitable factory: the node's HTTP heartbeat call).
+        Returns ``(answer, whether it came over the stream)``.
+
+        Raises:
+            BeatRefused: the scheduler answered on the stream with an error status.
+            whatever ``post()`` raises.
+        """
+        out = await self.call(body, timeout_s)
+        if out is not None:
+            return out, True
+        return await post(), False
+
+    async def _open(self, connect_s: float) -> bool:
+        if time.monotonic() < self._refused_until:
+            return False
+        base = self.client.url
+        url = "ws" + base.removeprefix("http") + stream_path(self.node_id)
+        try:
+            self._ws = await connect(url, additional_headers=self.client.headers, compression=None,
+                                     max_size=MAX_ANSWER, open_timeout=connect_s, ping_interval=None,
+                                     proxy=None)
+        except InvalidStatus as e:  # refused before the upgrade: an older scheduler, a bad key
+            self._refused_until = time.monotonic() + RETRY_S
+            log.warning("scheduler %s refused the heartbeat stream (%s); heartbeats go over HTTP for %.0f s",
+                        base, e.response.status_code, RETRY_S)
+            return False
+        self._ws_url = url
+        return True
+
+    async def close(self) -> None:
+        """Close the stream (if open); the next :meth:`call` opens one."""
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            try:
+                await asyncio.wait_for(ws.close(), 1.0)
+            except Exception:  # noqa: BLE001 — it is gone either way
+                pass
