@@ -22,6 +22,7 @@ from e2b import Sandbox
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from forkyard.cluster import beatstream
 from forkyard.cluster.beatstream import stream_path
 from forkyard.cluster.config import SECRET_HEADER
 from forkyard.cluster.messages import heartbeat_body
@@ -34,9 +35,9 @@ def _stream_messages(url: str) -> float:
                if line.startswith("forkyard_heartbeat_stream_messages_total"))
 
 
-def _ws(cp: ControlPlane, node_id: str, url: str, key: str | None = None, replica: int = 0):
+def _ws(cp: ControlPlane, node_id: str, url: str, key: str | None = None, replica: int = 0, **kw):
     base = cp.scheduler_urls[replica].replace("http", "ws", 1)
-    return connect(base + stream_path(node_id), compression=None, max_size=None, proxy=None,
+    return connect(base + stream_path(node_id), compression=None, max_size=None, proxy=None, **kw,
                    additional_headers={NODE_URL_HEADER: url, SECRET_HEADER: key or node_key(cp.secret, node_id, url)})
 
 
@@ -90,7 +91,7 @@ async def test_the_stream_is_refused_without_the_nodes_key(plane):
 async def test_bad_messages_are_answered_or_close_the_stream(plane):
     """A message that is no heartbeat gets a 422 answer and the stream stays; a body whose
     URL is not the key's gets a 403 answer and the stream is closed (1008); a message over
-    the scheduler's body bound closes it (1009)."""
+    the scheduler's body bound in bytes (8 MiB, however few characters) closes it (1009).""" 
     node = SimNode("st2", 3, plane.scheduler_urls, plane.secret)
     async with _ws(plane, "st2", node.url) as ws:
         await ws.send("{not json")
@@ -106,11 +107,12 @@ async def test_bad_messages_are_answered_or_close_the_stream(plane):
         with pytest.raises(ConnectionClosed) as e:
             await ws.recv()
         assert e.value.rcvd is not None and e.value.rcvd.code == 1008
-    async with _ws(plane, "st2", node.url) as ws:
-        await ws.send("x" * ((8 << 20) + 1))
-        with pytest.raises(ConnectionClosed) as e:
-            await ws.recv()
-        assert e.value.rcvd is not None and e.value.rcvd.code == 1009, e.value
+    for big in ("x" * ((8 << 20) + 1), "\u00e9" * ((4 << 20) + 1)):  # over 8 MiB in bytes, either way
+        async with _ws(plane, "st2", node.url) as ws:
+            with pytest.raises(ConnectionClosed) as e:
+                await ws.send(big)
+                await ws.recv()
+            assert e.value.rcvd is not None and e.value.rcvd.code == 1009, e.value
     await node.client.aclose()
 
 
@@ -128,22 +130,60 @@ async def test_a_node_holds_one_stream_the_newer_closes_the_older(plane):
     await node.client.aclose()
 
 
-async def test_a_node_whose_stream_cannot_open_beats_over_http_then_streams_to_the_replica_that_answered(plane):
-    """The first replica named is down: the stream cannot open there, the heartbeat goes
-    over HTTP (the client fails over to the live replica), and the next one opens the
-    stream to that replica."""
+async def test_a_node_whose_stream_fails_beats_over_http_then_streams_to_the_replica_that_answered(plane, monkeypatch):
+    """The first replica named is down: the stream cannot open there, that heartbeat goes
+    over HTTP within the call's bound (the client fails over to the live replica), so do
+    the beats of the back-off after a failure, and then the stream opens to the replica
+    that answered. A redirect answering the upgrade is refused, not followed (the upgrade
+    carries the node's key)."""
+    monkeypatch.setattr(beatstream, "FAILED_S", 1.0)
     dead = f"http://127.0.0.1:{free_port()}"
     node = SimNode("st4", 3, [dead, plane.scheduler_urls[1]], plane.secret, stream=True)
     try:
         t0 = time.monotonic()
         first = await node.beat()
-        assert first["status"] == "up" and node.streamed == 0 and time.monotonic() - t0 < 5
+        assert first["status"] == "up" and node.streamed == 0 and time.monotonic() - t0 < 3
+        await node.beat()
+        assert node.streamed == 0  # backing off
+        await asyncio.sleep(1.1)
         await node.beat()
         await node.beat()
         assert node.streamed == 2 and node.stream._ws_url.startswith(plane.scheduler_urls[1].replace("http", "ws", 1))
     finally:
         await node.stream.close()
         await node.client.aclose()
+    hits = []
+
+    async def redirect(scope, receive, send):  # answers every request with a redirect elsewhere
+        if scope["type"] == "lifespan":
+            return
+        hits.append(dict(scope["headers"]))
+        await send({"type": "http.response.start", "status": 307,
+                    "headers": [(b"location", f"{plane.scheduler_urls[1]}/v1/nodes/st5/beats".encode()),
+                                (b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(redirect, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.05)
+    node = SimNode("st5", 3, [f"http://127.0.0.1:{port}", plane.scheduler_urls[1]], plane.secret, stream=True)
+    try:
+        before = _stream_messages(plane.scheduler_urls[1])
+        assert await node.stream.call(_beat_of(node), 2.0) is None  # refused: no stream
+        assert _stream_messages(plane.scheduler_urls[1]) == before  # the redirect was not followed
+        assert len(hits) == 1
+    finally:
+        await node.client.aclose()
+        server.should_exit = True
+        await task
+
+
+def _beat_of(node: SimNode) -> dict:
+    return heartbeat_body(node.url, node.report(), [], set(), False, full=True)
 
 
 def test_a_cluster_whose_nodes_beat_over_streams_runs_sandboxes(base_template):

@@ -32,7 +32,9 @@ its newer one closes the older (1000). Stream heartbeats are counted in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import re
 
 from pydantic import BaseModel, Field, ValidationError
@@ -52,6 +54,10 @@ BEAT_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/heartbeat$")
 STREAM_ROUTE = re.compile(r"^/v1/nodes/([^/]+)/beats$")
 #: A stream without a message this long is closed (s): 3 heartbeat timeouts.
 STREAM_IDLE_S = 15.0
+#: Longest wait to hand one message to a stream's connection (s): past it the stream ends.
+STREAM_SEND_S = 5.0
+
+log = logging.getLogger("forkyard.cluster")
 
 
 class Heartbeat(BaseModel):
@@ -131,7 +137,7 @@ class LeanHeartbeats:
 
     def __init__(self, app, guard, store: ClusterStore, max_body: int, peer_table: PeerTable | None = None):
         self.app, self.guard, self.store, self.max_body, self.peer_table = app, guard, store, max_body, peer_table
-        self._streams: dict[str, asyncio.Event] = {}  # node id -> set to close its stream
+        self._streams: dict[str, asyncio.Task] = {}  # node id -> the task serving its stream
 
     def __getattr__(self, name):  # the wrapped app's attributes
         return getattr(self.app, name)
@@ -174,40 +180,48 @@ class LeanHeartbeats:
                 return await send({"type": "websocket.http.response.body", "body": bad.body})
             return await send({"type": "websocket.close", "code": 1008})
         await send({"type": "websocket.accept"})
+        me = asyncio.current_task()
         if (older := self._streams.get(node_id)) is not None:  # one stream a node: the newer stands
-            try:
-                await older({"type": "websocket.close", "code": 1000, "reason": "a newer stream of this node"})
-            except Exception:  # noqa: BLE001 — already closed
-                pass
-        self._streams[node_id] = send
+            older.cancel()  # (it closes itself: below)
+        self._streams[node_id] = me
         key_url = headers.get(NODE_URL_HEADER, "")
+
+        async def out(msg: dict) -> None:  # a node that reads no answer holds nothing long
+            async with asyncio.timeout(STREAM_SEND_S):
+                await send(msg)
+
         try:
             while True:
                 try:
                     async with asyncio.timeout(STREAM_IDLE_S):
                         msg = await receive()
                 except TimeoutError:
-                    return await send({"type": "websocket.close", "code": 1001, "reason": "no heartbeat"})
+                    return await out({"type": "websocket.close", "code": 1001, "reason": "no heartbeat"})
                 if msg["type"] != "websocket.receive":
                     return
-                raw = msg.get("text") or msg.get("bytes") or ""
-                if len(raw) > self.max_body:
-                    return await send({"type": "websocket.close", "code": 1009, "reason": "heartbeat over the bound"})
+                raw = msg.get("text") or msg.get("bytes") or b""
+                if len(raw if isinstance(raw, bytes) else raw.encode()) > self.max_body:
+                    return await out({"type": "websocket.close", "code": 1009, "reason": "heartbeat over the bound"})
                 metrics.BEAT_STREAM_MESSAGES.inc()
                 try:
-                    out = await heartbeat(self.store, node_id, Heartbeat.model_validate_json(raw), key_url,
-                                          self.peer_table)
+                    answer = await heartbeat(self.store, node_id, Heartbeat.model_validate_json(raw), key_url,
+                                             self.peer_table)
                 except ValidationError as e:
-                    out = {"code": 422, "message": problem(e, "heartbeat")}
+                    answer = {"code": 422, "message": problem(e, "heartbeat")}
                 except Refused as e:
-                    await send({"type": "websocket.send", "text": json.dumps({"code": e.status, "message": str(e)})})
-                    return await send({"type": "websocket.close", "code": 1008})
+                    await out({"type": "websocket.send", "text": json.dumps({"code": e.status, "message": str(e)})})
+                    return await out({"type": "websocket.close", "code": 1008})
                 except ClusterStoreUnavailable as e:
-                    out = {"code": 503, "message": f"{e}; retry when Redis is back"}
-                try:
-                    await send({"type": "websocket.send", "text": json.dumps(out, separators=(",", ":"))})
-                except Exception:  # noqa: BLE001 — closed meanwhile (the node's newer stream, a disconnect)
-                    return
+                    answer = {"code": 503, "message": f"{e}; retry when Redis is back"}
+                await out({"type": "websocket.send", "text": json.dumps(answer, separators=(",", ":"))})
+        except asyncio.CancelledError:
+            if self._streams.get(node_id) is me or me.cancelling() > 1:
+                raise  # not replaced by a newer stream (the server is stopping): as asked
+            me.uncancel()
+            with contextlib.suppress(Exception):
+                await out({"type": "websocket.close", "code": 1000, "reason": "a newer stream of this node"})
+        except (TimeoutError, OSError) as e:  # an answer not taken in time; the connection gone
+            log.info("heartbeat stream of node %s ended: %s", node_id, type(e).__name__)
         finally:
-            if self._streams.get(node_id) is send:
+            if self._streams.get(node_id) is me:
                 del self._streams[node_id]

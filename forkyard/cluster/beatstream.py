@@ -11,11 +11,12 @@ upgrade), send each heartbeat body as one text message and read the answer — t
 heartbeat route's JSON answer, or ``{"code", "message"}`` for what the route would have
 answered with that status.
 
-Whatever fails on the stream (a replica gone, a dropped connection, a slow answer) costs
-nothing but the stream: that heartbeat goes over HTTP (with the client's failover), and
-the next one opens a stream again to the replica that answered last. A replica that
-refuses the upgrade (an older scheduler: 404/403) is asked again only after
-:data:`RETRY_S`.
+Whatever fails on the stream (a replica gone, a dropped connection, an answer slower
+than :data:`STREAM_S`) costs nothing but the stream: it is aborted, that heartbeat goes
+over HTTP (with the client's failover) in the time left, and the stream is tried again
+after :data:`FAILED_S` — after :data:`RETRY_S` when a replica refused the upgrade (an
+older scheduler: 404/403). A redirect is refused, not followed: the upgrade carries the
+node's key, which must reach no other host (HTTP calls do not follow redirects either).
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ log = logging.getLogger("forkyard.cluster")
 
 #: After a replica refused the upgrade, heartbeats go over HTTP this long (s).
 RETRY_S = 60.0
+#: After the stream failed otherwise, heartbeats go over HTTP this long (s).
+FAILED_S = 10.0
+#: Longest a heartbeat waits on the stream (connect, send, answer; s), at most half the
+#: call's own bound: the rest is left for HTTP.
+STREAM_S = 1.0
 #: Largest answer read (bytes): the scheduler's own bound on a body (adopt lists, peers).
 MAX_ANSWER = 8 << 20
 
@@ -49,6 +55,13 @@ class BeatRefused(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"scheduler answered {status} to a heartbeat: {message[:300]}")
         self.status = status
+
+
+class _NoRedirect(connect):
+    """websockets' ``connect`` that follows no redirect (module docstring)."""
+
+    def process_redirect(self, exc: Exception) -> Exception:
+        return exc
 
 
 class BeatStream:
@@ -74,28 +87,34 @@ class BeatStream:
     async def call(self, body: dict, timeout_s: float) -> dict | None:
         """Send heartbeat ``body`` on the stream (opened first when none is) and return
         the scheduler's answer; None when there is no stream now (none could be opened,
-        or it failed: it is closed) — the caller sends this heartbeat over HTTP. At most
-        ``timeout_s`` for the whole call.
+        or it failed: it is aborted) — the caller sends this heartbeat over HTTP. At most
+        ``min(STREAM_S, timeout_s / 2)`` for the whole call.
 
         Raises:
             BeatRefused: the scheduler answered the heartbeat with an error status.
         """
+        if self._ws is None and time.monotonic() < self._refused_until:
+            return None
+        budget = min(STREAM_S, timeout_s / 2)
         try:
-            async with asyncio.timeout(timeout_s):
-                if self._ws is None and not await self._open(min(1.0, timeout_s)):
-                    return None
+            async with asyncio.timeout(budget):
+                if self._ws is None:
+                    await self._open()
                 await self._ws.send(json.dumps(body, separators=(",", ":")))
                 out = json.loads(await self._ws.recv())
+            if not isinstance(out, dict):
+                raise ValueError(f"an answer that is no JSON object: {type(out).__name__}")
         except Exception as e:  # noqa: BLE001 — any failure of the stream: HTTP for this beat
-            log.info("heartbeat stream to %s failed (%s: %s); this heartbeat goes over HTTP",
-                     self._ws_url or self.client.url, type(e).__name__, e)
-            await self.close()
+            refused = isinstance(e, InvalidStatus)
+            self._refused_until = time.monotonic() + (RETRY_S if refused else FAILED_S)
+            log.warning("heartbeat stream to %s failed (%s); heartbeats go over HTTP for %.0f s",
+                        self._ws_url or self.client.url,
+                        f"HTTP {e.response.status_code}" if refused else f"{type(e).__name__}: {e}",
+                        RETRY_S if refused else FAILED_S)
+            self.abort()
             return None
-        if isinstance(out, dict) and "code" in out and "status" not in out:
+        if "code" in out and "status" not in out:
             raise BeatRefused(int(out.get("code") or 500), str(out.get("message", "")))
-        if not isinstance(out, dict):
-            await self.close()
-            return None
         return out
 
     async def beat(self, body: dict, timeout_s: float, post) -> tuple[dict, bool]:
@@ -112,22 +131,17 @@ class BeatStream:
             return out, True
         return await post(), False
 
-    async def _open(self, connect_s: float) -> bool:
-        if time.monotonic() < self._refused_until:
-            return False
-        base = self.client.url
-        url = "ws" + base.removeprefix("http") + stream_path(self.node_id)
-        try:
-            self._ws = await connect(url, additional_headers=self.client.headers, compression=None,
-                                     max_size=MAX_ANSWER, open_timeout=connect_s, ping_interval=None,
-                                     proxy=None)
-        except InvalidStatus as e:  # refused before the upgrade: an older scheduler, a bad key
-            self._refused_until = time.monotonic() + RETRY_S
-            log.warning("scheduler %s refused the heartbeat stream (%s); heartbeats go over HTTP for %.0f s",
-                        base, e.response.status_code, RETRY_S)
-            return False
+    async def _open(self) -> None:
+        url = "ws" + self.client.url.removeprefix("http") + stream_path(self.node_id)
         self._ws_url = url
-        return True
+        self._ws = await _NoRedirect(url, additional_headers=self.client.headers, compression=None,
+                                     max_size=MAX_ANSWER, open_timeout=None, ping_interval=None, proxy=None)
+
+    def abort(self) -> None:
+        """Drop the stream at once (no closing handshake)."""
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            ws.transport.abort()
 
     async def close(self) -> None:
         """Close the stream (if open); the next :meth:`call` opens one."""

@@ -89,6 +89,22 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+#: Credentials a library may log at debug level (websockets logs every header of an
+#: upgrade): node keys, and the value of any credential header.
+_CREDENTIAL = re.compile(r"fynk_[0-9a-f]{64}|((?:x-forkyard-cluster-secret|x-api-key|authorization|"
+                         r"x-access-token)\s*:\s*)[^\r\n]+", re.IGNORECASE)
+
+
+class _Redact(logging.Filter):
+    """Replaces credentials (:data:`_CREDENTIAL`) in a record's message with ``***``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if _CREDENTIAL.search(msg):
+            record.msg, record.args = _CREDENTIAL.sub(lambda m: (m.group(1) or "") + "***", msg), None
+        return True
+
+
 def setup(component: str, level: str = "info", fmt: str | None = None) -> None:
     """Configure the root logger for ``component``: JSON lines or text (see the module
     docstring for ``fmt``/``FORKYARD_LOG_FORMAT``). uvicorn's own loggers go through it too.
@@ -105,6 +121,7 @@ def setup(component: str, level: str = "info", fmt: str | None = None) -> None:
         raise ValueError(f"FORKYARD_LOG_FORMAT must be json, text or auto, not {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.addFilter(_Redact())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -113,6 +130,7 @@ def setup(component: str, level: str = "info", fmt: str | None = None) -> None:
         lg.handlers[:] = []
         lg.propagate = True
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("websockets").setLevel(logging.WARNING)  # (every upgrade's headers at debug)
 
 
 #: uvicorn ``log_config`` that leaves logging as :func:`setup` made it.
