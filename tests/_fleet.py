@@ -202,7 +202,7 @@ class SimNode:
         if self.stream is None:
             out = await self._post(heartbeat_path(self.node_id), body)
         else:
-            out, streamed = await self.stream.beat(body, 30.0, lambda: self._post(heartbeat_path(self.node_id), body))
+            out, streamed = await self.stream.beat(body, 30.0, lambda _: self._post(heartbeat_path(self.node_id), body))
             self.streamed += streamed
         self.held.answered(body, out)
         self.acked -= acked

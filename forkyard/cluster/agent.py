@@ -301,8 +301,8 @@ class NodeAgent:
         if self._stream is None:
             return await self._post(heartbeat_path(self.node_id), body)
         try:
-            out, streamed = await self._stream.beat(body, HEARTBEAT_CALL_S,
-                                                    lambda: self._post(heartbeat_path(self.node_id), body))
+            out, streamed = await self._stream.beat(
+                body, HEARTBEAT_CALL_S, lambda left_s: self._post(heartbeat_path(self.node_id), body, timeout_s=left_s))
         except BeatRefused as e:
             self._link(False, e)
             raise

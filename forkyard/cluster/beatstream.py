@@ -119,17 +119,19 @@ class BeatStream:
 
     async def beat(self, body: dict, timeout_s: float, post) -> tuple[dict, bool]:
         """Heartbeat ``body`` on the stream (:meth:`call`), or — when there is none now —
-        through ``post()`` (an awaitable factory: the node's HTTP heartbeat call).
-        Returns ``(answer, whether it came over the stream)``.
+        through ``post(left_s)`` (an awaitable factory: the node's HTTP heartbeat call,
+        given what is left of ``timeout_s``, at least half of it), so the whole beat takes
+        about ``timeout_s`` at most. Returns ``(answer, whether it came over the stream)``.
 
         Raises:
             BeatRefused: the scheduler answered on the stream with an error status.
             whatever ``post()`` raises.
         """
+        t0 = time.monotonic()
         out = await self.call(body, timeout_s)
         if out is not None:
             return out, True
-        return await post(), False
+        return await post(max(timeout_s / 2, timeout_s - (time.monotonic() - t0))), False
 
     async def _open(self) -> None:
         url = "ws" + self.client.url.removeprefix("http") + stream_path(self.node_id)
