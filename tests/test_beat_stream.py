@@ -73,7 +73,8 @@ async def test_heartbeats_go_over_one_stream_and_are_answered_as_over_http(plane
 async def test_the_stream_is_refused_without_the_nodes_key(plane):
     """No upgrade without the node's own key for the URL it sends (checked before the
     upgrade, answered as HTTP with the guard's status and message); the master secret is
-    refused on a node route too; nothing is registered."""
+    refused on a node route too; nothing is registered. A WebSocket to any other path is
+    refused by the scheduler's guard, not left to what routes lie behind it."""
     url = "http://127.0.0.1:9/x"
     for key in ("fynk_" + "0" * 64, plane.secret):
         with pytest.raises(InvalidStatus) as e:
@@ -86,6 +87,11 @@ async def test_the_stream_is_refused_without_the_nodes_key(plane):
             pass
     with httpx.Client(headers={SECRET_HEADER: plane.secret}) as c:
         assert "intruder" not in {n["nodeID"] for n in c.get(f"{plane.scheduler_urls[0]}/v1/nodes").json()}
+    # any other WebSocket path meets the scheduler's guard first (no route behind it is open)
+    with pytest.raises(InvalidStatus) as e:
+        async with connect(plane.scheduler_urls[0].replace("http", "ws", 1) + "/v1/nodes", proxy=None):
+            pass
+    assert e.value.response.status_code == 401 and b"cluster secret" in e.value.response.body, e.value.response
 
 
 async def test_bad_messages_are_answered_or_close_the_stream(plane):

@@ -78,6 +78,16 @@ class Heartbeat(BaseModel):
     placements: list[str] = Field(default_factory=list, max_length=10_000)
 
 
+async def refuse_upgrade(scope, send, bad: JSONResponse) -> None:
+    """Refuse a WebSocket upgrade (its ``websocket.connect`` already received) with
+    ``bad``'s status and body as HTTP where the server supports that ASGI extension,
+    else with a close (1008, which servers answer as a plain 403)."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        await send({"type": "websocket.http.response.start", "status": bad.status_code, "headers": bad.raw_headers})
+        return await send({"type": "websocket.http.response.body", "body": bad.body})
+    await send({"type": "websocket.close", "code": 1008})
+
+
 class Refused(Exception):
     """A heartbeat answered with ``status`` and ``message`` (a 4xx)."""
 
@@ -174,11 +184,7 @@ class LeanHeartbeats:
         if (await receive())["type"] != "websocket.connect":
             return
         if (bad := self.guard.refusal(scope, headers)) is not None:
-            if "websocket.http.response" in scope.get("extensions", {}):
-                await send({"type": "websocket.http.response.start", "status": bad.status_code,
-                            "headers": bad.raw_headers})
-                return await send({"type": "websocket.http.response.body", "body": bad.body})
-            return await send({"type": "websocket.close", "code": 1008})
+            return await refuse_upgrade(scope, send, bad)
         await send({"type": "websocket.accept"})
         me = asyncio.current_task()
         if (older := self._streams.get(node_id)) is not None:  # one stream a node: the newer stands

@@ -41,7 +41,7 @@ from pydantic import BaseModel, Field
 
 import httpx
 
-from forkyard.cluster.beats import LeanHeartbeats
+from forkyard.cluster.beats import LeanHeartbeats, refuse_upgrade
 from forkyard.cluster.p2p import PeerTable
 from forkyard.cluster.config import SECRET_HEADER, secret_ok
 from forkyard.cluster.nodekeys import NODE_KEY_PREFIX, NODE_URL_HEADER, NodeKeys
@@ -142,10 +142,14 @@ class _Guard:
         return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if (bad := self.refusal(scope, headers)) is not None:
+            if scope["type"] == "websocket":  # (a WebSocket route behind the guard is guarded too)
+                if (await receive())["type"] == "websocket.connect":
+                    await refuse_upgrade(scope, send, bad)
+                return None
             return await bad(scope, receive, send)
         return await self.app(scope, receive, send)
 
