@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 
@@ -27,6 +28,7 @@ from forkyard.cluster.beatstream import stream_path
 from forkyard.cluster.config import SECRET_HEADER
 from forkyard.cluster.messages import heartbeat_body
 from forkyard.cluster.nodekeys import NODE_URL_HEADER, node_key
+from forkyard.obs import logs
 
 
 def _stream_messages(url: str) -> float:
@@ -97,7 +99,7 @@ async def test_the_stream_is_refused_without_the_nodes_key(plane):
 async def test_bad_messages_are_answered_or_close_the_stream(plane):
     """A message that is no heartbeat gets a 422 answer and the stream stays; a body whose
     URL is not the key's gets a 403 answer and the stream is closed (1008); a message over
-    the scheduler's body bound in bytes (8 MiB, however few characters) closes it (1009).""" 
+    the scheduler's body bound in bytes (8 MiB, however few characters) closes it (1009)."""
     node = SimNode("st2", 3, plane.scheduler_urls, plane.secret)
     async with _ws(plane, "st2", node.url) as ws:
         await ws.send("{not json")
@@ -123,6 +125,7 @@ async def test_bad_messages_are_answered_or_close_the_stream(plane):
 
 
 async def test_a_node_holds_one_stream_the_newer_closes_the_older(plane):
+    """A second stream of the same node ends the first (1000) and is answered."""
     node = SimNode("st3", 3, plane.scheduler_urls, plane.secret)
     async with _ws(plane, "st3", node.url) as first:
         await first.send(_body(node))
@@ -211,3 +214,60 @@ def test_a_cluster_whose_nodes_beat_over_streams_runs_sandboxes(base_template):
         with c.sched() as s:
             nodes = s.get("/v1/nodes").json()
         assert {n["nodeID"] for n in nodes if n["status"] == "up"} == {"node0", "node1"}, nodes
+
+
+async def test_a_beat_cancelled_before_its_answer_aborts_the_stream(plane):
+    """A heartbeat call cancelled after its message went out (the agent bounds some beats
+    with ``wait_for``) leaves no unread answer behind: the stream is aborted, and the
+    next beat opens a new one and reads its own answer."""
+    node = SimNode("st7", 3, plane.scheduler_urls, plane.secret, stream=True)
+    try:
+        await node.beat()
+        first = node.stream._ws
+        task = asyncio.create_task(node.stream.call(_beat_of(node), 5.0))
+        await asyncio.sleep(0.005)  # sent; the answer waits for the scheduler's batch window (50 ms)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not node.stream.open
+        node.stream._refused_until = 0.0  # (no back-off after a cancel is needed for this check)
+        out = await node.stream.call(_beat_of(node), 5.0)
+        assert out is not None and out["status"] == "up" and node.stream._ws is not first
+    finally:
+        await node.stream.close()
+        await node.client.aclose()
+
+
+def test_log_lines_carry_no_credential():
+    """What websockets logs of an upgrade at debug level (every header) and other
+    credential shapes reach the log with the value replaced; other lines are unchanged."""
+    key = "fynk_" + "ab" * 32
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    h = Keep()
+    h.addFilter(logs._Redact())
+    lg = logging.getLogger("test.redact")
+    lg.addHandler(h)
+    lg.propagate = False
+    try:
+        lg.warning("> x-forkyard-cluster-secret: %s", key)
+        lg.warning("headers %s", {"X-API-Key": "e2b_secret1", "authorization": "Bearer tok"})
+        lg.warning("node key %s in a sentence", key)
+        lg.warning("plain %d", 42)
+    finally:
+        lg.removeHandler(h)
+    assert not any(x in line for line in seen for x in (key, "e2b_secret1", "tok")), seen
+    assert seen[-1] == "plain 42"
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        logs.setup("scheduler", "debug", "text")
+        assert any(isinstance(f, logs._Redact) for h in root.handlers for f in h.filters)
+        assert logging.getLogger("websockets").getEffectiveLevel() >= logging.WARNING
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])

@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse
 
 from forkyard.api.auth import cluster_secret_ok
 from forkyard.cluster import p2p
-from forkyard.cluster.beatstream import BeatRefused, BeatStream
+from forkyard.cluster.beatstream import BeatRefused, BeatStream, StreamLost
 from forkyard.cluster.config import DRAINING_HEADER
 from forkyard.cluster.messages import (HIDDEN, HeldSync, heartbeat_path, node_report, publish_body, publish_path,
                                        published_record)
@@ -303,7 +303,7 @@ class NodeAgent:
         try:
             out, streamed = await self._stream.beat(
                 body, HEARTBEAT_CALL_S, lambda left_s: self._post(heartbeat_path(self.node_id), body, timeout_s=left_s))
-        except BeatRefused as e:
+        except (BeatRefused, StreamLost) as e:
             self._link(False, e)
             raise
         if streamed:

@@ -82,7 +82,7 @@ async def refuse_upgrade(scope, send, bad: JSONResponse) -> None:
     """Refuse a WebSocket upgrade (its ``websocket.connect`` already received) with
     ``bad``'s status and body as HTTP where the server supports that ASGI extension,
     else with a close (1008, which servers answer as a plain 403)."""
-    if "websocket.http.response" in scope.get("extensions", {}):
+    if "websocket.http.response" in (scope.get("extensions") or {}):
         await send({"type": "websocket.http.response.start", "status": bad.status_code, "headers": bad.raw_headers})
         return await send({"type": "websocket.http.response.body", "body": bad.body})
     await send({"type": "websocket.close", "code": 1008})
@@ -206,7 +206,10 @@ class LeanHeartbeats:
                 if msg["type"] != "websocket.receive":
                     return
                 raw = msg.get("text") or msg.get("bytes") or b""
-                if len(raw if isinstance(raw, bytes) else raw.encode()) > self.max_body:
+                # (uvicorn bounds a message to the same in bytes: ws_max_size, cli/cluster.py;
+                # this holds under any server, encoding only a text that could be over)
+                if len(raw) > self.max_body or (isinstance(raw, str) and 4 * len(raw) > self.max_body
+                                                and len(raw.encode()) > self.max_body):
                     return await out({"type": "websocket.close", "code": 1009, "reason": "heartbeat over the bound"})
                 metrics.BEAT_STREAM_MESSAGES.inc()
                 try:

@@ -1,8 +1,9 @@
 """A node's heartbeats over one WebSocket to the scheduler (issue 26: heartbeat CPU).
 
 Every node sends a heartbeat every second; as an HTTP request each costs a scheduler
-replica ~0.43 ms of CPU in the web server alone (a bare uvicorn answering a constant,
-300 nodes: 12.7 % of a core before any heartbeat work). Over a WebSocket the same body
+replica 0.3-0.43 ms of CPU in the web server alone (a bare uvicorn answering a constant
+to 300 nodes, bench_control_plane ``--bare-http``: 9-13 % of a core before any heartbeat
+work). Over a WebSocket the same body
 costs a message: ``bench/bench_control_plane.py --beat-stream`` gives the figures
 (docs/architecture.md). ``FORKYARD_BEAT_STREAM=on`` (default off: HTTP, as before)
 makes the node open ``ws(s)://<replica>/v1/nodes/{id}/beats`` with the same credential
@@ -11,12 +12,14 @@ upgrade), send each heartbeat body as one text message and read the answer — t
 heartbeat route's JSON answer, or ``{"code", "message"}`` for what the route would have
 answered with that status.
 
-Whatever fails on the stream (a replica gone, a dropped connection, an answer slower
-than :data:`STREAM_S`) costs nothing but the stream: it is aborted, that heartbeat goes
-over HTTP (with the client's failover) in the time left, and the stream is tried again
-after :data:`FAILED_S` — after :data:`RETRY_S` when a replica refused the upgrade (an
-older scheduler: 404/403). A redirect is refused, not followed: the upgrade carries the
-node's key, which must reach no other host (HTTP calls do not follow redirects either).
+When the stream cannot be opened or the beat cannot be sent on it (a replica gone, a
+connection the scheduler closed), the stream is aborted and that heartbeat goes over
+HTTP (with the client's failover) in the time left; a beat sent whose answer does not
+come fails as an HTTP call past its timeout would (sent once: the scheduler may be
+working on it). Either way the stream is tried again after :data:`FAILED_S` — after
+:data:`RETRY_S` when a replica refused the upgrade (any HTTP status: an older scheduler
+without the route answers 403). A redirect is refused, not followed: the upgrade carries
+the node's key, which must reach no other host (HTTP calls do not follow redirects).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import logging
 import time
 
+import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
@@ -40,7 +44,8 @@ FAILED_S = 10.0
 #: Longest a heartbeat waits on the stream (connect, send, answer; s), at most half the
 #: call's own bound: the rest is left for HTTP.
 STREAM_S = 1.0
-#: Largest answer read (bytes): the scheduler's own bound on a body (adopt lists, peers).
+#: Largest answer read (bytes): the scheduler's bound on a body (``scheduler.MAX_BODY``,
+#: not imported: the node does not load the scheduler's app).
 MAX_ANSWER = 8 << 20
 
 
@@ -64,6 +69,10 @@ class _NoRedirect(connect):
         return exc
 
 
+class StreamLost(RuntimeError):
+    """A heartbeat was sent on the stream and no answer came (the stream is aborted)."""
+
+
 class BeatStream:
     """One node's heartbeat stream to the replica ``client`` used last.
 
@@ -85,33 +94,46 @@ class BeatStream:
         return self._ws is not None
 
     async def call(self, body: dict, timeout_s: float) -> dict | None:
-        """Send heartbeat ``body`` on the stream (opened first when none is) and return
-        the scheduler's answer; None when there is no stream now (none could be opened,
-        or it failed: it is aborted) — the caller sends this heartbeat over HTTP. At most
-        ``min(STREAM_S, timeout_s / 2)`` for the whole call.
+        """Send heartbeat ``body`` on the stream (opened first when none is, within
+        ``min(STREAM_S, timeout_s / 2)``) and return the scheduler's answer, read within
+        ``timeout_s`` of the call. None when the beat was not sent (no stream could be
+        opened, or sending failed): the caller sends it over HTTP. A beat sent is sent
+        once: when its answer does not come (slow, connection lost) the stream is aborted
+        and the call fails, as an HTTP call past its timeout would — the scheduler may
+        still be working on it. Any exit without an answer read (a cancel included)
+        aborts the stream, so no answer is ever read for a later beat.
 
         Raises:
             BeatRefused: the scheduler answered the heartbeat with an error status.
+            StreamLost: the beat was sent and no answer came.
         """
         if self._ws is None and time.monotonic() < self._refused_until:
             return None
-        budget = min(STREAM_S, timeout_s / 2)
+        t0 = time.monotonic()
+        sent = False
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout(min(STREAM_S, timeout_s / 2)):
                 if self._ws is None:
                     await self._open()
                 await self._ws.send(json.dumps(body, separators=(",", ":")))
+            sent = True
+            async with asyncio.timeout(max(0.0, timeout_s - (time.monotonic() - t0))):
                 out = json.loads(await self._ws.recv())
             if not isinstance(out, dict):
                 raise ValueError(f"an answer that is no JSON object: {type(out).__name__}")
-        except Exception as e:  # noqa: BLE001 — any failure of the stream: HTTP for this beat
+        except BaseException as e:  # any failure or cancel: the stream goes (module docstring)
+            self.abort()
+            if not isinstance(e, Exception):
+                raise
             refused = isinstance(e, InvalidStatus)
             self._refused_until = time.monotonic() + (RETRY_S if refused else FAILED_S)
             log.warning("heartbeat stream to %s failed (%s); heartbeats go over HTTP for %.0f s",
                         self._ws_url or self.client.url,
                         f"HTTP {e.response.status_code}" if refused else f"{type(e).__name__}: {e}",
                         RETRY_S if refused else FAILED_S)
-            self.abort()
+            if sent:
+                raise StreamLost(f"no answer to a heartbeat on the stream to {self._ws_url}: "
+                                 f"{type(e).__name__}: {e}") from e
             return None
         if "code" in out and "status" not in out:
             raise BeatRefused(int(out.get("code") or 500), str(out.get("message", "")))
@@ -125,6 +147,7 @@ class BeatStream:
 
         Raises:
             BeatRefused: the scheduler answered on the stream with an error status.
+            StreamLost: the beat was sent on the stream and no answer came.
             whatever ``post()`` raises.
         """
         t0 = time.monotonic()
@@ -136,8 +159,10 @@ class BeatStream:
     async def _open(self) -> None:
         url = "ws" + self.client.url.removeprefix("http") + stream_path(self.node_id)
         self._ws_url = url
+        # wss: the same CA trust as the node's HTTP calls (httpx's default context, certifi)
+        tls = {"ssl": httpx.create_ssl_context()} if url.startswith("wss:") else {}
         self._ws = await _NoRedirect(url, additional_headers=self.client.headers, compression=None,
-                                     max_size=MAX_ANSWER, open_timeout=None, ping_interval=None, proxy=None)
+                                     max_size=MAX_ANSWER, open_timeout=None, ping_interval=None, proxy=None, **tls)
 
     def abort(self) -> None:
         """Drop the stream at once (no closing handshake)."""

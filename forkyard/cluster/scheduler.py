@@ -9,7 +9,7 @@ Nodes are declared down only on evidence about them (:mod:`.liveness`): never be
 Redis or the scheduler itself was away.
 
 HTTP API (JSON; every route but ``/health`` needs the cluster secret header, except a
-node's own heartbeat, publish and restarting calls, which need that node's key and the URL
+node's own calls (heartbeat and its stream, publish, restarting, volume leases), which need its key and the URL
 it is bound to instead, :mod:`.nodekeys`):
 
 * ``POST /v1/nodes/{id}/heartbeat`` ``{url, status, report, digest, [held, paused,] placements}`` → ``{status, foreign, missing, adopt[, resend][, peers]}``
@@ -133,8 +133,8 @@ class _Guard:
         elif not secret_ok(headers, self.secret):
             got = headers.get(SECRET_HEADER, "")
             if got.startswith(NODE_KEY_PREFIX):
-                return error_response(403, "a node key is accepted only on that node's heartbeat, publish and "
-                                 "restarting calls")
+                return error_response(403, "a node key is accepted only on that node's own calls (heartbeat, "
+                                      "heartbeat stream, publish, restarting, volume lease and release)")
             return error_response(401, "missing or wrong cluster secret (x-forkyard-cluster-secret)")
         length = headers.get("content-length", "0")
         if not length.isdigit() or int(length) > MAX_BODY:

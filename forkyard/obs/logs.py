@@ -90,16 +90,20 @@ class TextFormatter(logging.Formatter):
 
 
 #: Credentials a library may log at debug level (websockets logs every header of an
-#: upgrade): node keys, and the value of any credential header.
+#: upgrade): node keys, and the value of a credential header (``name: value``,
+#: ``'name': 'value'``, ``name=value``). Message text only: a traceback is not searched.
 _CREDENTIAL = re.compile(r"fynk_[0-9a-f]{64}|((?:x-forkyard-cluster-secret|x-api-key|authorization|"
-                         r"x-access-token)\s*:\s*)[^\r\n]+", re.IGNORECASE)
+                         r"x-access-token)['\"]?\s*[:=]\s*)[^\r\n,}]+", re.IGNORECASE)
 
 
 class _Redact(logging.Filter):
     """Replaces credentials (:data:`_CREDENTIAL`) in a record's message with ``***``."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 — a malformed call: the handler reports it as before
+            return True
         if _CREDENTIAL.search(msg):
             record.msg, record.args = _CREDENTIAL.sub(lambda m: (m.group(1) or "") + "***", msg), None
         return True

@@ -228,10 +228,12 @@ class ChunkService:
         task.add_done_callback(self._warming.discard)
 
     async def _warm(self, eid: str, after_s: float) -> None:
-        """Open a connection to member ``eid`` before a restore needs one (module doc:
-        a first dial made while the host's links change — every sandbox start — can
-        stall; an open connection outlives that). A failure here is no peer failure:
-        nothing is counted, the member is not skipped; a restore dials it as before."""
+        """Open a connection to member ``eid``, ``after_s`` seconds from now, before a
+        restore needs one (module doc: a first dial made while the host's links change —
+        every sandbox start — can stall; an open connection outlives that). A member in
+        backoff is dialled when its backoff ends (that wait is one of the
+        :data:`WARM_TRIES`). A failure here is no peer failure: nothing is counted, the
+        member is not skipped; a restore dials it as before."""
         await asyncio.sleep(after_s)
         for attempt in range(WARM_TRIES):
             with self._lock:
